@@ -1,0 +1,50 @@
+"""autopar: auto-parallel training for PyTorch.
+
+Mark a few tensors with placements on a ProcessMesh; autopar derives the placement of
+every other tensor and op, inserts the communication, and trains on many processes with
+the numbers of the single-device run.
+
+>>> import torch, autopar as dist
+>>> mesh = dist.ProcessMesh([0], dim_names=["x"])
+>>> t = dist.shard_tensor(torch.arange(4.), mesh, [dist.Shard(0)])
+>>> (t * 2).sum().item()
+12.0
+"""
+from .api.tensor import (
+    dtensor_from_fn,
+    dtensor_from_local,
+    is_dist_tensor,
+    reshard,
+    shard_tensor,
+    unshard_dtensor,
+)
+from .comm import CommError, comm_log, get_rank, get_world_size
+from .dtensor import DistTensor
+from .mesh import ProcessMesh
+from .placement import Partial, Placement, ReduceType, Replicate, Shard
+from . import dispatch as _dispatch  # noqa: F401  (installs the op dispatcher)
+
+__all__ = [
+    "CommError",
+    "DistTensor",
+    "Partial",
+    "Placement",
+    "ProcessMesh",
+    "ReduceType",
+    "Replicate",
+    "Shard",
+    "comm_log",
+    "dtensor_from_fn",
+    "dtensor_from_local",
+    "get_rank",
+    "get_world_size",
+    "is_dist_tensor",
+    "reshard",
+    "shard_tensor",
+    "unshard_dtensor",
+]
+
+
+def _reset_for_tests() -> None:
+    """Drop per-process caches between tests (the test pool calls this)."""
+    _dispatch.clear_cache()

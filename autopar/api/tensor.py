@@ -1,0 +1,298 @@
+"""Creating, resharding and dissolving distributed tensors (all differentiable)."""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..comm import get_rank, get_world_size
+from ..dtensor import DistTensor
+from ..mesh import ProcessMesh
+from ..placement import Partial, Placement, Replicate, normalize_placements
+from ..reshard import redistribute_local
+from ..spec import DistSpec, TensorMeta
+
+
+def _check_mesh(mesh: ProcessMesh, what: str) -> None:
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"{what}: mesh must be a ProcessMesh, got {type(mesh).__name__}")
+    world = get_world_size()
+    beyond = [r for r in mesh.process_ids if r >= world]
+    if beyond:
+        raise ValueError(f"{what}: mesh {mesh} names ranks {beyond} but the world has {world} processes")
+
+
+def _without_partial(spec: DistSpec) -> DistSpec:
+    return spec.with_placements([Replicate() if type(p) is Partial else p for p in spec.placements])
+
+
+def _piece_of_full(full: torch.Tensor, spec: DistSpec) -> torch.Tensor:
+    """This rank's piece of `spec` cut from the full value (no communication)."""
+    rank = get_rank()
+    if rank not in spec.mesh:
+        return full.new_empty(0)
+    coord = spec.mesh.coordinate(rank)
+    out = full
+    for d, (a, b) in enumerate(spec.local_box(coord)):
+        if b - a != full.shape[d]:
+            out = out.narrow(d, a, b - a)
+    for m, p in enumerate(spec.placements):
+        if type(p) is Partial and p.reduce_type.value == "sum" and coord[m] != 0:
+            return torch.zeros_like(out)
+    # a cut piece must not pin the full tensor's storage: each rank holds only its shard
+    return out.clone() if out.shape != full.shape else out
+
+
+class _FromFull(torch.autograd.Function):
+    """Dense (same on every rank) -> distributed; the gradient comes back dense."""
+
+    @staticmethod
+    def forward(ctx, full, spec):
+        ctx.spec = spec
+        return DistTensor(_piece_of_full(full.detach(), spec), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return full_value(grad), None
+
+
+class _Reshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec):
+        ctx.src = x._spec
+        return DistTensor(redistribute_local(x._local, x._spec, spec), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        target = _without_partial(ctx.src)
+        if type(grad) is not DistTensor:
+            return DistTensor(_piece_of_full(grad, target), target), None
+        return DistTensor(redistribute_local(grad._local, grad._spec, target), target), None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.spec = x._spec
+        return x._local.view_as(x._local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return DistTensor(grad, ctx.spec)
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, spec):
+        ctx.spec = spec
+        return DistTensor(local.view_as(local), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        target = _without_partial(ctx.spec)
+        if type(grad) is DistTensor:
+            return redistribute_local(grad._local, grad._spec, target), None
+        return _piece_of_full(grad, target), None
+
+
+class _FullValue(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.spec = x._spec
+        return _gather_everywhere(x._local, x._spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        target = _without_partial(ctx.spec)
+        return DistTensor(_piece_of_full(grad, target), target)
+
+
+@functools.lru_cache(maxsize=None)
+def _world_mesh(world: int) -> ProcessMesh:
+    return ProcessMesh(list(range(world)), dim_names=["world"])
+
+
+def _gather_everywhere(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
+    """The global value on every rank of the job."""
+    world = _world_mesh(get_world_size())
+    if set(spec.mesh.process_ids) == set(world.process_ids):
+        target = spec.with_placements([Replicate()] * spec.mesh.ndim)
+    else:
+        target = DistSpec(world, [Replicate()], spec.meta)
+    return redistribute_local(local, spec, target)
+
+
+# -- public API ----------------------------------------------------------------------------
+def shard_tensor(
+    data,
+    mesh: ProcessMesh,
+    placements: Sequence[Placement],
+    dtype: torch.dtype | None = None,
+    stop_gradient: bool | None = None,
+) -> torch.Tensor:
+    """Distribute `data` (the same full value on every rank) over `mesh` with `placements`.
+
+    A Parameter stays a Parameter (trainable, registrable in a Module); a tensor that is part
+    of an autograd graph stays differentiable; a DistTensor is resharded.
+
+    >>> import torch, autopar as dist
+    >>> mesh = dist.ProcessMesh([0], dim_names=["x"])
+    >>> t = dist.shard_tensor(torch.arange(6.).reshape(2, 3), mesh, [dist.Shard(0)])
+    >>> t.placements, tuple(t.shape)
+    ([Shard(0)], (2, 3))
+    """
+    _check_mesh(mesh, "shard_tensor")
+    is_param = isinstance(data, torch.nn.Parameter)
+    if isinstance(data, DistTensor):
+        placements = normalize_placements(placements, mesh.ndim, data.dim(), f"tensor of shape {list(data.shape)}")
+        out = reshard(data, mesh, placements)
+        return torch.nn.Parameter(out.detach(), requires_grad=data.requires_grad) if is_param else out
+    if not isinstance(data, torch.Tensor):
+        if isinstance(data, (np.ndarray, list, tuple, int, float, bool)):
+            data = torch.as_tensor(data)
+        else:
+            raise TypeError(f"shard_tensor needs a tensor, ndarray or list, got {type(data).__name__}")
+    if dtype is not None and data.dtype != dtype:
+        data = data.to(dtype)
+    placements = normalize_placements(placements, mesh.ndim, data.dim(), f"tensor of shape {list(data.shape)}")
+    spec = DistSpec(mesh, placements, TensorMeta.contiguous(data.shape, data.dtype))
+    requires_grad = data.requires_grad if stop_gradient is None else not stop_gradient
+    if data.requires_grad and not data.is_leaf:
+        return _FromFull.apply(data, spec)
+    out = DistTensor(_piece_of_full(data.detach(), spec), spec, requires_grad=requires_grad and not is_param)
+    if is_param:
+        return torch.nn.Parameter(out, requires_grad=requires_grad)
+    return out
+
+
+def dtensor_from_local(
+    local: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Placement], shape: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Wrap each rank's own piece (for Partial: its term) as one distributed tensor.
+
+    The global shape is `shape` when given, else the local shape times the shard counts
+    (even pieces).
+
+    >>> import torch, autopar as dist
+    >>> mesh = dist.ProcessMesh([0])
+    >>> dist.dtensor_from_local(torch.ones(2, 2), mesh, [dist.Shard(0)]).shape
+    torch.Size([2, 2])
+    """
+    _check_mesh(mesh, "dtensor_from_local")
+    placements = normalize_placements(placements, mesh.ndim, local.dim(), f"local tensor of shape {list(local.shape)}")
+    if shape is None:
+        global_shape = list(local.shape)
+        for m, p in enumerate(placements):
+            if p.is_shard():
+                global_shape[p.dim] *= mesh.shape[m]
+    else:
+        global_shape = list(shape)
+    spec = DistSpec(mesh, placements, TensorMeta.contiguous(global_shape, local.dtype))
+    rank = get_rank()
+    if rank in mesh and tuple(local.shape) != spec.local_shape(mesh.coordinate(rank)):
+        raise ValueError(
+            f"dtensor_from_local: rank {rank} holds a piece of shape {list(local.shape)} but {list(placements)} "
+            f"on {mesh} of a {global_shape} tensor gives it {list(spec.local_shape(mesh.coordinate(rank)))}"
+        )
+    if local.requires_grad:
+        return _FromLocal.apply(local, spec)
+    return DistTensor(local, spec)
+
+
+def dtensor_from_fn(fn: Callable, mesh: ProcessMesh, placements: Sequence[Placement], *args, **kwargs) -> torch.Tensor:
+    """Build a distributed tensor by calling a factory `fn` (torch.ones, torch.zeros, ...) for the
+    local piece only, so no rank ever holds the full tensor.
+
+    >>> import torch, autopar as dist
+    >>> t = dist.dtensor_from_fn(torch.ones, dist.ProcessMesh([0]), [dist.Shard(0)], [4, 2])
+    >>> t.local_value().shape
+    torch.Size([4, 2])
+    """
+    _check_mesh(mesh, "dtensor_from_fn")
+    probe = fn(*args, **{**kwargs, "device": "meta"})
+    placements = normalize_placements(placements, mesh.ndim, probe.dim(), f"{getattr(fn, '__name__', fn)} result")
+    spec = DistSpec(mesh, placements, TensorMeta.contiguous(probe.shape, probe.dtype))
+    rank = get_rank()
+    if rank not in mesh:
+        return DistTensor(torch.empty(0, dtype=probe.dtype), spec)
+    local_shape = list(spec.local_shape(mesh.coordinate(rank)))
+    if "size" in kwargs or "shape" in kwargs:
+        key = "size" if "size" in kwargs else "shape"
+        local = fn(*args, **{**kwargs, key: local_shape})
+    elif args and isinstance(args[0], (list, tuple, torch.Size)):
+        local = fn(local_shape, *args[1:], **kwargs)
+    else:
+        local = fn(*local_shape, *args[probe.dim():], **kwargs)
+    if spec.partial_dims():
+        local = _piece_of_full(local, spec.with_placements([p if type(p) is Partial else Replicate() for p in placements]))
+    return DistTensor(local, spec, requires_grad=bool(kwargs.get("requires_grad", False)))
+
+
+def reshard(t: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """Move `t` to `placements` on `mesh` (same mesh or another one), differentiably.
+
+    Uses the cheapest collective for each transition (see `autopar.reshard.plan`); across
+    meshes the pieces travel point to point.
+
+    >>> import torch, autopar as dist
+    >>> mesh = dist.ProcessMesh([0])
+    >>> t = dist.shard_tensor(torch.ones(2, 2), mesh, [dist.Shard(0)])
+    >>> dist.reshard(t, mesh, [dist.Replicate()]).placements
+    [Replicate()]
+    """
+    _check_mesh(mesh, "reshard")
+    if not isinstance(t, DistTensor):
+        return shard_tensor(t, mesh, placements)
+    placements = normalize_placements(placements, mesh.ndim, t.dim(), f"tensor of shape {list(t.shape)}")
+    spec = DistSpec(mesh, placements, t._spec.meta)
+    if spec == t._spec:
+        return t
+    return _Reshard.apply(t, spec)
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `t` as a plain tensor (differentiable)."""
+    if not isinstance(t, DistTensor):
+        return t
+    return _ToLocal.apply(t)
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The global value of `t` as a plain tensor on every rank (collective over the job)."""
+    if not isinstance(t, DistTensor):
+        return t
+    return _FullValue.apply(t)
+
+
+def unshard_dtensor(t: torch.Tensor) -> torch.Tensor:
+    """The dense global tensor on every rank; a Parameter stays a Parameter.
+
+    >>> import torch, autopar as dist
+    >>> t = dist.shard_tensor(torch.ones(2), dist.ProcessMesh([0]), [dist.Shard(0)])
+    >>> dist.unshard_dtensor(t)
+    tensor([1., 1.])
+    """
+    if not isinstance(t, DistTensor):
+        return t
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(full_value(t.detach()), requires_grad=t.requires_grad)
+    return full_value(t)
+
+
+def is_dist_tensor(t) -> bool:
+    """True for a distributed tensor."""
+    return isinstance(t, DistTensor)
+
+
+__all__ = [
+    "dtensor_from_fn",
+    "dtensor_from_local",
+    "full_value",
+    "is_dist_tensor",
+    "local_value",
+    "reshard",
+    "shard_tensor",
+    "unshard_dtensor",
+]

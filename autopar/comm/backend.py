@@ -1,0 +1,112 @@
+"""Starting the default process group and caching one group per ordered rank tuple."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as tdist
+
+
+class CommError(RuntimeError):
+    """A collective failed or timed out; the message names the op and the group."""
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("AUTOPAR_TIMEOUT", "300")))
+
+
+def _backend() -> str:
+    forced = os.environ.get("AUTOPAR_BACKEND")
+    if forced:
+        return forced
+    return "nccl" if torch.cuda.is_available() and tdist.is_nccl_available() else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_initialized() -> None:
+    """Start the default process group on first use.
+
+    Under `python -m autopar.launch` (or torchrun) the rendezvous variables are set; a
+    plain `python script.py` becomes a world of one.
+    """
+    if tdist.is_initialized():
+        return
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+    backend = _backend()
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(current_device())
+        kwargs["device_id"] = current_device()
+    tdist.init_process_group(backend, timeout=_timeout(), **kwargs)
+
+
+def get_rank() -> int:
+    """This process's global rank (starts the process group if needed).
+
+    >>> import autopar as dist
+    >>> dist.get_rank() < dist.get_world_size()
+    True
+    """
+    ensure_initialized()
+    return tdist.get_rank()
+
+
+def get_world_size() -> int:
+    """Number of processes in the job (starts the process group if needed)."""
+    ensure_initialized()
+    return tdist.get_world_size()
+
+
+def current_device() -> torch.device:
+    """The device this rank computes on: its GPU under NCCL, else the CPU."""
+    if torch.cuda.is_available() and _backend() == "nccl":
+        devices = os.environ.get("AUTOPAR_DEVICES")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        index = int(devices.split(",")[local]) if devices else local
+        return torch.device("cuda", index % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+_GROUPS: dict[tuple, object] = {}
+
+
+def group_for(ranks: tuple):
+    """The process group whose group rank i is `ranks[i]`; created on first use by its members."""
+    pg = _GROUPS.get(ranks)
+    if pg is None:
+        ensure_initialized()
+        world = tdist.get_world_size()
+        bad = [r for r in ranks if r >= world]
+        if bad:
+            raise ValueError(f"ranks {bad} of group {list(ranks)} are beyond the world size {world}")
+        if list(ranks) == list(range(world)):
+            pg = tdist.group.WORLD
+        else:
+            pg = tdist.new_group(
+                list(ranks), timeout=_timeout(), use_local_synchronization=True, sort_ranks=False
+            )
+        _GROUPS[ranks] = pg
+    return pg
+
+
+def reset_groups() -> None:
+    """Forget cached sub-groups (after the default group was destroyed and re-made)."""
+    for ranks, pg in list(_GROUPS.items()):
+        if pg is not tdist.group.WORLD and pg is not None:
+            try:
+                tdist.destroy_process_group(pg)
+            except Exception:
+                pass
+    _GROUPS.clear()

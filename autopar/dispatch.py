@@ -1,0 +1,343 @@
+"""Op dispatch for DistTensor: decide once per (op, argument specs), then execute.
+
+`decide` is the planning half (meta shapes, rule choice, target specs) and is cached;
+`execute` is the hot half: reshard the inputs that need it, run the local op, wrap.
+A rank outside the op's mesh runs nothing and returns empty pieces with the right meta.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from . import comm
+from .dtensor import DistTensor, _set_dispatch
+from .mesh import ProcessMesh
+from .placement import Partial, ReduceType, Replicate
+from .reshard import redistribute_local
+from .spec import DistSpec, TensorMeta
+from .spmd import engine
+from .spmd.registry import KERNELS, LOCAL_ARGS
+from .spmd.strategy import OpCall
+
+aten = torch.ops.aten
+
+# Ops whose result is a Python value: computed on the global (replicated) tensors.
+GLOBAL_VALUE_OPS = {
+    aten._local_scalar_dense.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+    aten.allclose.default,
+}
+
+
+class Decision:
+    __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "out_alias", "kind")
+
+    def __init__(self, mesh, in_specs, out_specs, kernel, local_args, mutated, out_alias, kind="op"):
+        self.mesh = mesh
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.kernel = kernel
+        self.local_args = local_args
+        self.mutated = mutated
+        self.out_alias = out_alias
+        self.kind = kind
+
+
+_CACHE: dict = {}
+_STATE = {"rank": None}
+
+
+def _rank() -> int:
+    r = _STATE["rank"]
+    if r is None:
+        r = _STATE["rank"] = comm.get_rank()
+    return r
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+    _STATE["rank"] = None
+
+
+# -- flattening ------------------------------------------------------------------------
+def _scan(values, flat: list, key: list) -> None:
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            flat.append(a)
+            key.append(a._spec if type(a) is DistTensor else (a.shape, a.dtype))
+        elif isinstance(a, (list, tuple)):
+            if a and any(isinstance(x, torch.Tensor) for x in a):
+                key.append(("[", len(a)))
+                _scan(a, flat, key)
+            else:
+                key.append(tuple(a))
+        elif isinstance(a, float):
+            key.append(float)  # rules never read float values; keep one cache entry for all
+        else:
+            key.append(a)
+
+
+def _rebuild(values, it):
+    out = []
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            out.append(next(it))
+        elif isinstance(a, (list, tuple)) and a and any(isinstance(x, torch.Tensor) for x in a):
+            out.append(type(a)(_rebuild(a, it)) if isinstance(a, list) else tuple(_rebuild(a, it)))
+        else:
+            out.append(a)
+    return out
+
+
+def _flatten_out(out, acc: list):
+    """Tensor leaves of an op result, in order."""
+    if isinstance(out, torch.Tensor):
+        acc.append(out)
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            _flatten_out(o, acc)
+    return acc
+
+
+def _rebuild_out(template, it):
+    if isinstance(template, torch.Tensor):
+        return next(it)
+    if isinstance(template, (list, tuple)):
+        items = [_rebuild_out(o, it) for o in template]
+        return items if isinstance(template, list) else tuple(items)
+    return template
+
+
+# -- planning ----------------------------------------------------------------------------
+def _mesh_of(func, flat) -> ProcessMesh:
+    mesh = None
+    for t in flat:
+        if type(t) is DistTensor:
+            m = t._spec.mesh
+            if mesh is None:
+                mesh = m
+            elif m != mesh:
+                raise ValueError(
+                    f"{func}: operands live on different meshes {mesh} and {m} "
+                    f"(shapes {[tuple(x.shape) for x in flat]}); reshard one of them first"
+                )
+    return mesh
+
+
+def _to_meta(t: torch.Tensor) -> torch.Tensor:
+    if type(t) is DistTensor:
+        meta = t._spec.meta
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _mutated_inputs(func, args, kwargs) -> tuple[list[int], Any]:
+    """Flat indices of inputs the op writes, and the (position, name) of the argument it returns."""
+    schema = func._schema
+    mutated, written = [], {}
+    pos = 0
+    for i, arg in enumerate(schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        n = len(_flatten_out(value, [])) if value is not None else 0
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            mutated.extend(range(pos, pos + n))
+            written[frozenset(arg.alias_info.before_set)] = (i, arg.name)
+        pos += n
+    alias = None
+    for ret in schema.returns:
+        if ret.alias_info is not None and ret.alias_info.is_write:
+            alias = written.get(frozenset(ret.alias_info.before_set))
+    return mutated, alias
+
+
+def _substitute(args, kwargs, new_flat):
+    """args/kwargs with their tensor leaves replaced, in order, by `new_flat`."""
+    it = iter(new_flat)
+    new_args = _rebuild(args, it)
+    new_kwargs = dict(zip(kwargs.keys(), _rebuild(list(kwargs.values()), it))) if kwargs else {}
+    return new_args, new_kwargs
+
+
+def decide(func, args, kwargs, flat) -> Decision:
+    mesh = _mesh_of(func, flat)
+    if func in GLOBAL_VALUE_OPS:
+        return Decision(mesh, None, None, None, None, [], None, kind="global")
+    meta_args, meta_kwargs = _substitute(args, kwargs, [_to_meta(t) for t in flat])
+    try:
+        meta_out = func(*meta_args, **meta_kwargs)
+    except (NotImplementedError, RuntimeError) as err:
+        raise NotImplementedError(f"autopar: {func} has no meta kernel to infer its output shape: {err}") from err
+    in_metas = [t._spec.meta if type(t) is DistTensor else TensorMeta.of(t) for t in flat]
+    out_metas = [TensorMeta.of(o) for o in _flatten_out(meta_out, [])]
+    rule_args, rule_kwargs = _substitute(args, kwargs, in_metas)
+    call = OpCall(func, tuple(rule_args), rule_kwargs, in_metas, out_metas)
+    current = [t._spec.placements if type(t) is DistTensor else (Replicate(),) * mesh.ndim for t in flat]
+    mutated, alias = _mutated_inputs(func, args, kwargs)
+    in_pl, out_pl, kernel = engine.choose(call, mesh, current, inplace=0 in mutated)
+    in_specs = [DistSpec(mesh, p, m) for p, m in zip(in_pl, in_metas)]
+    out_specs = [DistSpec(mesh, p, m) for p, m in zip(out_pl, out_metas)]
+    return Decision(
+        mesh, in_specs, out_specs, kernel, LOCAL_ARGS.get(func), mutated,
+        ("alias", alias) if alias is not None else ("value", meta_out),
+    )
+
+
+# -- execution ---------------------------------------------------------------------------
+_HOOKED: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+
+
+def _plain_to(t: torch.Tensor, spec: DistSpec, rank: int) -> torch.Tensor:
+    """A plain tensor is Replicate on the op's mesh: cut it to the target spec locally."""
+    if t.requires_grad and t.is_leaf and t not in _HOOKED:
+        _HOOKED.add(t)
+        t.register_hook(_densify_grad)
+    if spec.is_replicated() or rank not in spec.mesh:
+        return t
+    coord = spec.mesh.coordinate(rank)
+    out = t
+    for d, (a, b) in enumerate(spec.local_box(coord)):
+        if b - a != t.shape[d]:
+            out = out.narrow(d, a, b - a)
+    for m, p in enumerate(spec.placements):
+        if type(p) is Partial and p.reduce_type is ReduceType.SUM and coord[m] != 0:
+            out = torch.zeros_like(out)
+    return out
+
+
+def _densify_grad(grad):
+    """A plain leaf used with distributed tensors gets a plain, fully reduced gradient."""
+    if type(grad) is DistTensor:
+        from .api.tensor import full_value
+
+        return full_value(grad)
+    return grad
+
+
+def dispatch(func, args, kwargs):
+    flat: list = []
+    key: list = [func]
+    _scan(args, flat, key)
+    if kwargs:
+        key.append(tuple(kwargs))
+        _scan(kwargs.values(), flat, key)
+    key_t = tuple(key)
+    dec = _CACHE.get(key_t)
+    if dec is None:
+        if _is_list_op(func):
+            groups = _foreach_groups(args, kwargs)
+            if len(groups) > 1:
+                return _run_groups(func, args, kwargs, groups)
+        plain_self = _plain_inplace(func, args)
+        if plain_self:
+            return _run_on_dense(func, args, kwargs, flat)
+        dec = decide(func, args, kwargs, flat)
+        _CACHE[key_t] = dec
+    if dec.kind == "global":
+        return _run_on_dense(func, args, kwargs, flat)
+    return execute(dec, func, args, kwargs, flat)
+
+
+def execute(dec: Decision, func, args, kwargs, flat):
+    rank = _rank()
+    locals_ = []
+    for t, spec in zip(flat, dec.in_specs):
+        if type(t) is DistTensor:
+            src = t._spec
+            loc = t._local if src is spec or src == spec else redistribute_local(t._local, src, spec)
+        else:
+            loc = _plain_to(t, spec, rank)
+        locals_.append(loc)
+    for i in dec.mutated:
+        t = flat[i]
+        if type(t) is DistTensor and t._spec != dec.in_specs[i]:
+            t._local, t._spec = locals_[i], dec.in_specs[i]
+    mesh = dec.mesh
+    if rank not in mesh:
+        device = flat[0].device
+        return _wrap(dec, [torch.empty(0, dtype=s.meta.dtype, device=device) for s in dec.out_specs], args, kwargs)
+    largs, lkwargs = _substitute(args, kwargs, locals_)
+    coord = mesh.coordinate(rank)
+    if dec.local_args is not None:
+        largs, lkwargs = dec.local_args(largs, lkwargs, [s.local_shape(coord) for s in dec.out_specs])
+    if dec.kernel is not None:
+        out = KERNELS[dec.kernel](func, largs, lkwargs, dec.in_specs, dec.out_specs, coord)
+    else:
+        out = func(*largs, **lkwargs)
+    return _wrap(dec, _flatten_out(out, []), args, kwargs)
+
+
+def _wrap(dec: Decision, local_outs: list, args, kwargs):
+    how, what = dec.out_alias
+    if how == "alias":  # in-place / out= ops return the argument they wrote
+        pos, name = what
+        return args[pos] if pos < len(args) else kwargs[name]
+    if dec.mutated and not dec.out_specs:
+        return what  # foreach in-place ops return None
+    wrapped = [DistTensor(loc, spec) for loc, spec in zip(local_outs, dec.out_specs)]
+    return _rebuild_out(what, iter(wrapped))
+
+
+# -- ops handled outside the rule path -------------------------------------------------------
+def _run_on_dense(func, args, kwargs, flat):
+    """Run on the global values (ops returning Python values, in-place ops on plain tensors)."""
+    from .api.tensor import full_value
+
+    dargs, dkwargs = _substitute(args, kwargs, [full_value(t) if type(t) is DistTensor else t for t in flat])
+    return func(*dargs, **dkwargs)
+
+
+def _plain_inplace(func, args) -> bool:
+    schema_args = func._schema.arguments
+    return bool(
+        args
+        and schema_args
+        and schema_args[0].alias_info is not None
+        and schema_args[0].alias_info.is_write
+        and isinstance(args[0], torch.Tensor)
+        and type(args[0]) is not DistTensor
+    )
+
+
+def _is_list_op(func) -> bool:
+    name = func._schema.name
+    return name.startswith("aten::_foreach_") or name.startswith("aten::_fused_")
+
+
+def _foreach_groups(args, kwargs) -> list[list[int]]:
+    """Indices of the list arguments grouped by the specs of the tensors at each index."""
+    lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple)) and a]
+    n = len(lists[0]) if lists else 0
+    groups: dict = {}
+    for i in range(n):
+        sig = tuple(
+            (x[i]._spec if type(x[i]) is DistTensor else ("plain", x[i].dim()) if isinstance(x[i], torch.Tensor) else None)
+            for x in lists
+            if len(x) == n
+        )
+        groups.setdefault(sig, []).append(i)
+    return list(groups.values())
+
+
+def _sub(a, idx, n):
+    if isinstance(a, (list, tuple)) and len(a) == n:
+        return [a[i] for i in idx]
+    return a
+
+
+def _run_groups(func, args, kwargs, groups):
+    n = sum(len(g) for g in groups)
+    results = [None] * n
+    any_out = False
+    for idx in groups:
+        out = dispatch(func, [_sub(a, idx, n) for a in args], {k: _sub(v, idx, n) for k, v in kwargs.items()})
+        if isinstance(out, (list, tuple)) and len(out) == len(idx):
+            any_out = True
+            for i, o in zip(idx, out):
+                results[i] = o
+    return results if any_out else None
+
+
+_set_dispatch(dispatch)

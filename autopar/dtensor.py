@@ -1,0 +1,115 @@
+"""DistTensor: a torch.Tensor that stands for a global tensor and holds this rank's piece.
+
+Autograd sees the global tensor (shape, dtype); every aten op reaching it goes through
+`dispatch.dispatch`, which asks the SPMD rules where each operand must be, reshards, and
+runs the op on the local pieces.
+"""
+from __future__ import annotations
+
+import torch
+
+from .spec import DistSpec
+
+
+class DistTensor(torch.Tensor):
+    """A distributed tensor: global meta + this rank's local piece.
+
+    Build one with `shard_tensor`, `dtensor_from_local` or `dtensor_from_fn`.
+    """
+
+    _local: torch.Tensor
+    _spec: DistSpec
+    __slots__ = ("_local", "_spec")
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, spec: DistSpec, requires_grad: bool = False):
+        meta = spec.meta
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride,
+            dtype=meta.dtype,
+            device=local.device,
+            layout=local.layout,
+            requires_grad=requires_grad,
+        )
+        r._local = local
+        r._spec = spec
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {})
+
+    # -- the distributed view -------------------------------------------------------
+    @property
+    def process_mesh(self):
+        """The ProcessMesh the tensor lives on."""
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> list:
+        """One Placement per mesh dim."""
+        return list(self._spec.placements)
+
+    @property
+    def dist_spec(self) -> DistSpec:
+        return self._spec
+
+    def local_value(self) -> torch.Tensor:
+        """This rank's piece as a plain tensor (differentiable; empty off the mesh)."""
+        from .api.tensor import local_value
+
+        return local_value(self)
+
+    _local_value = local_value
+
+    def is_dist(self) -> bool:
+        return True
+
+    # -- conversions to Python give the global value --------------------------------
+    def full_value(self) -> torch.Tensor:
+        from .api.tensor import full_value
+
+        return full_value(self)
+
+    def tolist(self):
+        return self.full_value().tolist()
+
+    def numpy(self, *args, **kwargs):
+        return self.full_value().detach().cpu().numpy(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents=None):
+        value = self.full_value().detach()
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (
+            f"DistTensor({value}, mesh={self._spec.mesh.process_ids} shape={self._spec.mesh.shape}, "
+            f"placements={list(self._spec.placements)}{grad})"
+        )
+
+    def __reduce_ex__(self, proto):
+        raise TypeError(
+            "a DistTensor is not picklable: use autopar.save_state_dict for checkpoints "
+            "or .full_value() for the dense value"
+        )
+
+    def __deepcopy__(self, memo):
+        new = DistTensor(self._local.detach().clone(), self._spec, requires_grad=self.requires_grad)
+        if isinstance(self, torch.nn.Parameter) or getattr(self, "_is_param", False):
+            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
+        memo[id(self)] = new
+        return new
+
+
+def _dispatch(func, args, kwargs):
+    return _DISPATCH(func, args, kwargs)
+
+
+def _set_dispatch(fn) -> None:
+    global _DISPATCH
+    _DISPATCH = fn
+
+
+_DISPATCH = None

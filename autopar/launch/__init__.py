@@ -1,0 +1,22 @@
+"""``python -m autopar.launch``: start the ranks of a training script, torchrun-style.
+
+autopar programs are SPMD: one process per device, all running the same
+script. This package starts those processes through torch's elastic agent
+(``torch.distributed.launcher.api.elastic_launch``) rather than spawning them
+itself, so rendezvous (single- and multi-node), restarts and teardown are the
+battle-tested torchrun machinery. On top of it the launcher adds what autopar
+relies on:
+
+* a free port when a single-node job names none (no collisions on 29500);
+* ``--devices 0,1,...``: one rank per listed device, the list exported as
+  ``AUTOPAR_DEVICES`` so a rank uses ``devices[int(os.environ["LOCAL_RANK"])]``;
+* ``OMP_NUM_THREADS=1`` unless the user set it;
+* every rank's output on the launcher's stdout/stderr, prefixed ``[rank<N>]: ``;
+* a rank that fails stops the whole job at once: the other ranks are killed,
+  the failing rank's traceback is on stderr, the launcher exits non-zero.
+
+Run ``python -m autopar.launch --help`` for the options; see :func:`main`.
+"""
+from ._run import main
+
+__all__ = ["main"]

@@ -1,0 +1,74 @@
+"""Map launcher options onto torch elastic's ``LaunchConfig`` and worker command.
+
+Process spawning, rendezvous, restarts and teardown are torch elastic's job;
+this module only decides how to ask for them:
+
+* the rendezvous: a single node with no fixed port gets a private c10d store on
+  a free port (what ``torchrun --standalone`` does), so concurrent jobs on one
+  machine never collide on 29500; otherwise the options pass through as
+  torchrun would pass them;
+* worker output: every rank's stdout/stderr is tee'd into per-rank log files
+  and onto the launcher's own streams, each line prefixed ``[rank<N>]: ``. That
+  is what puts a failing rank's traceback on the launcher's stderr even when the
+  script does not decorate its main with elastic's ``@record``;
+* the environment every rank inherits on top of what elastic sets (RANK,
+  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.launcher.api import LaunchConfig
+
+DEFAULT_MASTER_PORT = 29500
+RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
+DEVICES_ENV = "AUTOPAR_DEVICES"
+
+
+def _rendezvous(args: argparse.Namespace) -> tuple[str, str, str, dict]:
+    """``(backend, endpoint, run_id, backend_configs)`` for the elastic agent."""
+    if args.rdzv_backend != "static":
+        return args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, {}
+    if args.max_nodes == 1 and not args.rdzv_endpoint and not args.master_port:
+        return "c10d", "localhost:0", f"standalone-{uuid.uuid4().hex}", {}
+    endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or DEFAULT_MASTER_PORT}"
+    return "static", endpoint, args.rdzv_id, {"rank": args.node_rank}
+
+
+def launch_config(args: argparse.Namespace, log_dir: str) -> LaunchConfig:
+    """The elastic ``LaunchConfig`` for parsed options, with per-rank logs under ``log_dir``."""
+    backend, endpoint, run_id, rdzv_configs = _rendezvous(args)
+    return LaunchConfig(
+        min_nodes=args.min_nodes,
+        max_nodes=args.max_nodes,
+        nproc_per_node=args.nproc_per_node,
+        run_id=run_id,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=args.max_restarts,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
+        log_line_prefix_template=RANK_PREFIX_TEMPLATE,
+    )
+
+
+def worker_command(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """``(executable, argv)`` each rank runs: unbuffered Python on the script or module."""
+    mode = ["-m"] if args.module else []
+    return sys.executable, ["-u", *mode, args.script, *args.script_args]
+
+
+def export_worker_env(args: argparse.Namespace) -> None:
+    """Put the launcher-level worker variables into ``os.environ``, which every rank inherits.
+
+    ``OMP_NUM_THREADS`` defaults to 1 (N ranks each spinning up one OpenMP thread
+    per core oversubscribes the machine); a value the user set is kept.
+    ``AUTOPAR_DEVICES`` lists ``--devices`` so a rank can pick ``devices[LOCAL_RANK]``.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.devices is not None:
+        os.environ[DEVICES_ENV] = ",".join(map(str, args.devices))

@@ -1,0 +1,78 @@
+"""Run one launch through torch elastic's agent and turn its outcome into an exit status.
+
+Failure propagation is elastic's: the agent polls its workers every 0.1 s, and
+as soon as one exits non-zero it SIGTERMs (then SIGKILLs) the whole process
+group of every other local rank and raises ``ChildFailedError``. By then the
+failing rank's traceback has already been tee'd onto our stderr. ``@record``
+forwards an error file the worker did write (scripts decorated with elastic's
+``@record``) to this launcher's own ``TORCHELASTIC_ERROR_FILE`` for schedulers;
+we then print elastic's failure summary and exit 1 instead of dumping the
+launcher's own Python traceback on top of the worker's.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from ._cli import parse_args
+from ._config import export_worker_env, launch_config, worker_command
+
+
+@record
+def _launch(config: LaunchConfig, executable: str, argv: list[str]) -> None:
+    elastic_launch(config, executable)(*argv)
+
+
+def _failure_summary(error: ChildFailedError) -> str:
+    """Elastic's failure report, pointing at the tee'd output where no error file was written."""
+    for rank, failure in error.failures.items():
+        if failure.exitcode > 0 and not os.path.isfile(failure.error_file):
+            failure.message = f"see the lines prefixed [rank{rank}]: above"
+    return error.format_msg()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Launch a training script on this node; return the launcher's exit status.
+
+    ``argv`` are the command-line options of ``python -m autopar.launch``
+    (``sys.argv[1:]`` when None). Returns 0 when every rank exited 0, 1 when any
+    rank failed (all others are stopped; the failure is reported on stderr), or
+    128 + signal number when the launcher itself was told to stop. Usage errors
+    raise ``SystemExit(2)``. Sets ``OMP_NUM_THREADS`` (if unset) and
+    ``AUTOPAR_DEVICES`` (with ``--devices``) in this process's environment.
+
+    Example (shell)::
+
+        $ cat > hello.py <<'EOF'
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        x = torch.tensor([dist.get_rank()])
+        dist.all_reduce(x)
+        print(f"rank {dist.get_rank()}/{dist.get_world_size()}: sum={x.item()}")
+        dist.destroy_process_group()
+        EOF
+        $ python -m autopar.launch --nproc_per_node 2 hello.py
+        [rank0]: rank 0/2: sum=1
+        [rank1]: rank 1/2: sum=1
+
+    The same from Python: ``main(["--nproc_per_node", "2", "hello.py"])`` returns 0.
+    """
+    args = parse_args(argv)
+    export_worker_env(args)
+    with contextlib.ExitStack() as stack:
+        log_dir = args.log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="autopar_launch_"))
+        try:
+            _launch(launch_config(args, log_dir), *worker_command(args))
+        except ChildFailedError as e:
+            print(_failure_summary(e), file=sys.stderr)
+            return 1
+        except SignalException as e:
+            return 128 + int(e.sigval)
+    return 0

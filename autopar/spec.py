@@ -1,0 +1,171 @@
+"""DistSpec: a mesh, its placements and the global tensor meta; gives local shapes/offsets.
+
+The split rule used everywhere: a tensor dim of size `n` sharded over `k` ranks is cut
+like numpy's `array_split` (the first `n % k` pieces are one longer).  When several mesh
+dims shard the same tensor dim, the cut is nested in mesh-dim order: the lowest mesh dim
+cuts first, the next cuts each piece again.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .mesh import ProcessMesh
+from .placement import Partial, Placement, Replicate, Shard
+
+
+def split_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of piece `index` when `size` items are cut into `parts` (array_split)."""
+    q, r = divmod(size, parts)
+    start = index * q + min(index, r)
+    return start, start + q + (1 if index < r else 0)
+
+
+class TensorMeta:
+    """Global shape, stride and dtype of a distributed tensor."""
+
+    __slots__ = ("shape", "stride", "dtype", "_hash")
+
+    def __init__(self, shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype):
+        self.shape = tuple(shape)
+        self.stride = tuple(stride)
+        self.dtype = dtype
+        self._hash = hash((self.shape, self.stride, dtype))
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        return TensorMeta(t.shape, t.stride(), t.dtype)
+
+    @staticmethod
+    def contiguous(shape: Sequence[int], dtype: torch.dtype) -> "TensorMeta":
+        return TensorMeta(shape, contiguous_strides(shape), dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, TensorMeta)
+            and self.shape == other.shape
+            and self.stride == other.stride
+            and self.dtype == other.dtype
+        )
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        return f"TensorMeta(shape={list(self.shape)}, dtype={self.dtype})"
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+_ITEMSIZE: dict = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
+
+
+class DistSpec:
+    """How one logical tensor lies on a mesh: placements per mesh dim plus global meta.
+
+    >>> spec = DistSpec(ProcessMesh([[0, 1], [2, 3]]), (Shard(0), Shard(0)),
+    ...                 TensorMeta.contiguous((5, 3), torch.float32))
+    >>> spec.local_box((0, 1)), spec.local_box((1, 1))
+    ([(2, 3), (0, 3)], [(4, 5), (0, 3)])
+    """
+
+    __slots__ = ("mesh", "placements", "meta", "_hash", "_boxes")
+
+    def __init__(self, mesh: ProcessMesh, placements: Sequence[Placement], meta: TensorMeta):
+        self.mesh = mesh
+        self.placements = tuple(placements)
+        self.meta = meta
+        self._hash = hash((mesh, self.placements, meta))
+        self._boxes: dict = {}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.meta.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.meta.shape)
+
+    def with_placements(self, placements: Sequence[Placement]) -> "DistSpec":
+        return DistSpec(self.mesh, placements, self.meta)
+
+    def sharding_mesh_dims(self, tensor_dim: int) -> list[int]:
+        """Mesh dims that shard `tensor_dim`, in nesting order."""
+        return [m for m, p in enumerate(self.placements) if type(p) is Shard and p.dim == tensor_dim]
+
+    def partial_dims(self) -> list[int]:
+        return [m for m, p in enumerate(self.placements) if type(p) is Partial]
+
+    def is_replicated(self) -> bool:
+        return all(type(p) is Replicate for p in self.placements)
+
+    def num_shards(self, tensor_dim: int) -> int:
+        n = 1
+        for m in self.sharding_mesh_dims(tensor_dim):
+            n *= self.mesh.shape[m]
+        return n
+
+    def local_box(self, coord: Sequence[int]) -> list[tuple[int, int]]:
+        """[start, stop) per tensor dim of the piece held at mesh coordinate `coord`."""
+        coord = tuple(coord)
+        box = self._boxes.get(coord)
+        if box is None:
+            box = [(0, s) for s in self.meta.shape]
+            mesh_shape = self.mesh.shape
+            for m, p in enumerate(self.placements):
+                if type(p) is Shard:
+                    lo, hi = box[p.dim]
+                    a, b = split_range(hi - lo, mesh_shape[m], coord[m])
+                    box[p.dim] = (lo + a, lo + b)
+            self._boxes[coord] = box
+        return box
+
+    def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.local_box(coord))
+
+    def max_local_numel(self) -> int:
+        """Elements in the biggest piece (the first coordinate holds it under array_split)."""
+        n = 1
+        for s in self.local_shape((0,) * self.mesh.ndim):
+            n *= s
+        return n
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, DistSpec)
+            and self._hash == other._hash
+            and self.mesh == other.mesh
+            and self.placements == other.placements
+            and self.meta == other.meta
+        )
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        return f"DistSpec({list(self.placements)} on {self.mesh}, shape={list(self.meta.shape)})"

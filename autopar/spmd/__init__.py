@@ -1,0 +1,8 @@
+"""Sharding propagation: per-op rules (one module per op family) and the engine that picks.
+
+Importing this package registers every rule module.
+"""
+from . import engine, registry  # noqa: F401
+from .registry import register, register_kernel, rule_for  # noqa: F401
+from .strategy import OpCall, Strategy  # noqa: F401
+from . import matmul, pointwise, view  # noqa: F401,E402  (rule modules register on import)

@@ -1,0 +1,123 @@
+"""Expand single-mesh-dim strategies over a mesh and pick the cheapest per mesh dim.
+
+Cost of a strategy on mesh dim m = bytes the inputs must move to meet it, from the
+placements they have now.  Partial->Shard is priced as a full reduction so that a rule's
+free choice never turns a Partial input into a Shard (the seed's convention: a non-linear
+op makes a Partial input Replicate); when the strategy is forced (in-place ops) the reshard
+itself still uses the cheaper reduce-scatter.  Ties keep the rule's order, all-Replicate
+first, so nothing is sliced or moved without a reason.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+from ..mesh import ProcessMesh
+from ..placement import Partial, Replicate, Shard
+from .registry import rule_for
+from .strategy import OpCall, Strategy, replicated
+
+log = logging.getLogger("autopar.spmd")
+_WARNED: set = set()
+INPLACE_PENALTY = 1e30
+
+
+def conversion_cost(cur, tgt, local_bytes: float, k: int) -> float:
+    """Bytes one rank sends to take one input from `cur` to `tgt` on a mesh dim of size k."""
+    if tgt is None or cur == tgt or k == 1:
+        return 0.0
+    tc, tt = type(cur), type(tgt)
+    if tc is Replicate:
+        return 0.0  # slice or keep-one-term: local
+    if tc is Shard:
+        if tt is Shard:
+            return local_bytes * (k - 1) / k
+        return local_bytes * (k - 1)  # gather (for ->Partial: gather-priced, it bloats memory)
+    return 2.0 * local_bytes * (k - 1) / k  # Partial -> anything else: a full reduction
+
+
+def _local_bytes(meta, placements, mesh_shape, skip: int) -> float:
+    n = float(meta.nbytes)
+    for m, p in enumerate(placements):
+        if m != skip and type(p) is Shard:
+            n /= mesh_shape[m]
+    return n
+
+
+def _divides(even, call: OpCall, current, mesh_shape, m: int) -> bool:
+    """Each (operand, dim) in `even` splits evenly over mesh dim m (and the dims sharding it
+    already).  Operand i >= 0 is input i; -1 - j is output j."""
+    for i, d in even:
+        parts = mesh_shape[m]
+        if i >= 0:
+            for m2, p in enumerate(current[i]):
+                if m2 != m and type(p) is Shard and p.dim == d:
+                    parts *= mesh_shape[m2]
+        size = call.inputs[i].shape[d] if i >= 0 else call.outputs[-1 - i].shape[d]
+        if size % parts:
+            return False
+    return True
+
+
+def candidates(call: OpCall) -> list[Strategy]:
+    """All-Replicate first, then the rule's strategies (an op with no rule warns once)."""
+    base = replicated(len(call.inputs), len(call.outputs))
+    rule = rule_for(call.func)
+    if rule is None:
+        name = str(call.func)
+        if name not in _WARNED:
+            _WARNED.add(name)
+            warnings.warn(
+                f"autopar: no sharding rule for {name}; its inputs are replicated "
+                f"(correct, but it communicates). Add a rule in autopar/spmd/.",
+                stacklevel=4,
+            )
+        return [base]
+    out = [base]
+    for s in rule(call):
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool):
+    """Pick placements per mesh dim.
+
+    `current[i]` is input i's placements now (plain tensors: all Replicate).  Returns
+    (input placements, output placements, kernel name or None).
+    """
+    strategies = candidates(call)
+    mesh_shape = mesh.shape
+    picks = []
+    for m, k in enumerate(mesh_shape):
+        best, best_cost = None, None
+        for s in strategies:
+            if s.even and not _divides(s.even, call, current, mesh_shape, m):
+                continue
+            cost = 0.0
+            for i, tgt in enumerate(s.inputs):
+                cur = current[i][m]
+                c = conversion_cost(cur, tgt, _local_bytes(call.inputs[i], current[i], mesh_shape, m), k)
+                if inplace and i == 0 and tgt is not None and tgt != cur:
+                    c += INPLACE_PENALTY
+                cost += c
+            if best_cost is None or cost < best_cost - 1e-9:
+                best, best_cost = s, cost
+        picks.append(best)
+    n_in, n_out = len(call.inputs), len(call.outputs)
+    in_pl = [
+        tuple(current[i][m] if picks[m].inputs[i] is None else picks[m].inputs[i] for m in range(len(picks)))
+        for i in range(n_in)
+    ]
+    out_pl = [tuple(picks[m].outputs[j] for m in range(len(picks))) for j in range(n_out)]
+    kernels = {s.kernel for s in picks if s.kernel}
+    if len(kernels) > 1:
+        raise AssertionError(f"rule for {call.func} mixes kernels {kernels} across mesh dims")
+    return in_pl, out_pl, (kernels.pop() if kernels else None)
+
+
+def explain(call: OpCall) -> list[Strategy]:
+    """The strategies the engine weighs for `call` (for debugging and docs)."""
+    return candidates(call)
+
+

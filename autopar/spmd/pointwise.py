@@ -1,0 +1,139 @@
+"""Elementwise ops with broadcasting: shard any output dim on the operands that have it.
+
+Linear ops also pass Partial values through (the seed's rule: a non-linear op turns a
+Partial input into Replicate, a linear one keeps it Partial):
+  identity-like (clone, detach, dtype casts): every Partial kind;
+  additive (add, sub, neg, where on its values): Partial sum/avg on all value operands;
+  multiplicative (mul, div by a replicated factor): Partial sum/avg on one operand.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..placement import Partial, Replicate, Shard
+from .registry import register
+from .strategy import OpCall, Strategy
+
+aten = torch.ops.aten
+
+_SUM_AVG = (Partial("sum"), Partial("avg"))
+_ALL_PARTIALS = _SUM_AVG + (Partial("max"), Partial("min"))
+
+
+def shard_strategies(call: OpCall, n_out: int | None = None) -> list[Strategy]:
+    """Shard output dim d on every input whose aligned dim has the same (non-broadcast) size."""
+    out_shape = call.outputs[0].shape
+    n_out = len(call.outputs) if n_out is None else n_out
+    strategies = []
+    for d in range(len(out_shape)):
+        ins = []
+        for meta in call.inputs:
+            offset = len(out_shape) - len(meta.shape)
+            dd = d - offset
+            if dd >= 0 and meta.shape[dd] == out_shape[d] and out_shape[d] != 1:
+                ins.append(Shard(dd))
+            else:
+                ins.append(Replicate())
+        if any(type(p) is Shard for p in ins):
+            strategies.append(Strategy((Shard(d),) * n_out, tuple(ins)))
+    return strategies
+
+
+def _partial(call: OpCall, kinds, which) -> list[Strategy]:
+    """Partial strategies: operands in `which` Partial, the rest Replicate."""
+    n = len(call.inputs)
+    return [
+        Strategy((p,) * len(call.outputs), tuple(p if i in which else Replicate() for i in range(n)))
+        for p in kinds
+    ]
+
+
+UNARY = [
+    "abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "erfc", "exp", "exp2", "expm1", "floor",
+    "frac", "gelu", "hardsigmoid", "hardswish", "hardtanh", "isfinite", "isinf", "isnan", "leaky_relu",
+    "log", "log10", "log1p", "log2", "logical_not", "logit", "mish", "nan_to_num", "reciprocal", "relu",
+    "round", "rsqrt", "sigmoid", "sign", "silu", "sin", "sinh", "sqrt", "square", "tan", "tanh", "trunc",
+    "elu", "softplus", "bitwise_not", "clamp", "clamp_min", "clamp_max", "pow", "fill", "sgn", "signbit",
+    "relu6", "celu", "selu", "xlogy",
+]
+BINARY = [
+    "atan2", "bitwise_and", "bitwise_or", "bitwise_xor", "eq", "ne", "lt", "le", "gt", "ge", "fmod",
+    "remainder", "logical_and", "logical_or", "logical_xor", "maximum", "minimum", "fmax", "fmin",
+    "floor_divide", "threshold_backward", "gelu_backward", "silu_backward", "sigmoid_backward",
+    "tanh_backward", "hardswish_backward", "hardsigmoid_backward", "leaky_relu_backward", "elu_backward",
+    "softplus_backward", "mish_backward", "hardtanh_backward", "masked_fill", "lerp", "addcmul", "addcdiv",
+    "copysign", "clamp_min", "clamp_max", "pow", "rsub", "logaddexp", "hypot", "heaviside", "isclose",
+]
+IDENTITY = ["clone", "detach", "alias", "_to_copy", "lift_fresh", "lift_fresh_copy", "contiguous",
+            "_conj", "positive", "zero", "copy"]
+ADDITIVE = ["add", "sub", "neg"]
+MULTIPLICATIVE = ["mul", "div"]
+
+
+def _ops(names):
+    found = []
+    for name in names:
+        for n in (name, name + "_"):
+            op = getattr(aten, n, None)
+            if op is not None:
+                found.append(op)
+    return found
+
+
+@register(_ops(UNARY + BINARY) + [aten.where])
+def pointwise_rule(call: OpCall) -> list[Strategy]:
+    return shard_strategies(call)
+
+
+@register(_ops(IDENTITY))
+def identity_rule(call: OpCall) -> list[Strategy]:
+    return shard_strategies(call) + _partial(call, _ALL_PARTIALS, set(range(len(call.inputs))))
+
+
+@register(_ops(ADDITIVE))
+def additive_rule(call: OpCall) -> list[Strategy]:
+    return shard_strategies(call) + _partial(call, _SUM_AVG, set(range(len(call.inputs))))
+
+
+@register(_ops(MULTIPLICATIVE))
+def multiplicative_rule(call: OpCall) -> list[Strategy]:
+    strategies = shard_strategies(call) + _partial(call, _SUM_AVG, {0})
+    if call.func._schema.name == "aten::mul" and len(call.inputs) == 2:
+        strategies += _partial(call, _SUM_AVG, {1})
+    return strategies
+
+
+@register([aten.where.self])
+def where_rule(call: OpCall) -> list[Strategy]:
+    """where(cond, a, b) is linear in (a, b) together; the condition stays Replicate."""
+    return shard_strategies(call) + _partial(call, _SUM_AVG, {1, 2})
+
+
+LIKE = ["ones_like", "zeros_like", "empty_like", "full_like", "new_empty", "new_zeros", "new_ones",
+        "new_full", "empty_strided", "new_empty_strided"]
+
+
+def _like_local_args(args, kwargs, out_shapes):
+    """new_* ops take the global size; the local op needs this rank's."""
+    if len(args) > 1 and isinstance(args[1], (list, tuple)):
+        args = [args[0], list(out_shapes[0])] + list(args[2:])
+    elif "size" in kwargs:
+        kwargs = {**kwargs, "size": list(out_shapes[0])}
+    return args, kwargs
+
+
+@register(_ops(["ones_like", "zeros_like", "empty_like", "full_like"]))
+def like_rule(call: OpCall) -> list[Strategy]:
+    """Output has the input's shape and sharding; only the shape is read, never a Partial value."""
+    nd = len(call.outputs[0].shape)
+    return [Strategy((Shard(d),), (Shard(d),)) for d in range(nd)] + [Strategy((Replicate(),), (None,))]
+
+
+@register(_ops(["new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"]), local_args=_like_local_args)
+def new_rule(call: OpCall) -> list[Strategy]:
+    """A fresh tensor of a given size: Replicate, or sharded like an input of the same shape."""
+    out = call.outputs[0].shape
+    strategies = [Strategy((Replicate(),), (None,))]
+    if tuple(call.inputs[0].shape) == tuple(out):
+        strategies = [Strategy((Shard(d),), (Shard(d),)) for d in range(len(out))] + strategies
+    return strategies

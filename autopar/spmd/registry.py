@@ -1,0 +1,49 @@
+"""The rule registry: aten op -> rule function (and optional local-argument rewriter)."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+RULES: dict = {}
+LOCAL_ARGS: dict = {}
+KERNELS: dict = {}
+
+
+def register(ops: Iterable | object, local_args: Callable | None = None):
+    """Decorator: `fn(call: OpCall) -> list[Strategy]` becomes the rule of every op in `ops`.
+
+    `local_args(args, kwargs, out_local_shapes)` rewrites size arguments for the local op
+    (view/expand/new_zeros take the *global* size, the local op needs the local one).
+    """
+    if not isinstance(ops, (list, tuple, set)):
+        ops = [ops]
+
+    def deco(fn):
+        for op in ops:
+            for overload in _overloads(op):
+                RULES[overload] = fn
+                if local_args is not None:
+                    LOCAL_ARGS[overload] = local_args
+        return fn
+
+    return deco
+
+
+def register_kernel(name: str):
+    """Decorator for a local kernel `fn(func, local_args, local_kwargs, in_specs, out_specs, coord)`."""
+
+    def deco(fn):
+        KERNELS[name] = fn
+        return fn
+
+    return deco
+
+
+def _overloads(op) -> list:
+    """An OpOverloadPacket stands for all its overloads; an OpOverload for itself."""
+    if hasattr(op, "overloads") and callable(op.overloads):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
+
+
+def rule_for(func):
+    return RULES.get(func)

@@ -1,0 +1,59 @@
+"""What a sharding rule returns: the valid placements of an op along ONE mesh dim."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from ..placement import Replicate
+from ..spec import TensorMeta
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op along one mesh dim.
+
+    `inputs[i]` is the placement tensor input i must have (None: any, the op only reads its
+    shape); `outputs[j]` the placement of tensor output j.  `kernel` names a local kernel
+    that replaces the plain op when this strategy is picked (vocab-sharded embedding...).
+    `even` lists (input index, tensor dim) pairs that this strategy shards and whose size
+    must divide evenly by the mesh dim (views that merge or split a sharded dim need it).
+    """
+
+    outputs: tuple
+    inputs: tuple
+    kernel: Optional[str] = None
+    even: tuple = ()
+
+    def __repr__(self) -> str:
+        k = f", kernel={self.kernel}" if self.kernel else ""
+        return f"{list(self.outputs)} <- {list(self.inputs)}{k}"
+
+
+def replicated(n_in: int, n_out: int) -> Strategy:
+    return Strategy((Replicate(),) * n_out, (Replicate(),) * n_in)
+
+
+@dataclass
+class OpCall:
+    """What a rule sees: the op, its arguments with tensors replaced by their global
+    `TensorMeta`, and the metas of the tensor inputs/outputs in flattened order."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    inputs: Sequence[TensorMeta]
+    outputs: Sequence[TensorMeta]
+
+    def arg(self, index: int, name: str, default=None):
+        """Positional-or-keyword argument value."""
+        if index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+    @property
+    def in_ndim(self) -> int:
+        return len(self.inputs[0].shape)
+
+    @property
+    def out_ndim(self) -> int:
+        return len(self.outputs[0].shape)

@@ -1,0 +1,103 @@
+"""View and layout ops: reshape/view, transpose/permute/t, (un)squeeze, expand.
+
+All are linear, so every Partial kind passes through.  A reshape keeps a shard only on the
+outermost dim of a group of merged or split dims, and only when that dim divides evenly
+(otherwise the local pieces would not be the pieces of the new shape).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..placement import Partial, Shard
+from .registry import register
+from .strategy import OpCall, Strategy
+
+aten = torch.ops.aten
+_ALL_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
+
+
+def _partials(n_in: int = 1) -> list[Strategy]:
+    return [Strategy((p,), (p,) + (None,) * (n_in - 1)) for p in _ALL_PARTIALS]
+
+
+def reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
+    """Pair up runs of dims with equal products: [(src dims, dst dims), ...] (size-1 dims dropped)."""
+    groups = []
+    i = j = 0
+    src_dims = [d for d, s in enumerate(src) if s != 1]
+    dst_dims = [d for d, s in enumerate(dst) if s != 1]
+    while i < len(src_dims) and j < len(dst_dims):
+        gi, gj = [src_dims[i]], [dst_dims[j]]
+        a, b = src[src_dims[i]], dst[dst_dims[j]]
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b:
+                gi.append(src_dims[i])
+                a *= src[src_dims[i]]
+                i += 1
+            else:
+                gj.append(dst_dims[j])
+                b *= dst[dst_dims[j]]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _view_local_args(args, kwargs, out_shapes):
+    return [args[0], list(out_shapes[0])] + list(args[2:]), kwargs
+
+
+@register([aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten._reshape_alias], local_args=_view_local_args)
+def view_rule(call: OpCall) -> list[Strategy]:
+    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    extra = (None,) * (len(call.inputs) - 1)
+    if call.func._schema.name == "aten::expand":
+        offset = len(dst) - len(src)
+        strategies = [
+            Strategy((Shard(d + offset),), (Shard(d),) + extra)
+            for d in range(len(src))
+            if src[d] == dst[d + offset] and src[d] != 1
+        ]
+        return strategies + _partials(len(call.inputs))
+    strategies = []
+    for gi, gj in reshape_groups(src, dst):
+        d_in, d_out = gi[0], gj[0]
+        if len(gi) == 1 and len(gj) == 1:
+            strategies.append(Strategy((Shard(d_out),), (Shard(d_in),) + extra))
+        elif len(gi) == 1:  # split one dim: the outer new dim must cut evenly
+            strategies.append(Strategy((Shard(d_out),), (Shard(d_in),) + extra, even=((0, d_in), (-1, d_out))))
+        elif len(gj) == 1:  # merge dims: the outer old dim must cut evenly
+            strategies.append(Strategy((Shard(d_out),), (Shard(d_in),) + extra, even=((0, d_in),)))
+    return strategies + _partials(len(call.inputs))
+
+
+def _permuted(call: OpCall, perm: list[int]) -> list[Strategy]:
+    """Output dim i is input dim perm[i]."""
+    return [Strategy((Shard(i),), (Shard(p),)) for i, p in enumerate(perm)] + _partials()
+
+
+@register([aten.permute])
+def permute_rule(call: OpCall) -> list[Strategy]:
+    nd = len(call.inputs[0].shape)
+    return _permuted(call, [d % nd if nd else 0 for d in call.arg(1, "dims")])
+
+
+@register([aten.transpose, aten.t, aten.transpose_, aten.t_])
+def transpose_rule(call: OpCall) -> list[Strategy]:
+    nd = len(call.inputs[0].shape)
+    perm = list(range(nd))
+    if nd >= 2:
+        a, b = 0, 1
+        if "transpose" in call.func._schema.name:
+            a, b = call.arg(1, "dim0") % nd, call.arg(2, "dim1") % nd
+        perm[a], perm[b] = perm[b], perm[a]
+    return _permuted(call, perm)
+
+
+@register([aten.unsqueeze, aten.squeeze, aten.unsqueeze_, aten.squeeze_])
+def squeeze_rule(call: OpCall) -> list[Strategy]:
+    """(Un)squeeze only adds/drops size-1 dims: the other dims keep their shards."""
+    return [
+        Strategy((Shard(gj[0]),), (Shard(gi[0]),))
+        for gi, gj in reshape_groups(call.inputs[0].shape, call.outputs[0].shape)
+    ] + _partials()
