@@ -29,7 +29,7 @@ class ProcessMesh:
         try:
             arr = np.array(mesh)
         except Exception:
-            raise TypeError(f"ProcessMesh needs a nested list of ranks, got {mesh!r}") from None
+            raise TypeError(f"ProcessMesh needs a rectangular nested list of int ranks, got {mesh!r}") from None
         if arr.size == 0:
             raise ValueError("ProcessMesh needs at least one rank")
         if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):

@@ -22,6 +22,11 @@ _TORCH_OP = {
 }
 
 
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+_reduce_scatter_single = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -42,7 +47,7 @@ def all_gather(t: torch.Tensor, ranks: tuple) -> list[torch.Tensor]:
     out = torch.empty((k * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) \
         if t.dim() > 0 else torch.empty(k, dtype=t.dtype, device=t.device)
     try:
-        tdist.all_gather_into_tensor(out, t.reshape(t.shape if t.dim() else (1,)), group=group_for(ranks))
+        _all_gather_single(out, t.reshape(t.shape if t.dim() else (1,)), group=group_for(ranks))
     except RuntimeError as e:
         _fail("all_gather", ranks, e)
     record("all_gather", ranks, _nbytes(t) * (k - 1), _nbytes(t) * (k - 1), tuple(t.shape))
@@ -77,7 +82,7 @@ def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Redu
     out = torch.empty((t.shape[0] // k,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     if reduce_type in (ReduceType.SUM, ReduceType.AVG):
         try:
-            tdist.reduce_scatter_tensor(out, t, op=_TORCH_OP[reduce_type], group=group_for(ranks))
+            _reduce_scatter_single(out, t, op=_TORCH_OP[reduce_type], group=group_for(ranks))
         except RuntimeError as e:
             _fail("reduce_scatter", ranks, e)
         if reduce_type is ReduceType.AVG:

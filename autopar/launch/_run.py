@@ -1,8 +1,8 @@
 """Run one launch through torch elastic's agent and turn its outcome into an exit status.
 
 Failure propagation is elastic's: the agent polls its workers every 0.1 s, and
-as soon as one exits non-zero it SIGTERMs (then SIGKILLs) the whole process
-group of every other local rank and raises ``ChildFailedError``. By then the
+as soon as one exits non-zero it SIGTERMs the process group of every other
+local rank (SIGKILL after 30 s if one lingers) and raises ``ChildFailedError``. By then the
 failing rank's traceback has already been tee'd onto our stderr. ``@record``
 forwards an error file the worker did write (scripts decorated with elastic's
 ``@record``) to this launcher's own ``TORCHELASTIC_ERROR_FILE`` for schedulers;

@@ -1,0 +1,116 @@
+"""Mesh, placements, specs and the reshard planner: pure, no processes."""
+import pytest
+import torch
+
+import autopar as dist
+from autopar.placement import Partial, Replicate, Shard, normalize_placements
+from autopar.reshard.plan import plan_steps
+from autopar.spec import DistSpec, TensorMeta, split_range
+
+R = Replicate()
+
+
+def test_placements_compare_by_value():
+    assert Shard(0) == Shard(0) and Shard(0) != Shard(1)
+    assert Partial() == Partial("sum") == Partial(dist.ReduceType.SUM)
+    assert Partial("max") != Partial("min")
+    assert len({Shard(1), Shard(1), R, Replicate(), Partial(), Partial("avg")}) == 4
+    assert Partial("avg").reduce_type == "avg"
+    with pytest.raises(ValueError, match="sum/avg/max/min"):
+        Partial("prod")
+    with pytest.raises(TypeError):
+        Shard("0")
+
+
+def test_mesh_any_rank_order_and_submeshes():
+    mesh = dist.ProcessMesh([[2, 4, 5], [0, 1, 3]], dim_names=["x", "y"])
+    assert mesh.shape == [2, 3] and mesh.ndim == 2
+    assert mesh.process_ids == [2, 4, 5, 0, 1, 3]
+    assert mesh == dist.ProcessMesh([[2, 4, 5], [0, 1, 3]], dim_names=["x", "y"])
+    assert hash(mesh) == hash(dist.ProcessMesh([[2, 4, 5], [0, 1, 3]], dim_names=["x", "y"]))
+    assert mesh != dist.ProcessMesh([[2, 4, 5], [0, 1, 3]])
+    assert mesh.coordinate(1) == (1, 1) and mesh.coordinate(7) is None
+    assert mesh.get_mesh_with_dim("y").shape == [3, 2]
+    assert mesh.get_mesh_with_dim("y", 0).process_ids == [2, 0]
+    assert mesh[1].process_ids == [0, 1, 3] and mesh[1].dim_names == ["y"]
+    assert mesh[:, 0].process_ids == [2, 0] and mesh[:, 0].dim_names == ["x"]
+    assert mesh.dim_groups("x") == [(2, 0), (4, 1), (5, 3)]
+    assert mesh.dim_group_of(4, 1) == (2, 4, 5)
+    assert mesh.get_dim_size("y") == 3
+
+
+@pytest.mark.parametrize(
+    "bad, err, match",
+    [
+        ([0, 1, 1], ValueError, "more than once"),
+        ([[0, 1], [2]], TypeError, "rectangular"),
+        ([0, -1], ValueError, "non-negative"),
+        ("ab", TypeError, "ints"),
+    ],
+)
+def test_mesh_bad_input(bad, err, match):
+    with pytest.raises(err, match=match):
+        dist.ProcessMesh(bad)
+
+
+def test_placement_validation_names_the_fault():
+    with pytest.raises(ValueError, match=r"Shard\(2\) is out of range for a 2-D tensor"):
+        normalize_placements([Shard(2)], 1, 2, "tensor of shape [4, 3]")
+    with pytest.raises(ValueError, match="2 placements .* for a 1-D mesh"):
+        normalize_placements([R, R], 1, 2)
+    with pytest.raises(TypeError, match="not a Placement"):
+        normalize_placements(["S0"], 1, 2)
+    assert normalize_placements([Shard(-1)], 1, 3) == (Shard(2),)
+
+
+def test_split_rule_is_array_split():
+    import numpy as np
+
+    for n in range(0, 12):
+        for k in range(1, 6):
+            pieces = np.array_split(np.arange(n), k)
+            for i, p in enumerate(pieces):
+                a, b = split_range(n, k, i)
+                assert list(range(a, b)) == p.tolist()
+
+
+def test_seed_shard_example_local_shapes():
+    """Seed 2.2: a (4, 3) tensor on mesh [[2,4,5],[0,1,3]] with [Shard(0), Shard(1)] gives (2, 1) pieces."""
+    mesh = dist.ProcessMesh([[2, 4, 5], [0, 1, 3]], dim_names=["x", "y"])
+    spec = DistSpec(mesh, (Shard(0), Shard(1)), TensorMeta.contiguous((4, 3), torch.int64))
+    for r in mesh.process_ids:
+        assert spec.local_shape(mesh.coordinate(r)) == (2, 1)
+    assert spec.local_box(mesh.coordinate(1)) == [(2, 4), (1, 2)]
+
+
+def test_nested_shards_follow_mesh_dim_order():
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]])
+    spec = DistSpec(mesh, (Shard(0), Shard(0)), TensorMeta.contiguous((7,), torch.float32))
+    boxes = [spec.local_box(mesh.coordinate(r))[0] for r in range(4)]
+    assert boxes == [(0, 2), (2, 4), (4, 6), (6, 7)]
+
+
+def _kinds(mesh_shape, shape, src, dst):
+    return [s.kind for s in plan_steps(mesh_shape, shape, 4, tuple(src), tuple(dst))]
+
+
+def test_planner_uses_the_cheapest_collective_per_transition():
+    S0, S1, P = Shard(0), Shard(1), Partial()
+    assert _kinds((4,), (8, 8), [S0], [R]) == ["all_gather"]
+    assert _kinds((4,), (8, 8), [P], [R]) == ["all_reduce"]
+    assert _kinds((4,), (8, 8), [P], [S0]) == ["reduce_scatter"]
+    assert _kinds((4,), (8, 8), [S0], [S1]) == ["all_to_all"]
+    assert _kinds((4,), (8, 8), [R], [S1]) == ["slice"]
+    assert _kinds((4,), (8, 8), [R], [P]) == ["to_partial"]
+    assert _kinds((4,), (8, 8), [S0], [P]) == ["shard_to_partial"]
+    assert _kinds((2, 2), (8, 8), [P, P], [S0, S1]) == ["reduce_scatter", "reduce_scatter"]
+    # shards nest in mesh-dim order: the inner mesh dim must be gathered first
+    assert _kinds((2, 2), (8, 8), [S0, S0], [R, R]) == ["all_gather", "all_gather"]
+    steps = plan_steps((2, 2), (8, 8), 4, (S0, S0), (R, R))
+    assert [s.mesh_dim for s in steps] == [1, 0]
+
+
+def test_planner_reduces_before_gathering():
+    """P on one mesh dim and S on another: reduce while the tensor is small."""
+    steps = plan_steps((2, 2), (8, 8), 4, (Partial(), Shard(0)), (R, R))
+    assert [s.kind for s in steps] == ["all_reduce", "all_gather"]

@@ -1,0 +1,162 @@
+"""End-to-end tests of ``python -m autopar.launch`` on CPU with gloo.
+
+Every launch is a real subprocess with a timeout, so a launcher bug fails the
+test instead of hanging the suite.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autopar.launch import main
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
+
+
+LAUNCHER = [sys.executable, "-m", "autopar.launch"]
+
+
+def launcher_env(**extra: str) -> dict[str, str]:
+    """This process's env with PYTHONPATH=repo and none of the variables the launcher defaults."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "AUTOPAR_DEVICES")}
+    return {**env, "PYTHONPATH": str(REPO), **extra}
+
+
+def launch(*argv: str, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 60):
+    """Run the launcher CLI to completion."""
+    return subprocess.run([*LAUNCHER, *argv], cwd=cwd, env=launcher_env(**(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rank_lines(stdout: str, marker: str) -> dict[int, str]:
+    """``{rank: rest of line}`` for launcher output lines ``[rank<r>]: <marker>...``."""
+    found = {}
+    for line in stdout.splitlines():
+        if line.startswith("[rank") and "]: " in line:
+            tag, rest = line.split("]: ", 1)
+            if rest.startswith(marker):
+                found[int(tag[len("[rank"):])] = rest[len(marker):]
+    return found
+
+
+def env_of_ranks(stdout: str) -> dict[int, dict]:
+    return {rank: json.loads(rest) for rank, rest in rank_lines(stdout, "ENV ").items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_all_reduce():
+    r = launch("--nproc_per_node", "2", str(SCRIPTS / "allreduce.py"))
+    assert r.returncode == 0, r.stderr
+    lines = rank_lines(r.stdout, "allreduce ")
+    assert lines == {0: "rank=0 world=2 sum=1", 1: "rank=1 world=2 sum=1"}, r.stdout
+
+
+@pytest.mark.parametrize("rank0_blocks_in", ["sleep", "barrier"])
+def test_failing_rank_stops_the_job(tmp_path, rank0_blocks_in):
+    pid_file = tmp_path / "rank0.pid"
+    start = time.monotonic()
+    r = launch("--nproc_per_node", "2", str(SCRIPTS / "fail_rank1.py"), str(pid_file), rank0_blocks_in)
+    elapsed = time.monotonic() - start
+    assert r.returncode != 0
+    assert elapsed < 20, f"launcher took {elapsed:.1f}s to give up"
+    rank1_err = "\n".join(line for line in r.stderr.splitlines() if line.startswith("[rank1]: "))
+    assert "Traceback (most recent call last)" in rank1_err, r.stderr
+    assert "RuntimeError: boom from rank 1" in rank1_err, r.stderr
+    assert "outlived" not in r.stdout
+    # rank 0 was killed, not left running behind the launcher
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_devices_start_one_rank_per_device():
+    r = launch("--devices", "0,1", str(SCRIPTS / "env_dump.py"), "--lr", "0.1")
+    assert r.returncode == 0, r.stderr
+    envs = env_of_ranks(r.stdout)
+    assert sorted(envs) == [0, 1], r.stdout
+    for rank, env in envs.items():
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["AUTOPAR_DEVICES"] == "0,1"
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert env["argv"] == ["--lr", "0.1"]
+    assert int(envs[0]["MASTER_PORT"]) > 0
+
+
+def test_module_mode_fixed_port_and_user_omp_threads():
+    port = free_port()
+    r = launch("--nproc_per_node", "2", "--master_port", str(port), "-m", "env_dump", "x",
+               cwd=SCRIPTS, env={"OMP_NUM_THREADS": "3"})
+    assert r.returncode == 0, r.stderr
+    envs = env_of_ranks(r.stdout)
+    assert sorted(envs) == [0, 1], r.stdout
+    for env in envs.values():
+        assert env["MASTER_PORT"] == str(port)
+        assert env["OMP_NUM_THREADS"] == "3"
+        assert env["AUTOPAR_DEVICES"] is None
+        assert env["argv"] == ["x"]
+
+
+def test_log_dir_keeps_per_rank_logs(tmp_path):
+    r = launch("--nproc_per_node", "2", "--log_dir", str(tmp_path), str(SCRIPTS / "env_dump.py"))
+    assert r.returncode == 0, r.stderr
+    logs = sorted(tmp_path.glob("*/attempt_0/*/stdout.log"))
+    assert [p.parent.name for p in logs] == ["0", "1"]
+    assert all(p.read_text().startswith("ENV ") for p in logs)
+
+
+def test_two_nodes_c10d_rendezvous():
+    endpoint = f"127.0.0.1:{free_port()}"
+    argv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", endpoint, "--rdzv_id", "test-two-nodes", str(SCRIPTS / "allreduce.py")]
+    nodes = [subprocess.Popen([*LAUNCHER, *argv], cwd=REPO, env=launcher_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        outs = [node.communicate(timeout=60) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [err for _, err in outs]
+    lines = {}
+    for out, _ in outs:
+        lines.update(rank_lines(out, "allreduce "))
+    assert lines == {0: "rank=0 world=2 sum=1", 1: "rank=1 world=2 sum=1"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the following arguments are required: script"),
+    (["--nproc_per_node", "0", "SCRIPT"], "--nproc_per_node must be >= 1"),
+    (["--devices", "0,1", "--nproc_per_node", "3", "SCRIPT"], "disagrees with --devices"),
+    (["--devices", "0,gpu1", "SCRIPT"], "expected comma-separated device indices"),
+    (["--nnodes", "2:1", "SCRIPT"], "need 0 < MIN <= MAX"),
+    (["--nnodes", "1:2", "SCRIPT"], "needs a dynamic backend"),
+    (["--rdzv_backend", "c10d", "SCRIPT"], "needs --rdzv_endpoint"),
+    (["--nproc_per_node", "2", "no_such_script.py"], "training script not found: no_such_script.py"),
+])
+def test_usage_errors(capsys, argv, message):
+    argv = [str(SCRIPTS / "allreduce.py") if a == "SCRIPT" else a for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m autopar.launch") and message in err, err
+
+
+def test_usage_error_from_the_command_line():
+    r = launch("--nproc_per_node", "0", str(SCRIPTS / "allreduce.py"), timeout=30)
+    assert r.returncode == 2
+    assert "usage: python -m autopar.launch" in r.stderr
+    assert "--nproc_per_node must be >= 1" in r.stderr
