@@ -91,6 +91,9 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    def __reduce__(self):
+        return (Shard, (self.dim,))
+
     def get_dim(self) -> int:
         return self.dim
 
@@ -129,6 +132,9 @@ class Partial(Placement):
 
     def is_partial(self) -> bool:
         return True
+
+    def __reduce__(self):
+        return (Partial, (self.reduce_type.value,))
 
     def __eq__(self, other: object) -> bool:
         return type(other) is Partial and other.reduce_type == self.reduce_type

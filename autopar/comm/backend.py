@@ -80,10 +80,17 @@ def current_device() -> torch.device:
 
 
 _GROUPS: dict[tuple, object] = {}
+_GENERATION = [0]
 
 
 def group_for(ranks: tuple):
-    """The process group whose group rank i is `ranks[i]`; created on first use by its members."""
+    """The process group whose group rank i is `ranks[i]`; made on first use by its members only.
+
+    torch's `new_group(use_local_synchronization=True)` names a group after how many groups
+    the calling rank made before, which differs between ranks of an SPMD program that skip
+    meshes they are not in, and then hangs.  autopar builds the backend itself on a store
+    prefix derived from the ordered rank tuple, so members agree without any other rank.
+    """
     pg = _GROUPS.get(ranks)
     if pg is None:
         ensure_initialized()
@@ -91,22 +98,30 @@ def group_for(ranks: tuple):
         bad = [r for r in ranks if r >= world]
         if bad:
             raise ValueError(f"ranks {bad} of group {list(ranks)} are beyond the world size {world}")
+        me = tdist.get_rank()
+        if me not in ranks:
+            raise ValueError(f"rank {me} is not a member of group {list(ranks)}")
         if list(ranks) == list(range(world)):
-            pg = tdist.group.WORLD
+            pg = tdist.distributed_c10d._get_default_group()
         else:
-            pg = tdist.new_group(
-                list(ranks), timeout=_timeout(), use_local_synchronization=True, sort_ranks=False
-            )
+            prefix = f"autopar/{_GENERATION[0]}/{'_'.join(map(str, ranks))}"
+            store = tdist.PrefixStore(prefix, tdist.distributed_c10d._get_default_store())
+            pg = _make_backend(store, ranks.index(me), len(ranks))
         _GROUPS[ranks] = pg
     return pg
 
 
+def _make_backend(store, group_rank: int, size: int):
+    from torch._C import _distributed_c10d as c10d
+
+    if tdist.get_backend() == "nccl":
+        opts = c10d.ProcessGroupNCCL.Options()
+        opts._timeout = _timeout()
+        return c10d.ProcessGroupNCCL(store, group_rank, size, opts)
+    return c10d.ProcessGroupGloo(store, group_rank, size, _timeout())
+
+
 def reset_groups() -> None:
-    """Forget cached sub-groups (after the default group was destroyed and re-made)."""
-    for ranks, pg in list(_GROUPS.items()):
-        if pg is not tdist.group.WORLD and pg is not None:
-            try:
-                tdist.destroy_process_group(pg)
-            except Exception:
-                pass
+    """Forget cached sub-groups; the next use makes new ones under a fresh store prefix."""
     _GROUPS.clear()
+    _GENERATION[0] += 1

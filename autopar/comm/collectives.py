@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as tdist
+from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 
 from ..placement import ReduceType
 from .backend import CommError, get_rank, group_for
@@ -20,11 +21,6 @@ _TORCH_OP = {
     ReduceType.MAX: tdist.ReduceOp.MAX,
     ReduceType.MIN: tdist.ReduceOp.MIN,
 }
-
-
-# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
-_reduce_scatter_single = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -47,7 +43,7 @@ def all_gather(t: torch.Tensor, ranks: tuple) -> list[torch.Tensor]:
     out = torch.empty((k * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) \
         if t.dim() > 0 else torch.empty(k, dtype=t.dtype, device=t.device)
     try:
-        _all_gather_single(out, t.reshape(t.shape if t.dim() else (1,)), group=group_for(ranks))
+        group_for(ranks)._allgather_base(out, t.reshape(t.shape if t.dim() else (1,))).wait()
     except RuntimeError as e:
         _fail("all_gather", ranks, e)
     record("all_gather", ranks, _nbytes(t) * (k - 1), _nbytes(t) * (k - 1), tuple(t.shape))
@@ -61,7 +57,9 @@ def all_reduce(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceTy
     if k == 1:
         return out
     try:
-        tdist.all_reduce(out, op=_TORCH_OP[reduce_type], group=group_for(ranks))
+        opts = AllreduceOptions()
+        opts.reduceOp = _TORCH_OP[reduce_type]
+        group_for(ranks).allreduce([out], opts).wait()
     except RuntimeError as e:
         _fail("all_reduce", ranks, e)
     if reduce_type is ReduceType.AVG:
@@ -82,7 +80,9 @@ def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Redu
     out = torch.empty((t.shape[0] // k,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     if reduce_type in (ReduceType.SUM, ReduceType.AVG):
         try:
-            _reduce_scatter_single(out, t, op=_TORCH_OP[reduce_type], group=group_for(ranks))
+            opts = ReduceScatterOptions()
+            opts.reduceOp = _TORCH_OP[reduce_type]
+            group_for(ranks)._reduce_scatter_base(out, t, opts).wait()
         except RuntimeError as e:
             _fail("reduce_scatter", ranks, e)
         if reduce_type is ReduceType.AVG:
@@ -101,7 +101,7 @@ def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Redu
 def _all_to_all_equal(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
     out = torch.empty_like(t)
     try:
-        tdist.all_to_all_single(out, t, group=group_for(ranks))
+        group_for(ranks).alltoall_base(out, t, [], [], AllToAllOptions()).wait()
     except RuntimeError as e:
         _fail("all_to_all", ranks, e)
     return out
@@ -115,9 +115,7 @@ def all_to_all(t: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[in
     t = t.contiguous()
     out = torch.empty((sum(recv_rows),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     try:
-        tdist.all_to_all_single(
-            out, t, output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows), group=group_for(ranks)
-        )
+        group_for(ranks).alltoall_base(out, t, list(recv_rows), list(send_rows), AllToAllOptions()).wait()
     except RuntimeError as e:
         _fail("all_to_all", ranks, e)
     row = _row_bytes(t)
@@ -144,7 +142,9 @@ def broadcast(t: torch.Tensor, src: int, ranks: tuple) -> torch.Tensor:
         return t
     t = t.contiguous()
     try:
-        tdist.broadcast(t, src=src, group=group_for(ranks))
+        opts = BroadcastOptions()
+        opts.rootRank = ranks.index(src)
+        group_for(ranks).broadcast([t], opts).wait()
     except RuntimeError as e:
         _fail("broadcast", ranks, e)
     me = get_rank()

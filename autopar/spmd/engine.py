@@ -5,7 +5,7 @@ placements they have now.  Partial->Shard is priced as a full reduction so that 
 free choice never turns a Partial input into a Shard (the seed's convention: a non-linear
 op makes a Partial input Replicate); when the strategy is forced (in-place ops) the reshard
 itself still uses the cheaper reduce-scatter.  Ties keep the rule's order, all-Replicate
-first, so nothing is sliced or moved without a reason.
+first, so nothing is sliced or moved without a reason (unless a strategy says `prefer`).
 """
 from __future__ import annotations
 
@@ -101,7 +101,9 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool)
                 if inplace and i == 0 and tgt is not None and tgt != cur:
                     c += INPLACE_PENALTY
                 cost += c
-            if best_cost is None or cost < best_cost - 1e-9:
+            if best_cost is None or cost < best_cost - 1e-9 or (
+                s.prefer and not best.prefer and cost <= best_cost + 1e-9
+            ):
                 best, best_cost = s, cost
         picks.append(best)
     n_in, n_out = len(call.inputs), len(call.outputs)
