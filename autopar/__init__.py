@@ -10,6 +10,15 @@ the numbers of the single-device run.
 >>> (t * 2).sum().item()
 12.0
 """
+from .api.dataloader import ShardDataloader, shard_dataloader
+from .api.global_mesh import get_mesh, set_mesh
+from .api.layer import shard_layer
+from .api.optimizer import (
+    ShardingStage1,
+    ShardingStage2,
+    ShardingStage3,
+    shard_optimizer,
+)
 from .api.tensor import (
     dtensor_from_fn,
     dtensor_from_local,
@@ -26,6 +35,15 @@ from . import dispatch as _dispatch  # noqa: F401  (installs the op dispatcher)
 
 __all__ = [
     "CommError",
+    "ShardDataloader",
+    "ShardingStage1",
+    "ShardingStage2",
+    "ShardingStage3",
+    "get_mesh",
+    "set_mesh",
+    "shard_dataloader",
+    "shard_layer",
+    "shard_optimizer",
     "DistTensor",
     "Partial",
     "Placement",

@@ -94,17 +94,20 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool)
         for s in strategies:
             if s.even and not _divides(s.even, call, current, mesh_shape, m):
                 continue
-            cost = 0.0
+            cost, changes = 0.0, 0
             for i, tgt in enumerate(s.inputs):
                 cur = current[i][m]
+                if tgt is None or tgt == cur:
+                    continue
+                changes += 1
                 c = conversion_cost(cur, tgt, _local_bytes(call.inputs[i], current[i], mesh_shape, m), k)
-                if inplace and i == 0 and tgt is not None and tgt != cur:
+                if inplace and i == 0:
                     c += INPLACE_PENALTY
                 cost += c
-            if best_cost is None or cost < best_cost - 1e-9 or (
-                s.prefer and not best.prefer and cost <= best_cost + 1e-9
-            ):
-                best, best_cost = s, cost
+            # ties (a 1-rank mesh dim makes every move free) keep inputs where they are
+            key = (cost, changes)
+            if best_cost is None or key[0] < best_cost[0] - 1e-9 or (abs(key[0] - best_cost[0]) <= 1e-9 and key[1] < best_cost[1]):
+                best, best_cost = s, key
         picks.append(best)
     n_in, n_out = len(call.inputs), len(call.outputs)
     in_pl = [

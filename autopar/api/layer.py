@@ -1,0 +1,59 @@
+"""shard_layer: turn a Module's parameters into distributed tensors and hook its I/O."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..dtensor import DistTensor
+from ..mesh import ProcessMesh
+from ..placement import Replicate
+from .tensor import shard_tensor
+
+
+def replicate_params(module: torch.nn.Module, mesh: ProcessMesh) -> None:
+    """Make every still-plain parameter and buffer of `module` (not its children) Replicate on `mesh`."""
+    for name, p in list(module._parameters.items()):
+        if p is not None and not isinstance(p, DistTensor):
+            module._parameters[name] = shard_tensor(p, mesh, [Replicate()] * mesh.ndim)
+    for name, b in list(module._buffers.items()):
+        if b is not None and not isinstance(b, DistTensor):
+            module._buffers[name] = shard_tensor(b, mesh, [Replicate()] * mesh.ndim)
+
+
+def shard_layer(
+    layer: torch.nn.Module,
+    process_mesh: ProcessMesh,
+    shard_fn: Optional[Callable] = None,
+    input_fn: Optional[Callable] = None,
+    output_fn: Optional[Callable] = None,
+) -> torch.nn.Module:
+    """Convert `layer`'s parameters to distributed tensors on `process_mesh`, in place.
+
+    `shard_fn(name, sublayer, mesh)` is called for every sublayer (the root has name "")
+    and may replace its parameters with `shard_tensor(...)`; whatever it leaves plain is
+    replicated.  `input_fn(inputs, mesh)` / `output_fn(outputs, mesh)` run before / after
+    `layer.forward` and may reshard or mark what goes in and out.
+
+    >>> import torch, autopar as dist
+    >>> mesh = dist.ProcessMesh([0], dim_names=["x"])
+    >>> def col(name, sub, mesh):
+    ...     if isinstance(sub, torch.nn.Linear):
+    ...         sub.weight = dist.shard_tensor(sub.weight, mesh, [dist.Shard(0)])
+    >>> model = dist.shard_layer(torch.nn.Linear(4, 6), mesh, col)
+    >>> model.weight.placements, model.bias.placements
+    ([Shard(0)], [Replicate()])
+    """
+    if not isinstance(layer, torch.nn.Module):
+        raise TypeError(f"shard_layer needs a torch.nn.Module, got {type(layer).__name__}")
+    if not isinstance(process_mesh, ProcessMesh):
+        raise TypeError(f"shard_layer needs a ProcessMesh, got {type(process_mesh).__name__}")
+    for name, sub in layer.named_modules():
+        if shard_fn is not None:
+            shard_fn(name, sub, process_mesh)
+        replicate_params(sub, process_mesh)
+    if input_fn is not None:
+        layer.register_forward_pre_hook(lambda _m, inputs: input_fn(inputs, process_mesh))
+    if output_fn is not None:
+        layer.register_forward_hook(lambda _m, _inputs, outputs: output_fn(outputs, process_mesh))
+    return layer
