@@ -6,7 +6,6 @@ A rank outside the op's mesh runs nothing and returns empty pieces with the righ
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -186,13 +185,10 @@ def decide(func, args, kwargs, flat) -> Decision:
 
 
 # -- execution ---------------------------------------------------------------------------
-_HOOKED: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
-
-
 def _plain_to(t: torch.Tensor, spec: DistSpec, rank: int) -> torch.Tensor:
     """A plain tensor is Replicate on the op's mesh: cut it to the target spec locally."""
-    if t.requires_grad and t.is_leaf and t not in _HOOKED:
-        _HOOKED.add(t)
+    if t.requires_grad and t.is_leaf and not getattr(t, "_autopar_grad_hook", False):
+        t._autopar_grad_hook = True
         t.register_hook(_densify_grad)
     if spec.is_replicated() or rank not in spec.mesh:
         return t

@@ -34,6 +34,10 @@ def embedding_rule(call: OpCall) -> list[Strategy]:
 
 @register([aten.embedding_dense_backward.default])
 def embedding_backward_rule(call: OpCall) -> list[Strategy]:
+    """From a Replicate grad the op cannot tell how the weight lies; the vocab-row gradient is
+    preferred (no rank ever holds the full vocab x hidden gradient, the point of a vocab-sharded
+    weight), so a replicated or column-sharded weight reached by a Replicate grad gets a Shard(0)
+    gradient too."""
     nd = len(call.inputs[0].shape)
     strategies = [Strategy((Shard(1),), (Shard(nd - 1), Replicate()))]
     if not call.arg(4, "scale_grad_by_freq", False):

@@ -123,7 +123,7 @@ def index_select_rule(call: OpCall) -> list[Strategy]:
     nd = len(call.inputs[0].shape)
     dim = _dim(call.arg(1, "dim"), nd)
     strategies = _moved({d: d for d in range(nd) if d != dim}, 1, 1, extra=(Replicate(),))
-    if len(call.inputs[1].shape) == 1:
+    if nd and len(call.inputs[1].shape) == 1:
         strategies.append(Strategy((Shard(dim),), (Replicate(), Shard(0))))
     return strategies
 
@@ -134,7 +134,9 @@ def index_add_rule(call: OpCall) -> list[Strategy]:
     (source sharded like it) adds each rank's share into Partial(sum); linear in (self, source)."""
     nd = len(call.inputs[0].shape)
     dim = _dim(call.arg(1, "dim"), nd)
-    strategies = [Strategy((Shard(d),), (Shard(d), Replicate(), Shard(d))) for d in _same_size_dims(call, dim, (0, 2))]
+    strategies = [
+        Strategy((Shard(d),), (Shard(d), Replicate(), Shard(d))) for d in _same_size_dims(call, dim, (0, 2))
+    ]
     if nd and len(call.inputs[1].shape) == 1:
         strategies.append(Strategy((Partial(),), (Partial(), Shard(0), Shard(dim))))
     return strategies + [Strategy((p,), (p, Replicate(), p)) for p in _SUM_AVG]
@@ -209,9 +211,8 @@ class _Indexing:
     def index_shards(self, b: int) -> tuple:
         """Index tensors sharded on broadcast dim b (broadcast size-1 dims stay Replicate)."""
         size = self.result_shape[self.start + b]
-        return tuple(
-            Shard(bb) if size != 1 and n == size else Replicate() for bb, n in (self._aligned(m, b) for m in self.tensors)
-        )
+        aligned = [self._aligned(m, b) for m in self.tensors]
+        return tuple(Shard(bb) if size != 1 and n == size else Replicate() for bb, n in aligned)
 
     def values_placement(self, values_shape: tuple, r: int):
         """index_put's values broadcast against self[indices]: Shard on their dim aligned with r."""
@@ -224,7 +225,8 @@ class _Indexing:
 def _indexing(call: OpCall) -> _Indexing | None:
     """None for boolean masks (they stand for several dims) and for no index at all."""
     indices = list(call.arg(1, "indices"))
-    if all(m is None for m in indices) or any(m is not None and m.dtype in (torch.bool, torch.uint8) for m in indices):
+    tensors = [m for m in indices if m is not None]
+    if not tensors or any(m.dtype in (torch.bool, torch.uint8) for m in tensors):
         return None
     return _Indexing(call.inputs[0].shape, indices)
 
@@ -256,7 +258,8 @@ def index_put_rule(call: OpCall) -> list[Strategy]:
     values = call.inputs[-1].shape
     accumulate = call.arg(3, "accumulate", False)
     n_idx = len(call.inputs) - 2
-    partials = [Strategy((p,), (p,) + (Replicate(),) * n_idx + (p,)) for p in (_SUM_AVG if accumulate else _ALL_PARTIALS)]
+    kinds = _SUM_AVG if accumulate else _ALL_PARTIALS
+    partials = [Strategy((p,), (p,) + (Replicate(),) * n_idx + (p,)) for p in kinds]
     lay = _indexing(call)
     if lay is None:
         return partials
@@ -299,9 +302,12 @@ def tri_offset_kernel(func, args, kwargs, in_specs, out_specs, coord):
 def roll_flip_rule(call: OpCall) -> list[Strategy]:
     """Dims not rolled or flipped keep their shards; roll without dims flattens (Replicate)."""
     nd = len(call.inputs[0].shape)
-    dims = call.arg(2, "dims", ()) if call.func._schema.name == "aten::roll" else call.arg(1, "dims")
-    moved = {_dim(d, nd) for d in dims} if dims else set(range(nd))
-    return [s for s in shard_strategies(call) if s.outputs[0].dim not in moved] + _moved({}, 1, 1)
+    is_roll = call.func._schema.name == "aten::roll"
+    dims = call.arg(2, "dims", ()) if is_roll else call.arg(1, "dims")
+    moved = set(range(nd)) if is_roll and not dims else {_dim(d, nd) for d in dims}
+    return [s for s in shard_strategies(call) if s.outputs[0].dim not in moved] + [
+        Strategy((p,), (p,)) for p in _ALL_PARTIALS
+    ]
 
 
 @register([aten.repeat.default])
