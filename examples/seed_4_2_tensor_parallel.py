@@ -1,0 +1,69 @@
+"""Seed 4.2, tensor parallel: w0 sharded by columns, w1 by rows; nothing else marked.
+
+    python -m autopar.launch --nproc_per_node 4 examples/seed_4_2_tensor_parallel.py --check
+"""
+import argparse
+
+import torch
+
+import autopar as dist
+from _check import compare
+
+
+class MlpModel(torch.nn.Module):
+    def __init__(self, hidden, ffn, mesh=None):
+        super().__init__()
+        w0 = torch.nn.Parameter(torch.randn(hidden, ffn) * hidden**-0.5)
+        w1 = torch.nn.Parameter(torch.randn(ffn, hidden) * ffn**-0.5)
+        if mesh is not None:
+            # mark the parameters: w0 along dim 1 (columns), w1 along dim 0 (rows)
+            w0 = dist.shard_tensor(w0, mesh, [dist.Shard(1)])
+            w1 = dist.shard_tensor(w1, mesh, [dist.Shard(0)])
+        self.w0, self.w1 = w0, w1
+
+    def forward(self, x):
+        y = torch.matmul(x, self.w0)
+        z = torch.matmul(y, self.w1)
+        return z
+
+
+def train(mesh, args):
+    torch.manual_seed(args.seed)
+    model = MlpModel(args.hidden, args.ffn, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.001)
+    if mesh is not None:
+        opt = dist.shard_optimizer(opt)
+    losses = []
+    for _ in range(args.steps):
+        x = torch.rand(args.batch, args.seq, args.hidden)
+        loss = torch.mean(model(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, losses
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action="store_true")
+    args = p.parse_args()
+    mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["x"])
+    model, losses = train(mesh, args)
+    if dist.get_rank() == 0:
+        print(f"w0 {model.w0.placements} local {tuple(model.w0.local_value().shape)}; "
+              f"w1 {model.w1.placements} local {tuple(model.w1.local_value().shape)}")
+        print("losses", [round(v, 6) for v in losses])
+    if args.check:
+        ref, ref_losses = train(None, args)
+        compare(losses, ref_losses, dict(model.named_parameters()), dict(ref.named_parameters()))
+
+
+if __name__ == "__main__":
+    main()

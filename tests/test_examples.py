@@ -1,0 +1,29 @@
+"""The seed's four strategies and the quickstart, launched as users launch them, with --check
+(each exits non-zero unless every loss and the final weights match the single-process run)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
+
+
+@pytest.mark.parametrize(
+    "script, nproc",
+    [
+        ("seed_4_1_data_parallel.py", 4),
+        ("seed_4_2_tensor_parallel.py", 4),
+        ("seed_4_3_pipeline.py", 4),
+        ("seed_4_4_hybrid.py", 8),
+        ("quickstart.py", 2),
+    ],
+)
+def test_example_matches_single_process(script, nproc):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "autopar.launch", "--nproc_per_node", str(nproc), f"examples/{script}", "--check", *SMALL]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "match the single-process run" in out
