@@ -1,0 +1,220 @@
+"""shard_layer, shard_dataloader, shard_optimizer and ZeRO 1/2/3 against the single process."""
+import numpy as np
+import pytest
+import torch
+
+import autopar as dist
+from autopar.placement import Partial, Replicate, Shard
+from distpool import run_dist
+
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+
+
+def _batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 16, generator=g), torch.randn(6, 8, generator=g)) for _ in range(n)]
+
+
+def _train(model, opt, mesh=None, clip=None):
+    losses = []
+    for x, y in _batches():
+        if mesh is not None:
+            x = dist.shard_tensor(x, mesh, [S0] + [R] * (mesh.ndim - 1))
+            y = dist.shard_tensor(y, mesh, [S0] + [R] * (mesh.ndim - 1))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if clip is not None:
+            clip(model, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _reference(opt_cls=torch.optim.AdamW, clip=None):
+    model = _mlp()
+    opt = opt_cls(model.parameters(), lr=0.01)
+    losses = _train(model, opt, clip=clip)
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _local_bytes(tensors):
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t._local if dist.is_dist_tensor(t) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _zero(stage):
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    model = dist.shard_layer(_mlp(), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    shard_fn = {1: dist.ShardingStage1, 2: dist.ShardingStage2, 3: dist.ShardingStage3}[stage]("dp")
+    opt = dist.shard_optimizer(opt, shard_fn)
+    losses = []
+    grad_bytes = []
+    for x, y in _batches():
+        x = dist.shard_tensor(x, mesh, [S0])
+        y = dist.shard_tensor(y, mesh, [S0])
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        grad_bytes.append(
+            _local_bytes([p.grad for p in model.parameters()])
+            + _local_bytes([p.grad for g in opt.param_groups for p in g["params"] if p not in set(model.parameters())])
+        )
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state_bytes = _local_bytes([v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0])
+    params = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return losses, params, _local_bytes(model.parameters()), max(grad_bytes), state_bytes
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_matches_single_process_and_shards_memory(stage):
+    ref_losses, ref_params = _reference()
+    full = sum(v.numel() * 4 for v in ref_params.values())
+    for losses, params, param_bytes, grad_bytes, state_bytes in run_dist(_zero, 4, stage):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5)
+        # optimizer states: exp_avg + exp_avg_sq, ~1/4 of 2x the parameters (uneven rows round up)
+        assert state_bytes <= 2 * full / 4 * 1.2, (state_bytes, full)
+        if stage >= 2:
+            assert grad_bytes <= full / 4 * 1.2, (grad_bytes, full)
+        else:
+            assert grad_bytes >= full  # stage 1 keeps full gradients until the step
+        if stage == 3:
+            assert param_bytes <= full / 4 * 1.2, (param_bytes, full)
+        else:
+            assert param_bytes == full
+
+
+def _dp_plain_params(opt_name):
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    model = _mlp()
+    opt_cls = {"sgd": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), "adam": lambda p: torch.optim.Adam(p, lr=0.01)}[opt_name]
+    opt = dist.shard_optimizer(opt_cls(model.parameters()))
+    losses = _train(model, opt, mesh)
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}, [type(p.grad) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_data_parallel_with_plain_parameters(opt_name):
+    ref_cls = {"sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9), "adam": lambda p, lr: torch.optim.Adam(p, lr=lr)}[opt_name]
+    ref_losses, ref_params = _reference(ref_cls)
+    for losses, params, _ in run_dist(_dp_plain_params, 4, opt_name):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5)
+
+
+def _clip(model, opt):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+
+def _tp_clip():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+
+    def shard_fn(name, sub, mesh):
+        if name == "0":
+            sub.weight = dist.shard_tensor(sub.weight, mesh, [S0])
+            sub.bias = dist.shard_tensor(sub.bias, mesh, [S0])
+        if name == "2":
+            sub.weight = dist.shard_tensor(sub.weight, mesh, [S1])
+
+    model = dist.shard_layer(_mlp(), mesh, shard_fn)
+    placements = {k: v.placements for k, v in model.named_parameters()}
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    norms = []
+    losses = _train(model, opt, None, clip=lambda m, o: norms.append(float(_clip(m, o))))
+    state = opt.state_dict()["state"][0]
+    return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, placements, norms, state["exp_avg"].placements
+
+
+def test_tensor_parallel_with_global_grad_norm_clipping():
+    ref_norms = []
+    ref_losses, ref_params = _reference(clip=lambda m, o: ref_norms.append(float(_clip(m, o))))
+    for losses, params, placements, norms, exp_avg_pl in run_dist(_tp_clip, 2):
+        assert placements == {"0.weight": [S0], "0.bias": [S0], "2.weight": [S1], "2.bias": [R]}
+        assert exp_avg_pl == [S0]  # states follow their parameter
+        np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5)
+
+
+def _shard_layer_hooks():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    seen = []
+    model = dist.shard_layer(
+        torch.nn.Linear(4, 4),
+        mesh,
+        input_fn=lambda inputs, mesh: (dist.shard_tensor(inputs[0], mesh, [S0]),),
+        output_fn=lambda out, mesh: seen.append(out.placements) or dist.reshard(out, mesh, [R]),
+    )
+    out = model(torch.ones(6, 4))
+    return [p.placements for p in model.parameters()], seen, out.placements
+
+
+def test_shard_layer_replicates_by_default_and_hooks_io():
+    for params, seen, out in run_dist(_shard_layer_hooks, 2):
+        assert params == [[R], [R]] and seen == [[S0]] and out == [R]
+
+
+class _CountingDataset(torch.utils.data.Dataset):
+    def __init__(self):
+        self.reads = []
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return {"x": torch.full((3,), float(i)), "y": torch.tensor(i)}
+
+
+def _dataloader():
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    ds = _CountingDataset()
+    loader = torch.utils.data.DataLoader(ds, batch_size=5)
+    sharded = dist.shard_dataloader(loader, mesh, input_keys=["x", "y"], shard_dims="dp")
+    out = []
+    for batch in sharded():
+        out.append((batch["x"].placements, tuple(batch["x"].shape), dist.unshard_dtensor(batch["y"]).tolist(),
+                    batch["x"].local_value()[:, 0].tolist()))
+    return out, sorted(ds.reads), len(sharded)
+
+
+def test_shard_dataloader_reads_only_its_samples_and_splits_unevenly():
+    res = run_dist(_dataloader, 4)
+    for rank, (batches, reads, n) in enumerate(res):
+        assert n == 2
+        assert [b[0] for b in batches] == [[S0, R], [S0, R]]
+        assert [b[1] for b in batches] == [(5, 3), (5, 3)]
+        assert [b[2] for b in batches] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+        dp = rank // 2  # 5 rows on 2 dp ranks: 3 + 2
+        mine = [[0, 1, 2], [5, 6, 7]] if dp == 0 else [[3, 4], [8, 9]]
+        assert [b[3] for b in batches] == [[float(v) for v in m] for m in mine]
+        assert reads == sorted(mine[0] + mine[1])  # this rank fetched only its own samples
+
+
+def _dataloader_pipeline():
+    mesh0, mesh1 = dist.ProcessMesh([0, 1], dim_names=["x"]), dist.ProcessMesh([2, 3], dim_names=["x"])
+    data = [(torch.full((2,), float(i)), torch.tensor(float(i))) for i in range(4)]
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    (x, y), = list(dist.shard_dataloader(loader, [mesh0, mesh1], shard_dims="x"))
+    return x.process_mesh.process_ids, y.process_mesh.process_ids, x.placements
+
+
+def test_shard_dataloader_pipeline_inputs_first_mesh_labels_last():
+    for xm, ym, pl in run_dist(_dataloader_pipeline, 4):
+        assert xm == [0, 1] and ym == [2, 3] and pl == [S0]
