@@ -81,6 +81,8 @@ def _numel(shape) -> int:
 def _identity(dtype: torch.dtype, rt: ReduceType):
     if rt in (ReduceType.SUM, ReduceType.AVG):
         return 0
+    if dtype == torch.bool:
+        return rt is ReduceType.MIN
     info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
     if rt is ReduceType.MAX:
         return float("-inf") if dtype.is_floating_point else info.min

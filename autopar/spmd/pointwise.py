@@ -92,7 +92,11 @@ def identity_rule(call: OpCall) -> list[Strategy]:
 
 @register(_ops(ADDITIVE))
 def additive_rule(call: OpCall) -> list[Strategy]:
-    return shard_strategies(call) + _partial(call, _SUM_AVG, set(range(len(call.inputs))))
+    """Adding a Python number to a Partial(sum) would add it once per rank; Partial(avg)
+    stays right (the mean of x_i + c is mean(x) + c)."""
+    n = len(call.inputs)
+    with_number = call.func._schema.name != "aten::neg" and n < 2
+    return shard_strategies(call) + _partial(call, (Partial("avg"),) if with_number else _SUM_AVG, set(range(n)))
 
 
 @register(_ops(MULTIPLICATIVE))

@@ -131,7 +131,8 @@ def any_all_rule(call: OpCall) -> list[Strategy]:
 @register([aten.prod.default, aten.prod.dim_int, aten.var.correction, aten.std.correction,
            aten.var_mean.correction])
 def kept_only_rule(call: OpCall) -> list[Strategy]:
-    """No cheap combination of per-rank terms: a reduced dim must be whole."""
+    """No Partial kind combines their per-rank terms (there is no Partial(prod); var/std need the
+    global mean first): a reduced dim must be whole."""
     return _kept(call, _reduced(call))
 
 
@@ -205,8 +206,7 @@ def extreme_kernel(func, args, kwargs, in_specs, out_specs, coord):
     dims = reduced_dims(_get(args, kwargs, 1, "dim"), x.dim())
     if all(x.shape[d] for d in dims):
         return func(*args, **kwargs)
-    rt = next(p.reduce_type for p in out_specs[0].placements if type(p) is Partial)
-    return x.new_full(out_specs[0].local_shape(coord), _identity(x.dtype, rt))
+    return x.new_full(out_specs[0].local_shape(coord), _identity(x.dtype, _EXTREME[func._schema.name]))
 
 
 @register_kernel("arg_extreme")
@@ -253,6 +253,26 @@ def _flat_extreme(x: torch.Tensor, shape, box, rt: ReduceType):
     coords = torch.unravel_index(local, x.shape)
     index = sum((c + a) * math.prod(shape[d + 1:]) for d, (c, (a, _)) in enumerate(zip(coords, box)))
     return flat[local], index
+
+
+def _norm_combine(ord) -> ReduceType:
+    """How the shares of an `ord`-norm combine across pieces."""
+    return {math.inf: ReduceType.MAX, -math.inf: ReduceType.MIN}.get(ord, ReduceType.SUM)
+
+
+def _norm_terms(a: torch.Tensor, ord, dims) -> torch.Tensor:
+    """This piece's share of the `ord`-norm of |x| = `a` over `dims` (kept)."""
+    if ord == math.inf:
+        return _extreme_or(a, dims, ReduceType.MAX, 0)
+    if ord == -math.inf:
+        return _extreme_or(a, dims, ReduceType.MIN, math.inf)
+    if ord == 0:
+        return (a != 0).sum(dims, keepdim=True, dtype=a.dtype)
+    return a.pow(ord).sum(dims, keepdim=True)
+
+
+def _norm_root(t: torch.Tensor, ord) -> torch.Tensor:
+    return t if ord in (0, math.inf, -math.inf) else t.pow(1.0 / ord)
 
 
 @register_kernel("vector_norm")
