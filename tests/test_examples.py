@@ -11,18 +11,19 @@ SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
 
 
 @pytest.mark.parametrize(
-    "script, nproc",
+    "script, nproc, args",
     [
-        ("seed_4_1_data_parallel.py", 4),
-        ("seed_4_2_tensor_parallel.py", 4),
-        ("seed_4_3_pipeline.py", 4),
-        ("seed_4_4_hybrid.py", 8),
-        ("quickstart.py", 2),
+        ("seed_4_1_data_parallel.py", 4, SMALL),
+        ("seed_4_2_tensor_parallel.py", 4, SMALL),
+        ("seed_4_3_pipeline.py", 4, SMALL),
+        ("seed_4_4_hybrid.py", 8, SMALL),
+        ("quickstart.py", 2, SMALL),
+        ("train_gpt.py", 4, ["--steps", "6"]),
     ],
 )
-def test_example_matches_single_process(script, nproc):
+def test_example_matches_single_process(script, nproc, args):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "autopar.launch", "--nproc_per_node", str(nproc), f"examples/{script}", "--check", *SMALL]
+    cmd = [sys.executable, "-m", "autopar.launch", "--nproc_per_node", str(nproc), f"examples/{script}", "--check", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
