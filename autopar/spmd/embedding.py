@@ -34,16 +34,17 @@ def embedding_rule(call: OpCall) -> list[Strategy]:
 
 @register([aten.embedding_dense_backward.default])
 def embedding_backward_rule(call: OpCall) -> list[Strategy]:
-    """From a Replicate grad the op cannot tell how the weight lies; the vocab-row gradient is
-    preferred (no rank ever holds the full vocab x hidden gradient, the point of a vocab-sharded
-    weight), so a replicated or column-sharded weight reached by a Replicate grad gets a Shard(0)
-    gradient too."""
+    """From a Replicate grad the op cannot tell how the weight lies; the engine's memory
+    tie-break picks the vocab-row gradient (no rank ever holds the full vocab x hidden
+    gradient, the point of a vocab-sharded weight), so a replicated or column-sharded weight
+    reached by a Replicate grad gets a Shard(0) gradient too (the optimizer moves it to the
+    weight's placement once per step)."""
     nd = len(call.inputs[0].shape)
     strategies = [Strategy((Shard(1),), (Shard(nd - 1), Replicate()))]
     if not call.arg(4, "scale_grad_by_freq", False):
         strategies += [Strategy((Partial(),), (Shard(d), Shard(d))) for d in range(nd - 1)]
     strategies.append(
-        Strategy((Shard(0),), (Replicate(), Replicate()), kernel="vocab_embedding_backward", prefer=True)
+        Strategy((Shard(0),), (Replicate(), Replicate()), kernel="vocab_embedding_backward")
     )
     return strategies + [Strategy((p,), (p, Replicate())) for p in _SUM_AVG]
 

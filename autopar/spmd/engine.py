@@ -4,8 +4,9 @@ Cost of a strategy on mesh dim m = bytes the inputs must move to meet it, from t
 placements they have now.  Partial->Shard is priced as a full reduction so that a rule's
 free choice never turns a Partial input into a Shard (the seed's convention: a non-linear
 op makes a Partial input Replicate); when the strategy is forced (in-place ops) the reshard
-itself still uses the cheaper reduce-scatter.  Ties keep the rule's order, all-Replicate
-first, so nothing is sliced or moved without a reason (unless a strategy says `prefer`).
+itself still uses the cheaper reduce-scatter.  Ties go to the strategy that changes fewer
+inputs (nothing is sliced or moved without a reason), then to the one whose outputs are
+sharded more (less memory for the same traffic), then to the rule's order, all-Replicate first.
 """
 from __future__ import annotations
 
@@ -104,9 +105,8 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool)
                 if inplace and i == 0:
                     c += INPLACE_PENALTY
                 cost += c
-            # ties (a 1-rank mesh dim makes every move free) keep inputs where they are
-            key = (cost, changes)
-            if best_cost is None or key[0] < best_cost[0] - 1e-9 or (abs(key[0] - best_cost[0]) <= 1e-9 and key[1] < best_cost[1]):
+            key = (round(cost, 3), changes, -sum(type(o) is Shard for o in s.outputs))
+            if best_cost is None or key < best_cost:
                 best, best_cost = s, key
         picks.append(best)
     n_in, n_out = len(call.inputs), len(call.outputs)

@@ -17,16 +17,12 @@ class Strategy:
     that replaces the plain op when this strategy is picked (vocab-sharded embedding...).
     `even` lists (input index, tensor dim) pairs that this strategy shards and whose size
     must divide evenly by the mesh dim (views that merge or split a sharded dim need it).
-    `prefer` wins a tie in cost against strategies without it, the all-Replicate default
-    included: for a strategy that does less work for the same traffic and whose output
-    placement the op's inputs cannot tell (a weight gradient built only for this rank's rows).
     """
 
     outputs: tuple
     inputs: tuple
     kernel: Optional[str] = None
     even: tuple = ()
-    prefer: bool = False
 
     def __repr__(self) -> str:
         k = f", kernel={self.kernel}" if self.kernel else ""
