@@ -27,6 +27,7 @@ from .api.tensor import (
     shard_tensor,
     unshard_dtensor,
 )
+from .checkpoint import CheckpointError, CheckpointNotFoundError, load_state_dict, save_state_dict
 from .comm import CommError, comm_log, get_rank, get_world_size
 from .dtensor import DistTensor
 from .mesh import ProcessMesh
@@ -34,7 +35,11 @@ from .placement import Partial, Placement, ReduceType, Replicate, Shard
 from . import dispatch as _dispatch  # noqa: F401  (installs the op dispatcher)
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
     "CommError",
+    "load_state_dict",
+    "save_state_dict",
     "ShardDataloader",
     "ShardingStage1",
     "ShardingStage2",

@@ -1,0 +1,14 @@
+"""Distributed checkpoints: `save_state_dict` / `load_state_dict` of DistTensors, plain tensors
+and JSON-like values, one safetensors file per rank plus metadata.json, resharded on load.
+
+>>> import autopar as dist
+>>> from autopar.checkpoint import save_state_dict, load_state_dict   # also dist.save_state_dict
+
+See `save.py` (what each rank writes, the atomic swap), `load.py` (resharding reads, checks)
+and `metadata.py` (the directory layout).
+"""
+from .errors import CheckpointError, CheckpointNotFoundError
+from .load import load_state_dict
+from .save import save_state_dict
+
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "load_state_dict", "save_state_dict"]
