@@ -94,14 +94,20 @@ class DistSpec:
     ([(2, 3), (0, 3)], [(4, 5), (0, 3)])
     """
 
-    __slots__ = ("mesh", "placements", "meta", "_hash", "_boxes")
+    __slots__ = ("mesh", "placements", "meta", "_hash", "_boxes", "__weakref__")
+    _POOL: dict = {}
 
-    def __init__(self, mesh: ProcessMesh, placements: Sequence[Placement], meta: TensorMeta):
-        self.mesh = mesh
-        self.placements = tuple(placements)
-        self.meta = meta
-        self._hash = hash((mesh, self.placements, meta))
-        self._boxes: dict = {}
+    def __new__(cls, mesh: ProcessMesh, placements: Sequence[Placement], meta: TensorMeta):
+        # one object per distinct spec: the op dispatch compares specs by identity
+        key = (mesh, tuple(placements), meta)
+        spec = cls._POOL.get(key)
+        if spec is None:
+            spec = object.__new__(cls)
+            spec.mesh, spec.placements, spec.meta = key
+            spec._hash = hash(key)
+            spec._boxes = {}
+            cls._POOL[key] = spec
+        return spec
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -156,16 +162,13 @@ class DistSpec:
         return n
 
     def __eq__(self, other):
-        return (
-            isinstance(other, DistSpec)
-            and self._hash == other._hash
-            and self.mesh == other.mesh
-            and self.placements == other.placements
-            and self.meta == other.meta
-        )
+        return self is other
 
     def __hash__(self):
         return self._hash
+
+    def __reduce__(self):
+        return (DistSpec, (self.mesh, self.placements, self.meta))
 
     def __repr__(self):
         return f"DistSpec({list(self.placements)} on {self.mesh}, shape={list(self.meta.shape)})"

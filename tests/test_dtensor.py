@@ -20,9 +20,14 @@ def _seed_section3():
     B = dist.shard_tensor(torch.tensor([[5.0, 6.0], [7.0, 8.0]]), mesh, [dist.Shard(0)])
     with dist.comm_log() as mm_log:
         C = torch.matmul(A, B)
+    c_placements = C.placements
     with dist.comm_log() as relu_log:
         D = torch.relu(C)
-    return C.placements, list(mm_log), D.placements, [(r.op, r.ranks) for r in relu_log], D.local_value()
+    # C was reduced for relu; C keeps the reduced value, so a second use does not reduce again
+    with dist.comm_log() as again:
+        torch.relu(C)
+    assert C.placements == [Replicate()] and len(again) == 0
+    return c_placements, list(mm_log), D.placements, [(r.op, r.ranks) for r in relu_log], D.local_value()
 
 
 def test_seed_matmul_relu_example_comes_out_as_the_seed_says():

@@ -34,7 +34,9 @@ def conversion_cost(cur, tgt, local_bytes: float, k: int) -> float:
         if tt is Shard:
             return local_bytes * (k - 1) / k
         return local_bytes * (k - 1)  # gather (for ->Partial: gather-priced, it bloats memory)
-    return 2.0 * local_bytes * (k - 1) / k  # Partial -> anything else: a full reduction
+    reduction = 2.0 * local_bytes * (k - 1) / k  # Partial -> anything else: a full reduction
+    # ...and a free choice of Shard over Replicate after it must not win on memory
+    return reduction + 1.0 if tt is Shard else reduction
 
 
 def _local_bytes(meta, placements, mesh_shape, skip: int) -> float:
