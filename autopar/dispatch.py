@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from . import comm
-from .dtensor import DistTensor, _set_dispatch
+from .dtensor import DistTensor, new_dist
 from .mesh import ProcessMesh
 from .placement import Partial, ReduceType, Replicate
 from .reshard import redistribute_local
@@ -32,7 +32,12 @@ GLOBAL_VALUE_OPS = {
 
 
 class Decision:
-    __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "out_alias", "kind")
+    """The cached plan for one (op, argument specs): where every input must be, what comes
+    out, and the precomputed facts the hot path needs (this rank's coordinate, where the
+    tensors sit in the argument list, whether the result is one plain output)."""
+
+    __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "out_alias", "kind",
+                 "member", "coord", "positions", "single", "out_local_shapes", "direct")
 
     def __init__(self, mesh, in_specs, out_specs, kernel, local_args, mutated, out_alias, kind="op"):
         self.mesh = mesh
@@ -43,6 +48,17 @@ class Decision:
         self.mutated = mutated
         self.out_alias = out_alias
         self.kind = kind
+        rank = _rank()
+        self.member = mesh is not None and rank in mesh
+        self.coord = mesh.coordinate(rank) if self.member else None
+        self.positions = None
+        self.direct = False
+        self.single = (
+            out_alias is not None and out_alias[0] == "value" and isinstance(out_alias[1], torch.Tensor)
+        )
+        self.out_local_shapes = (
+            [s.local_shape(self.coord) for s in out_specs] if self.member and out_specs is not None else None
+        )
 
 
 _CACHE: dict = {}
@@ -71,8 +87,8 @@ def _scan(values, flat: list, key: list) -> None:
             if a and any(isinstance(x, torch.Tensor) for x in a):
                 key.append(("[", len(a)))
                 _scan(a, flat, key)
-            else:
-                key.append(tuple(a))
+            else:  # sizes, dims, or an optimizer's per-tensor scalars (floats: changed every step)
+                key.append(tuple(float if isinstance(x, float) else x for x in a))
         elif isinstance(a, float):
             key.append(float)  # rules never read float values; keep one cache entry for all
         else:
@@ -164,11 +180,15 @@ def decide(func, args, kwargs, flat) -> Decision:
     mesh = _mesh_of(func, flat)
     if func in GLOBAL_VALUE_OPS:
         return Decision(mesh, None, None, None, None, [], None, kind="global")
-    meta_args, meta_kwargs = _substitute(args, kwargs, [_to_meta(t) for t in flat])
-    try:
-        meta_out = func(*meta_args, **meta_kwargs)
-    except (NotImplementedError, RuntimeError) as err:
-        raise NotImplementedError(f"autopar: {func} has no meta kernel to infer its output shape: {err}") from err
+    meta_out = None  # an op returning nothing (fused optimizer steps; some lack a meta kernel)
+    if func._schema.returns:
+        meta_args, meta_kwargs = _substitute(args, kwargs, [_to_meta(t) for t in flat])
+        if meta_kwargs.get("device") is not None:  # _to_copy(..., device=cpu), new_zeros(..., device=...)
+            meta_kwargs["device"] = "meta"
+        try:
+            meta_out = func(*meta_args, **meta_kwargs)
+        except (NotImplementedError, RuntimeError) as err:
+            raise NotImplementedError(f"autopar: {func} has no meta kernel to infer its output shape: {err}") from err
     in_metas = [t._spec.meta if type(t) is DistTensor else TensorMeta.of(t) for t in flat]
     out_metas = [TensorMeta.of(o) for o in _flatten_out(meta_out, [])]
     rule_args, rule_kwargs = _substitute(args, kwargs, in_metas)
@@ -178,10 +198,16 @@ def decide(func, args, kwargs, flat) -> Decision:
     in_pl, out_pl, kernel = engine.choose(call, mesh, current, inplace=0 in mutated)
     in_specs = [DistSpec(mesh, p, m) for p, m in zip(in_pl, in_metas)]
     out_specs = [DistSpec(mesh, p, m) for p, m in zip(out_pl, out_metas)]
-    return Decision(
+    dec = Decision(
         mesh, in_specs, out_specs, kernel, LOCAL_ARGS.get(func), mutated,
         ("alias", alias) if alias is not None else ("value", meta_out),
     )
+    # the key holds each input's spec, so "no input moves" holds for every call with this key
+    dec.direct = all(type(t) is DistTensor and t._spec is s for t, s in zip(flat, in_specs))
+    if not kwargs or not any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values()):
+        if not any(isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a) for a in args):
+            dec.positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    return dec
 
 
 # -- execution ---------------------------------------------------------------------------
@@ -213,9 +239,20 @@ def _densify_grad(grad):
 
 
 def dispatch(func, args, kwargs):
+    # the key: the op and every argument's spec (tensors) or value (floats: their type)
     flat: list = []
     key: list = [func]
-    _scan(args, flat, key)
+    for a in args:
+        ta = type(a)
+        if ta is DistTensor:
+            flat.append(a)
+            key.append(a._spec)
+        elif ta is float:
+            key.append(float)
+        elif ta is list or ta is tuple or isinstance(a, torch.Tensor):
+            _scan((a,), flat, key)
+        else:
+            key.append(a)
     if kwargs:
         key.append(tuple(kwargs))
         _scan(kwargs.values(), flat, key)
@@ -226,43 +263,62 @@ def dispatch(func, args, kwargs):
             groups = _foreach_groups(args, kwargs)
             if len(groups) > 1:
                 return _run_groups(func, args, kwargs, groups)
-        plain_self = _plain_inplace(func, args)
-        if plain_self:
+        if _plain_inplace(func, args):
             return _run_on_dense(func, args, kwargs, flat)
         dec = decide(func, args, kwargs, flat)
         _CACHE[key_t] = dec
-    if dec.kind == "global":
+    if dec.kind != "op":
         return _run_on_dense(func, args, kwargs, flat)
-    return execute(dec, func, args, kwargs, flat)
+    # execution (inlined: this is the per-op hot path)
+    locals_ = [t._local for t in flat] if dec.direct else _inputs_in_place(dec, flat)
+    if not dec.member:
+        device = flat[0].device
+        return _wrap(dec, [torch.empty(0, dtype=s.meta.dtype, device=device) for s in dec.out_specs], args, kwargs)
+    if dec.positions is not None:
+        largs = list(args)
+        for pos, loc in zip(dec.positions, locals_):
+            largs[pos] = loc
+        lkwargs = kwargs
+    else:
+        largs, lkwargs = _substitute(args, kwargs, locals_)
+    if dec.local_args is not None:
+        largs, lkwargs = dec.local_args(largs, lkwargs, dec.out_local_shapes)
+    if dec.kernel is not None:
+        out = KERNELS[dec.kernel](func, largs, lkwargs, dec.in_specs, dec.out_specs, dec.coord)
+    else:
+        out = func._op(*largs, **lkwargs)  # the C++ op itself: skips OpOverload.__call__
+    if dec.single:
+        return new_dist(out, dec.out_specs[0])
+    return _wrap(dec, _flatten_out(out, []), args, kwargs)
 
 
-def execute(dec: Decision, func, args, kwargs, flat):
-    rank = _rank()
+def _inputs_in_place(dec: Decision, flat) -> list:
+    """Each input's local piece where the decision wants it (resharding what must move)."""
     locals_ = []
     for t, spec in zip(flat, dec.in_specs):
         if type(t) is DistTensor:
             src = t._spec
-            loc = t._local if src is spec or src == spec else redistribute_local(t._local, src, spec)
+            if src is spec:
+                loc = t._local
+            else:
+                loc = redistribute_local(t._local, src, spec)
+                if _only_reduces(src, spec):
+                    t._local, t._spec = loc, spec  # same value: later reads skip the reduction
         else:
-            loc = _plain_to(t, spec, rank)
+            loc = _plain_to(t, spec, _rank())
         locals_.append(loc)
     for i in dec.mutated:
         t = flat[i]
-        if type(t) is DistTensor and t._spec != dec.in_specs[i]:
+        if type(t) is DistTensor and t._spec is not dec.in_specs[i]:
             t._local, t._spec = locals_[i], dec.in_specs[i]
-    mesh = dec.mesh
-    if rank not in mesh:
-        device = flat[0].device
-        return _wrap(dec, [torch.empty(0, dtype=s.meta.dtype, device=device) for s in dec.out_specs], args, kwargs)
-    largs, lkwargs = _substitute(args, kwargs, locals_)
-    coord = mesh.coordinate(rank)
-    if dec.local_args is not None:
-        largs, lkwargs = dec.local_args(largs, lkwargs, [s.local_shape(coord) for s in dec.out_specs])
-    if dec.kernel is not None:
-        out = KERNELS[dec.kernel](func, largs, lkwargs, dec.in_specs, dec.out_specs, coord)
-    else:
-        out = func(*largs, **lkwargs)
-    return _wrap(dec, _flatten_out(out, []), args, kwargs)
+    return locals_
+
+
+def _only_reduces(src: DistSpec, dst: DistSpec) -> bool:
+    """dst differs from src only by reducing Partial mesh dims (to Replicate or Shard)."""
+    return src.mesh == dst.mesh and all(
+        a == b or (type(a) is Partial and type(b) is not Partial) for a, b in zip(src.placements, dst.placements)
+    )
 
 
 def _wrap(dec: Decision, local_outs: list, args, kwargs):
@@ -272,7 +328,7 @@ def _wrap(dec: Decision, local_outs: list, args, kwargs):
         return args[pos] if pos < len(args) else kwargs[name]
     if dec.mutated and not dec.out_specs:
         return what  # foreach in-place ops return None
-    wrapped = [DistTensor(loc, spec) for loc, spec in zip(local_outs, dec.out_specs)]
+    wrapped = [new_dist(loc, spec) for loc, spec in zip(local_outs, dec.out_specs)]
     return _rebuild_out(what, iter(wrapped))
 
 
@@ -336,4 +392,11 @@ def _run_groups(func, args, kwargs, groups):
     return results if any_out else None
 
 
-_set_dispatch(dispatch)
+_NO_KWARGS: dict = {}
+
+
+def _torch_dispatch(cls, func, types, args=(), kwargs=None):
+    return dispatch(func, args, kwargs or _NO_KWARGS)
+
+
+DistTensor.__torch_dispatch__ = classmethod(_torch_dispatch)

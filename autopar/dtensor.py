@@ -11,6 +11,20 @@ import torch
 from .spec import DistSpec
 
 
+_MAKE_WRAPPER = torch.Tensor._make_wrapper_subclass
+
+
+def new_dist(local: torch.Tensor, spec: DistSpec, requires_grad: bool = False) -> "DistTensor":
+    """Wrap `local` as this rank's piece of `spec` (the op dispatch's hot path calls this)."""
+    meta = spec.meta
+    r = _MAKE_WRAPPER(
+        DistTensor, meta.shape, strides=meta.stride, dtype=meta.dtype, device=local.device, requires_grad=requires_grad
+    )
+    r._local = local
+    r._spec = spec
+    return r
+
+
 class DistTensor(torch.Tensor):
     """A distributed tensor: global meta + this rank's local piece.
 
@@ -23,25 +37,13 @@ class DistTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: DistSpec, requires_grad: bool = False):
-        meta = spec.meta
-        r = torch.Tensor._make_wrapper_subclass(
-            cls,
-            meta.shape,
-            strides=meta.stride,
-            dtype=meta.dtype,
-            device=local.device,
-            layout=local.layout,
-            requires_grad=requires_grad,
-        )
-        r._local = local
-        r._spec = spec
-        return r
+        return new_dist(local, spec, requires_grad)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+        raise RuntimeError("autopar.dispatch was not imported")  # replaced by dispatch.py
 
     # -- the distributed view -------------------------------------------------------
     @property
@@ -102,14 +104,3 @@ class DistTensor(torch.Tensor):
         memo[id(self)] = new
         return new
 
-
-def _dispatch(func, args, kwargs):
-    return _DISPATCH(func, args, kwargs)
-
-
-def _set_dispatch(fn) -> None:
-    global _DISPATCH
-    _DISPATCH = fn
-
-
-_DISPATCH = None

@@ -94,7 +94,7 @@ class DistSpec:
     ([(2, 3), (0, 3)], [(4, 5), (0, 3)])
     """
 
-    __slots__ = ("mesh", "placements", "meta", "_hash", "_boxes", "__weakref__")
+    __slots__ = ("mesh", "placements", "meta", "_boxes", "__weakref__")
     _POOL: dict = {}
 
     def __new__(cls, mesh: ProcessMesh, placements: Sequence[Placement], meta: TensorMeta):
@@ -104,7 +104,6 @@ class DistSpec:
         if spec is None:
             spec = object.__new__(cls)
             spec.mesh, spec.placements, spec.meta = key
-            spec._hash = hash(key)
             spec._boxes = {}
             cls._POOL[key] = spec
         return spec
@@ -161,11 +160,7 @@ class DistSpec:
             n *= s
         return n
 
-    def __eq__(self, other):
-        return self is other
-
-    def __hash__(self):
-        return self._hash
+    # equality and hash are object identity (C-level, fast): the pool makes it value equality
 
     def __reduce__(self):
         return (DistSpec, (self.mesh, self.placements, self.meta))
