@@ -1,0 +1,191 @@
+"""Softmax, log_softmax, their backwards, and nll_loss (cross_entropy = log_softmax + nll_loss).
+
+Softmax is pointwise along every dim but its own, so those dims shard freely.  When the
+softmax dim itself is sharded (class-sharded logits, a vocab-parallel LM head) a kernel
+all-reduces the row max (MAX) and the row sum of exps (SUM), two (rows x 1) tensors, and
+the output stays sharded on the class dim.
+
+nll_loss picks -w[t] * logp[t] per sample:
+  batch-like dims shard with the target (reduction none: output sharded like the target;
+  sum: output and total weight Partial; mean: a kernel divides the local sum by the global
+  total weight, all-reduced, so uneven shards and ignore_index still give the global mean);
+  the class dim shards with a kernel that picks only targets in this rank's class range,
+  output Partial(sum) (the total weight needs no communication: target and weight are
+  whole along that mesh dim);
+  a Partial input passes through (the loss is linear in logp).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..placement import Partial, ReduceType, Replicate, Shard
+from .reduction import shard_group
+from .registry import register, register_kernel
+from .strategy import OpCall, Strategy
+
+aten = torch.ops.aten
+
+_SUM_AVG = (Partial("sum"), Partial("avg"))
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_NONE, _MEAN, _SUM = 0, 1, 2  # at::Reduction
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Accumulate half precision in fp32, as aten's softmax kernels do."""
+    return t.float() if t.dtype in _LOW_PRECISION else t
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+# -- softmax / log_softmax ---------------------------------------------------------------------
+def _softmax_strategies(ndim: int, dim: int, n_in: int, kernel: str) -> list[Strategy]:
+    strategies = [Strategy((Shard(d),), (Shard(d),) * n_in) for d in range(ndim) if d != dim]
+    if ndim:
+        strategies.append(Strategy((Shard(dim),), (Shard(dim),) * n_in, kernel=kernel))
+    return strategies
+
+
+@register([aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default])
+def softmax_rule(call: OpCall) -> list[Strategy]:
+    nd = len(call.inputs[0].shape)
+    return _softmax_strategies(nd, _norm_dim(call.arg(1, "dim"), nd), 1, "softmax_split_dim")
+
+
+@register([aten._softmax_backward_data.default, aten._log_softmax_backward_data.default])
+def softmax_backward_rule(call: OpCall) -> list[Strategy]:
+    """Also linear in grad_output: a Partial gradient with the output whole stays Partial."""
+    nd = len(call.inputs[1].shape)
+    strategies = _softmax_strategies(nd, _norm_dim(call.arg(2, "dim"), nd), 2, "softmax_backward_split_dim")
+    return strategies + [Strategy((p,), (p, Replicate())) for p in _SUM_AVG]
+
+
+@register_kernel("softmax_split_dim")
+def softmax_split_dim(func, args, kwargs, in_specs, out_specs, coord):
+    x, spec = args[0], in_specs[0]
+    dim = _norm_dim(args[1], x.dim())
+    group = shard_group(spec, {dim}, coord)
+    xf = _acc(x)
+    if x.shape[dim]:
+        local_max = xf.amax(dim, keepdim=True)
+    else:  # more ranks than classes: this piece is empty
+        local_max = xf.new_full(xf.shape[:dim] + (1,) + xf.shape[dim + 1:], float("-inf"))
+    row_max = comm.all_reduce(local_max, group, ReduceType.MAX)
+    shifted = xf - row_max
+    exps = shifted.exp()
+    row_sum = comm.all_reduce(exps.sum(dim, keepdim=True), group, ReduceType.SUM)
+    name = func._schema.name
+    if name == "aten::_log_softmax":
+        out = shifted - row_sum.log()
+    else:
+        out = exps / row_sum
+        if name == "aten::_safe_softmax":  # rows masked out entirely give 0, not nan
+            out = out.masked_fill(row_max == float("-inf"), 0.0)
+    return out.to(out_specs[0].meta.dtype)
+
+
+@register_kernel("softmax_backward_split_dim")
+def softmax_backward_split_dim(func, args, kwargs, in_specs, out_specs, coord):
+    grad, out, spec = _acc(args[0]), _acc(args[1]), in_specs[1]
+    dim = _norm_dim(args[2], out.dim())
+    group = shard_group(spec, {dim}, coord)
+    if func._schema.name == "aten::_log_softmax_backward_data":
+        result = grad - out.exp() * comm.all_reduce(grad.sum(dim, keepdim=True), group, ReduceType.SUM)
+    else:
+        result = out * (grad - comm.all_reduce((grad * out).sum(dim, keepdim=True), group, ReduceType.SUM))
+    return result.to(out_specs[0].meta.dtype)
+
+
+# -- nll_loss ------------------------------------------------------------------------------------
+def _class_dim(ndim: int) -> int:
+    return 1 if ndim >= 2 else 0
+
+
+def _batch_dims(ndim: int):
+    """(input dim, target dim) pairs of the dims other than the class dim."""
+    c = _class_dim(ndim)
+    return [(d, d if d < c else d - 1) for d in range(ndim) if d != c]
+
+
+@register([aten.nll_loss_forward.default, aten.nll_loss2d_forward.default])
+def nll_loss_rule(call: OpCall) -> list[Strategy]:
+    nd = len(call.inputs[0].shape)
+    reduction = call.arg(3, "reduction")
+    w = (Replicate(),) * (len(call.inputs) - 2)  # the class weights, if given, stay whole
+    strategies = []
+    for d, td in _batch_dims(nd):
+        if reduction == _NONE:
+            outs, kernel = (Shard(td), Replicate()), None
+        elif reduction == _SUM:
+            outs, kernel = (Partial(), Partial()), None
+        else:
+            outs, kernel = (Partial(), Replicate()), "nll_loss"
+        strategies.append(Strategy(outs, (Shard(d), Shard(td)) + w, kernel=kernel))
+    if nd:
+        strategies.append(Strategy((Partial(), Replicate()), (Shard(_class_dim(nd)), Replicate()) + w,
+                                   kernel="nll_loss"))
+    return strategies + [Strategy((p, Replicate()), (p, Replicate()) + w) for p in _SUM_AVG]
+
+
+@register([aten.nll_loss_backward.default, aten.nll_loss2d_backward.default])
+def nll_loss_backward_rule(call: OpCall) -> list[Strategy]:
+    """Inputs: grad_output, self (read for its shape only), target, [weight], total_weight."""
+    nd = len(call.inputs[1].shape)
+    reduction = call.arg(4, "reduction")
+    w = (Replicate(),) * (len(call.inputs) - 4)
+    total = (Replicate() if reduction == _MEAN else None,)
+    k = "nll_loss_backward"
+    strategies = [
+        Strategy((Shard(d),), (Shard(td) if reduction == _NONE else Replicate(), None, Shard(td)) + w + total, k)
+        for d, td in _batch_dims(nd)
+    ]
+    if nd:
+        strategies.append(Strategy((Shard(_class_dim(nd)),), (Replicate(), None, Replicate()) + w + total, k))
+    return strategies + [Strategy((p,), (p, None, Replicate()) + w + total, k) for p in _SUM_AVG]
+
+
+def _pick(target, weight, ignore_index, spec, coord, dtype):
+    """Per sample: local class index, weight (0 where ignored), and whether the target's class
+    lies in this rank's class range."""
+    c = _class_dim(spec.ndim)
+    lo, hi = spec.local_box(coord)[c]
+    valid = target != ignore_index
+    t = torch.where(valid, target, 0)
+    in_bounds = ((t >= 0) & (t < spec.shape[c])).all()  # asserted without a host sync on accelerators
+    torch._assert_async(in_bounds, f"nll_loss: a target is out of bounds for {spec.shape[c]} classes")
+    wt = weight[t] if weight is not None else torch.ones(t.shape, dtype=dtype, device=t.device)
+    wt = torch.where(valid, wt, 0)
+    mine = valid & (t >= lo) & (t < hi)
+    return (t - lo).clamp(0, max(hi - lo - 1, 0)), wt, mine, c, hi > lo
+
+
+@register_kernel("nll_loss")
+def nll_loss_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    x, target, weight, reduction, ignore_index = args
+    spec = in_specs[0]
+    local_t, wt, mine, c, has_classes = _pick(target, weight, ignore_index, spec, coord, x.dtype)
+    picked = x.gather(c, local_t.unsqueeze(c)).squeeze(c) if has_classes else torch.zeros_like(wt)
+    loss = torch.where(mine, -wt * picked, 0)
+    if reduction == _NONE:
+        return loss, x.new_zeros(())
+    total = wt.sum()
+    if reduction == _SUM:
+        return loss.sum(), total
+    total = comm.all_reduce(total, shard_group(spec, set(range(spec.ndim)) - {c}, coord), ReduceType.SUM)
+    return loss.sum() / total, total
+
+
+@register_kernel("nll_loss_backward")
+def nll_loss_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    grad_out, _, target, weight, reduction, ignore_index, total = args
+    spec = out_specs[0]
+    local_t, wt, mine, c, has_classes = _pick(target, weight, ignore_index, spec, coord, spec.meta.dtype)
+    coef = -wt * grad_out
+    if reduction == _MEAN:
+        coef = coef / total
+    grad = torch.zeros(spec.local_shape(coord), dtype=spec.meta.dtype, device=grad_out.device)
+    if has_classes:
+        grad.scatter_(c, local_t.unsqueeze(c), torch.where(mine, coef, 0).unsqueeze(c).to(grad.dtype))
+    return grad
