@@ -412,7 +412,7 @@ def _context():
         if method == "forkserver":
             # torch is imported once in the fork server; ranks fork from it (a fresh
             # interpreter importing torch per rank costs ~1.3 s of CPU each).
-            ctx.set_forkserver_preload(["torch", "torch.distributed", "_pytest.assertion.rewrite"])
+            ctx.set_forkserver_preload(["torch", "torch.distributed", "_pytest.assertion.rewrite", "_warm_torch"])
             with _single_thread_env():
                 from multiprocessing import forkserver
 
