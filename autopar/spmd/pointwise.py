@@ -113,31 +113,53 @@ def where_rule(call: OpCall) -> list[Strategy]:
     return shard_strategies(call) + _partial(call, _SUM_AVG, {1, 2})
 
 
-LIKE = ["ones_like", "zeros_like", "empty_like", "full_like", "new_empty", "new_zeros", "new_ones",
-        "new_full", "empty_strided", "new_empty_strided"]
-
-
 def _like_local_args(args, kwargs, out_shapes):
-    """new_* ops take the global size; the local op needs this rank's."""
+    """new_* ops take the global size (and stride); the local op needs this rank's."""
+    shape = list(out_shapes[0])
     if len(args) > 1 and isinstance(args[1], (list, tuple)):
-        args = [args[0], list(out_shapes[0])] + list(args[2:])
+        args = [args[0], shape] + list(args[2:])
     elif "size" in kwargs:
-        kwargs = {**kwargs, "size": list(out_shapes[0])}
+        kwargs = {**kwargs, "size": shape}
+    if len(args) > 2 and isinstance(args[2], (list, tuple)):  # new_empty_strided: same dim order
+        args[2] = _strides_like(args[2], shape)
     return args, kwargs
+
+
+def _strides_like(global_stride, shape) -> list[int]:
+    """Dense strides for `shape` that keep the dim order of `global_stride`."""
+    order = sorted(range(len(shape)), key=lambda d: -global_stride[d])
+    stride, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        stride[d] = acc
+        acc *= max(shape[d], 1)
+    return stride
+
+
+# Uninitialised and zero tensors are a valid Partial of every kind (garbage is overwritten,
+# zeros reduce to zeros), so new_* can follow a Partial input: AccumulateGrad allocates the
+# gradient buffer with new_empty_strided and must not force a reduction.  *_like stay
+# Replicate for a Partial input: optimizers fill such buffers in place next to a sharded
+# parameter, and a Partial buffer would be "reduced" there for nothing.
+_ANY_PARTIAL_OK = {"aten::new_empty", "aten::new_empty_strided", "aten::new_zeros"}
+
+
+def _follow(call: OpCall) -> list[Strategy]:
+    nd = len(call.outputs[0].shape)
+    strategies = [Strategy((Shard(d),), (Shard(d),)) for d in range(nd)]
+    if call.func._schema.name in _ANY_PARTIAL_OK:
+        strategies += [Strategy((p,), (p,)) for p in _ALL_PARTIALS]
+    return strategies
 
 
 @register(_ops(["ones_like", "zeros_like", "empty_like", "full_like"]))
 def like_rule(call: OpCall) -> list[Strategy]:
     """Output has the input's shape and sharding; only the shape is read, never a Partial value."""
-    nd = len(call.outputs[0].shape)
-    return [Strategy((Shard(d),), (Shard(d),)) for d in range(nd)] + [Strategy((Replicate(),), (None,))]
+    return _follow(call) + [Strategy((Replicate(),), (None,))]
 
 
 @register(_ops(["new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"]), local_args=_like_local_args)
 def new_rule(call: OpCall) -> list[Strategy]:
-    """A fresh tensor of a given size: Replicate, or sharded like an input of the same shape."""
-    out = call.outputs[0].shape
-    strategies = [Strategy((Replicate(),), (None,))]
-    if tuple(call.inputs[0].shape) == tuple(out):
-        strategies = [Strategy((Shard(d),), (Shard(d),)) for d in range(len(out))] + strategies
-    return strategies
+    """A fresh tensor of a given size: Replicate, or laid out like an input of the same shape."""
+    if tuple(call.inputs[0].shape) == tuple(call.outputs[0].shape):
+        return _follow(call) + [Strategy((Replicate(),), (None,))]
+    return [Strategy((Replicate(),), (None,))]
