@@ -13,8 +13,8 @@ import torch
 from . import comm
 from .dtensor import DistTensor, new_dist
 from .mesh import ProcessMesh
-from .placement import Partial, ReduceType, Replicate
-from .reshard import redistribute_local
+from .placement import Partial, Replicate
+from .reshard import piece_of_replicated, redistribute_local
 from .spec import DistSpec, TensorMeta
 from .spmd import engine
 from .spmd.registry import KERNELS, LOCAL_ARGS
@@ -218,15 +218,7 @@ def _plain_to(t: torch.Tensor, spec: DistSpec, rank: int) -> torch.Tensor:
         t.register_hook(_densify_grad)
     if spec.is_replicated() or rank not in spec.mesh:
         return t
-    coord = spec.mesh.coordinate(rank)
-    out = t
-    for d, (a, b) in enumerate(spec.local_box(coord)):
-        if b - a != t.shape[d]:
-            out = out.narrow(d, a, b - a)
-    for m, p in enumerate(spec.placements):
-        if type(p) is Partial and p.reduce_type is ReduceType.SUM and coord[m] != 0:
-            out = torch.zeros_like(out)
-    return out
+    return piece_of_replicated(t, spec, rank)
 
 
 def _densify_grad(grad):

@@ -472,7 +472,7 @@ def test_flipped_byte_is_caught_on_every_rank_targets_unchanged(tmp_path):
     _assert_everywhere(run_dist(_load_expecting_failure, 2, path),
                        "'layer.weight'", "rank00001.safetensors", "checksum mismatch")
     # a one-process plain load reads it whole
-    (name, msg, _), = [_failure(load_state_dict, {"layer.weight": torch.zeros(8, 4)}, path)]
+    (_, msg, _), = [_failure(load_state_dict, {"layer.weight": torch.zeros(8, 4)}, path)]
     assert "'layer.weight'" in msg and "rank00001.safetensors" in msg and "checksum" in msg
 
 
@@ -505,7 +505,7 @@ def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path):
     run_dist(_save_small, 2, path)
     _assert_everywhere(run_dist(_load_expecting_failure, 2, path, (8, 6)),
                        "'layer.weight'", "shape [8, 4]", "shape [8, 6]")
-    (name, msg, _), = [_failure(load_state_dict, {"norm": torch.zeros(4, dtype=torch.float16)}, path)]
+    (_, msg, _), = [_failure(load_state_dict, {"norm": torch.zeros(4, dtype=torch.float16)}, path)]
     assert "'norm'" in msg and "float32" in msg and "float16" in msg
 
 

@@ -3,7 +3,6 @@ import os
 import warnings
 
 import numpy as np
-import pytest
 import torch
 
 import autopar as dist

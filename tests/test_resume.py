@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import autopar as dist
-from autopar.placement import Replicate, Shard
+from autopar.placement import Shard
 from distpool import run_dist
 
 

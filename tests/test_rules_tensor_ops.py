@@ -122,7 +122,7 @@ def test_engine_choices():
     assert engine.choose(call, mesh, [(S1,), (R,), (R,)], False)[1] == [(S1,)]
     assert engine.choose(call, mesh, [(R,), (S0,), (S0,)], False)[1] == [(S0,)]
     # vocab-sharded embedding: Partial forward with the masking kernel; the weight gradient from a
-    # Replicate grad is built for this rank's rows only (prefer beats the all-Replicate tie)
+    # Replicate grad is built for this rank's rows only (the memory tie-break beats all-Replicate)
     ids = _m(3, 5, dtype=torch.long)
     _, out, kernel = engine.choose(_call(aten.embedding.default, _m(10, 4), ids), mesh, [(S0,), (R,)], False)
     assert (out, kernel) == ([(P,)], "vocab_embedding")

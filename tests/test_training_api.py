@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import autopar as dist
-from autopar.placement import Partial, Replicate, Shard
+from autopar.placement import Replicate, Shard
 from distpool import run_dist
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)

@@ -11,7 +11,7 @@ from ..comm import get_rank, get_world_size
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Partial, Placement, Replicate, normalize_placements
-from ..reshard import redistribute_local
+from ..reshard import piece_of_replicated, redistribute_local
 from ..spec import DistSpec, TensorMeta
 
 
@@ -29,19 +29,9 @@ def _without_partial(spec: DistSpec) -> DistSpec:
 
 
 def _piece_of_full(full: torch.Tensor, spec: DistSpec) -> torch.Tensor:
-    """This rank's piece of `spec` cut from the full value (no communication)."""
-    rank = get_rank()
-    if rank not in spec.mesh:
-        return full.new_empty(0)
-    coord = spec.mesh.coordinate(rank)
-    out = full
-    for d, (a, b) in enumerate(spec.local_box(coord)):
-        if b - a != full.shape[d]:
-            out = out.narrow(d, a, b - a)
-    for m, p in enumerate(spec.placements):
-        if type(p) is Partial and p.reduce_type.value == "sum" and coord[m] != 0:
-            return torch.zeros_like(out)
-    # a cut piece must not pin the full tensor's storage: each rank holds only its shard
+    """This rank's piece of `spec` cut from the full value (no communication), as its own
+    storage: a cut piece must not pin the full tensor, each rank holds only its shard."""
+    out = piece_of_replicated(full, spec, get_rank())
     return out.clone() if out.shape != full.shape else out
 
 

@@ -8,12 +8,32 @@ from __future__ import annotations
 import torch
 
 from ..comm import get_rank
+from ..placement import Partial, ReduceType
 from ..spec import DistSpec
 from .cross_mesh import cross_mesh
 from .execute import run_steps
 from .plan import Step, plan, plan_bytes, step_kind
 
-__all__ = ["Step", "plan", "plan_bytes", "redistribute_local", "step_kind"]
+__all__ = ["Step", "piece_of_replicated", "plan", "plan_bytes", "redistribute_local", "step_kind"]
+
+
+def piece_of_replicated(full: torch.Tensor, spec: DistSpec, rank: int) -> torch.Tensor:
+    """This rank's piece of `spec` when every rank holds the full value (no communication).
+
+    Shards are views into `full`; a Partial(sum) keeps the value on the first coordinate
+    and zeros elsewhere (the other reduce kinds keep it everywhere).
+    """
+    if rank not in spec.mesh:
+        return full.new_empty(0)
+    coord = spec.mesh.coordinate(rank)
+    out = full
+    for d, (a, b) in enumerate(spec.local_box(coord)):
+        if b - a != full.shape[d]:
+            out = out.narrow(d, a, b - a)
+    for m, p in enumerate(spec.placements):
+        if type(p) is Partial and p.reduce_type is ReduceType.SUM and coord[m] != 0:
+            return torch.zeros_like(out)
+    return out
 
 
 def _same_mesh(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tensor:

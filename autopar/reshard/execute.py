@@ -23,7 +23,7 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def all_gather(local, step, ranks, me, pieces, rt):
+def all_gather(local, step, ranks, me, pieces):
     d = step.src.dim
     sizes = [b - a for a, b in pieces]
     if d == 0 and len(set(sizes)) == 1:
@@ -34,17 +34,17 @@ def all_gather(local, step, ranks, me, pieces, rt):
     return torch.cat(parts, dim=d)
 
 
-def slice_(local, step, ranks, me, pieces, rt):
+def slice_(local, step, ranks, me, pieces):
     a, b = pieces[me]
     return local.narrow(step.dst.dim, a, b - a).clone()
 
 
-def all_reduce(local, step, ranks, me, pieces, rt):
+def all_reduce(local, step, ranks, me, pieces):
     return comm.all_reduce(local, ranks, step.src.reduce_type)
 
 
-def reduce_scatter(local, step, ranks, me, pieces, rt):
-    d, k = step.dst.dim, len(ranks)
+def reduce_scatter(local, step, ranks, me, pieces):
+    d = step.dst.dim
     sizes = [b - a for a, b in pieces]
     if d == 0 and len(set(sizes)) == 1:
         return comm.reduce_scatter(local, ranks, step.src.reduce_type)
@@ -54,7 +54,7 @@ def reduce_scatter(local, step, ranks, me, pieces, rt):
     return out.reshape(chunks[0].shape).narrow(d, 0, sizes[me]).clone()
 
 
-def all_to_all(local, step, ranks, me, pieces, rt):
+def all_to_all(local, step, ranks, me, pieces):
     """S(i) -> S(j): send member l the part of my i-piece in l's j-range; glue received parts along i."""
     i, j = step.src.dim, step.dst.dim
     src_pieces, dst_pieces = pieces
@@ -89,7 +89,7 @@ def _identity(dtype: torch.dtype, rt: ReduceType):
     return float("inf") if dtype.is_floating_point else info.max
 
 
-def to_partial(local, step, ranks, me, pieces, rt):
+def to_partial(local, step, ranks, me, pieces):
     """R -> P: the value stays a valid reduction of the terms with no communication."""
     rt = step.dst.reduce_type
     if rt is ReduceType.SUM and me != 0:
@@ -97,7 +97,7 @@ def to_partial(local, step, ranks, me, pieces, rt):
     return local
 
 
-def shard_to_partial(local, step, ranks, me, pieces, rt):
+def shard_to_partial(local, step, ranks, me, pieces):
     """S(d) -> P: place my piece in a block filled with the reduction's identity."""
     d, red = step.src.dim, step.dst.reduce_type
     shape = list(local.shape)
@@ -108,9 +108,9 @@ def shard_to_partial(local, step, ranks, me, pieces, rt):
     return out
 
 
-def repartial(local, step, ranks, me, pieces, rt):
+def repartial(local, step, ranks, me, pieces):
     full = comm.all_reduce(local, ranks, step.src.reduce_type)
-    return to_partial(full, step, ranks, me, pieces, rt)
+    return to_partial(full, step, ranks, me, pieces)
 
 
 _RUN = {
@@ -138,7 +138,7 @@ def run_steps(local: torch.Tensor, src: DistSpec, steps: tuple, rank: int) -> to
         base = DistSpec(mesh, state, src.meta)
         box = base.local_box(coord)
         pieces = _step_pieces(st, box, k)
-        local = _RUN[st.kind](local, st, ranks, coord[m], pieces, None)
+        local = _RUN[st.kind](local, st, ranks, coord[m], pieces)
         state[m] = st.dst
     return local
 

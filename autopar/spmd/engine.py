@@ -14,7 +14,7 @@ import logging
 import warnings
 
 from ..mesh import ProcessMesh
-from ..placement import Partial, Replicate, Shard
+from ..placement import Replicate, Shard
 from .registry import rule_for
 from .strategy import OpCall, Strategy, replicated
 
