@@ -160,3 +160,19 @@ def test_usage_error_from_the_command_line():
     assert r.returncode == 2
     assert "usage: python -m autopar.launch" in r.stderr
     assert "--nproc_per_node must be >= 1" in r.stderr
+
+
+def test_autopar_job_with_a_failing_rank_ends_fast_with_its_error():
+    """A rank that raises while its peer waits in an autopar collective: the job ends in
+    seconds, non-zero, with the failing rank's error (no rank hangs in exit barriers)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "autopar.launch", "--nproc_per_node", "2",
+         os.path.join(root, "tests", "launch_scripts", "autopar_fail_rank1.py")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "boom from rank 1" in proc.stdout + proc.stderr
+    assert time.monotonic() - start < 60

@@ -1,9 +1,11 @@
 """Starting the default process group and caching one group per ordered rank tuple."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as tdist
@@ -50,6 +52,40 @@ def ensure_initialized() -> None:
         torch.cuda.set_device(current_device())
         kwargs["device_id"] = current_device()
     tdist.init_process_group(backend, timeout=_timeout(), **kwargs)
+    atexit.register(_shutdown)
+    sys.excepthook = _note_failure(sys.excepthook)
+
+
+_FAILED = [False]
+
+
+def _note_failure(hook):
+    def excepthook(*exc_info):
+        _FAILED[0] = True
+        hook(*exc_info)
+
+    return excepthook
+
+
+def _shutdown() -> None:
+    """Leave together: a rank whose peers already closed their connections can abort in
+    gloo's threads at exit, so on a clean exit wait for everyone, then tear the groups down.
+    A rank dying of an exception leaves at once (its peers may never reach a barrier)."""
+    if not tdist.is_initialized() or _FAILED[0]:
+        return
+    try:
+        tdist.barrier()
+    except Exception:  # a peer is gone: the job is failing anyway, just tear down
+        pass
+    for pg in _GROUPS.values():
+        shutdown = getattr(pg, "shutdown", None)
+        if shutdown is not None and pg is not tdist.distributed_c10d._get_default_group():
+            try:
+                shutdown()
+            except Exception:
+                pass
+    _GROUPS.clear()
+    tdist.destroy_process_group()
 
 
 def get_rank() -> int:
