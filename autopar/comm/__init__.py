@@ -15,6 +15,7 @@ from .backend import (
 )
 from .collectives import (
     all_gather,
+    all_gather_into,
     all_reduce,
     all_to_all,
     broadcast,
@@ -27,6 +28,7 @@ __all__ = [
     "CommError",
     "CommRecord",
     "all_gather",
+    "all_gather_into",
     "all_reduce",
     "all_to_all",
     "broadcast",

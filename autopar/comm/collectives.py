@@ -34,20 +34,27 @@ def _fail(op: str, ranks: Sequence[int], err: Exception):
     ) from err
 
 
-def all_gather(t: torch.Tensor, ranks: tuple) -> list[torch.Tensor]:
-    """Every member's `t` (all the same shape), in mesh order."""
+def all_gather_into(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
+    """Every member's `t` (all the same shape) concatenated along dim 0, in mesh order."""
     k = len(ranks)
     if k == 1:
-        return [t]
-    t = t.contiguous()
-    out = torch.empty((k * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) \
-        if t.dim() > 0 else torch.empty(k, dtype=t.dtype, device=t.device)
+        return t
+    t = t.contiguous().reshape(t.shape if t.dim() else (1,))
+    out = torch.empty((k * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     try:
-        group_for(ranks)._allgather_base(out, t.reshape(t.shape if t.dim() else (1,))).wait()
+        group_for(ranks)._allgather_base(out, t).wait()
     except RuntimeError as e:
         _fail("all_gather", ranks, e)
     record("all_gather", ranks, _nbytes(t) * (k - 1), _nbytes(t) * (k - 1), tuple(t.shape))
-    return list(out.chunk(k)) if t.dim() > 0 else [x.reshape(()) for x in out.unbind()]
+    return out
+
+
+def all_gather(t: torch.Tensor, ranks: tuple) -> list[torch.Tensor]:
+    """Every member's `t` (all the same shape), in mesh order."""
+    if len(ranks) == 1:
+        return [t]
+    out = all_gather_into(t, ranks)
+    return list(out.chunk(len(ranks))) if t.dim() > 0 else [x.reshape(()) for x in out.unbind()]
 
 
 def all_reduce(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> torch.Tensor:

@@ -73,11 +73,14 @@ def cross_mesh(local: torch.Tensor, src: DistSpec, dst: DistSpec, rank: int, run
         elif sender == rank:
             sends.append((_view(local, box, my_src_box).contiguous(), receiver))
         elif receiver == rank:
-            buf = torch.empty([hi - lo for lo, hi in box], dtype=src.meta.dtype, device=out.device)
-            recvs.append((buf, sender, box))
+            target = _view(out, box, my_dst_box)
+            # receive straight into the result where that part of it is contiguous
+            buf = target if target.is_contiguous() else torch.empty_like(target)
+            recvs.append((buf, sender, target))
     comm.send_recv(sends, [(b, s) for b, s, _ in recvs])
-    for buf, _, box in recvs:
-        _view(out, box, my_dst_box).copy_(buf)
+    for buf, _, target in recvs:
+        if buf is not target:
+            target.copy_(buf)
     if not in_dst:
         return torch.empty(0, dtype=src.meta.dtype, device=local.device)
     if dst_flat != dst:

@@ -27,7 +27,7 @@ def all_gather(local, step, ranks, me, pieces):
     d = step.src.dim
     sizes = [b - a for a, b in pieces]
     if d == 0 and len(set(sizes)) == 1:
-        return torch.cat(comm.all_gather(local, ranks), dim=0)
+        return comm.all_gather_into(local, ranks)  # already the concatenation: no copy
     padded = _pad_to(local, d, sizes[0]).contiguous()
     gathered = comm.all_gather(padded.reshape(-1), ranks)
     parts = [g.reshape(padded.shape).narrow(d, 0, n) for g, n in zip(gathered, sizes)]
@@ -58,7 +58,13 @@ def all_to_all(local, step, ranks, me, pieces):
     """S(i) -> S(j): send member l the part of my i-piece in l's j-range; glue received parts along i."""
     i, j = step.src.dim, step.dst.dim
     src_pieces, dst_pieces = pieces
-    sends = [local.narrow(j, a, b - a).reshape(-1) for a, b in dst_pieces]
+    pieces_out = [local.narrow(j, a, b - a) for a, b in dst_pieces]
+    send_numels = [p.numel() for p in pieces_out]
+    send = torch.empty(sum(send_numels), dtype=local.dtype, device=local.device)
+    offset = 0
+    for p, n in zip(pieces_out, send_numels):  # pack with one copy
+        send[offset:offset + n].view(p.shape).copy_(p)
+        offset += n
     recv_shapes = []
     for a, b in src_pieces:
         shape = list(local.shape)
@@ -66,8 +72,12 @@ def all_to_all(local, step, ranks, me, pieces):
         shape[j] = dst_pieces[me][1] - dst_pieces[me][0]
         recv_shapes.append(shape)
     recv_numels = [_numel(s) for s in recv_shapes]
-    out = comm.all_to_all(torch.cat(sends), [s.numel() for s in sends], recv_numels, ranks)
-    parts = [p.reshape(s) for p, s in zip(out.split(recv_numels), recv_shapes)]
+    out = comm.all_to_all(send, send_numels, recv_numels, ranks)
+    if i == 0:  # parts arrive stacked along dim 0: already the result
+        shape = list(recv_shapes[0])
+        shape[0] = sum(s[0] for s in recv_shapes)
+        return out.view(shape)
+    parts = [p.view(s) for p, s in zip(out.split(recv_numels), recv_shapes)]
     return torch.cat(parts, dim=i)
 
 
