@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Run every benchmark once and keep rank 0's JSON lines under benchmarks/results/.
+#   bash benchmarks/run_all.sh [TAG [ONLY]]   # then: python benchmarks/summarize.py benchmarks/results/*.jsonl
+# TAG names the run (results/<name>.TAG.jsonl); ONLY runs just the benchmarks whose name contains it.
+#
+# autopar is edited in parallel, so the benchmarks measure a frozen snapshot of the committed
+# HEAD (git archive -> /tmp/autopar-bench-<commit>, put first on PYTHONPATH, commands run from
+# there so `python -m autopar.launch` also comes from the snapshot).  AUTOPAR_BENCH_LIVE=1
+# measures the working tree instead.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=$repo/benchmarks/results
+bench=$repo/benchmarks
+mkdir -p "$out"
+export OMP_NUM_THREADS=1
+if [[ "${AUTOPAR_BENCH_LIVE:-0}" != 1 ]]; then
+    commit=$(git -C "$repo" rev-parse --short HEAD)
+    snap=/tmp/autopar-bench-$commit
+    if [[ ! -f $snap/SNAPSHOT_COMMIT ]]; then
+        rm -rf "$snap" && mkdir -p "$snap"
+        git -C "$repo" archive HEAD autopar | tar -x -C "$snap"
+        echo "$commit" > "$snap/SNAPSHOT_COMMIT"
+    fi
+    export PYTHONPATH=$snap${PYTHONPATH:+:$PYTHONPATH}
+    cd "$snap"
+    echo "measuring autopar $commit from $snap" >&2
+else
+    cd "$repo"
+fi
+tag=${1:+.$1}
+only=${2:-}
+run() {  # name, command...
+    local name=$1$tag; shift
+    if [[ -n "$only" && "$name" != *"$only"* ]]; then return; fi
+    echo "== $name: $*" >&2
+    "$@" 2> "$out/$name.stderr" | sed -n 's/^\(\[rank0\]: \)\{0,1\}\({"bench".*\)$/\2/p' > "$out/$name.jsonl"
+    echo "   $(wc -l < "$out/$name.jsonl") records -> $out/$name.jsonl" >&2
+}
+run dispatch_1rank  python -m autopar.launch --nproc_per_node 1 "$bench/bench_dispatch.py"
+run dispatch_4ranks python -m autopar.launch --nproc_per_node 4 "$bench/bench_dispatch.py"
+run proto_fastpath  python "$bench/proto_fastpath.py"
+run reshard_4ranks  python -m autopar.launch --nproc_per_node 4 "$bench/bench_reshard.py"
+run proto_reshard   python -m autopar.launch --nproc_per_node 4 "$bench/proto_reshard.py"
+run tp_mlp_2ranks   python -m autopar.launch --nproc_per_node 2 "$bench/bench_tp_mlp.py"
+run tp_mlp_4ranks   python -m autopar.launch --nproc_per_node 4 "$bench/bench_tp_mlp.py"
