@@ -85,7 +85,19 @@ def _shutdown() -> None:
             except Exception:
                 pass
     _GROUPS.clear()
+    _WHO[0] = None
     tdist.destroy_process_group()
+
+
+_WHO: list = [None]  # (rank, world size) of the default group, read once
+
+
+def _who() -> tuple[int, int]:
+    who = _WHO[0]
+    if who is None:
+        ensure_initialized()
+        who = _WHO[0] = (tdist.get_rank(), tdist.get_world_size())
+    return who
 
 
 def get_rank() -> int:
@@ -95,14 +107,12 @@ def get_rank() -> int:
     >>> dist.get_rank() < dist.get_world_size()
     True
     """
-    ensure_initialized()
-    return tdist.get_rank()
+    return _who()[0]
 
 
 def get_world_size() -> int:
     """Number of processes in the job (starts the process group if needed)."""
-    ensure_initialized()
-    return tdist.get_world_size()
+    return _who()[1]
 
 
 def current_device() -> torch.device:
