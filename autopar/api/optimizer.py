@@ -186,12 +186,14 @@ class _OptimizerSharding:
     def pre_step(self, optimizer, args, kwargs) -> None:
         for z in self.zero12:
             z.take_grad()
+        pending = []
         for group in optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if isinstance(g, DistTensor) and isinstance(p, DistTensor) and g._spec != p._spec:
+                if isinstance(g, DistTensor) and isinstance(p, DistTensor) and g._spec is not p._spec:
                     if any(type(pl) is Partial for pl in g._spec.placements) or g._spec.mesh != p._spec.mesh:
-                        p.grad = reshard(g.detach(), p._spec.mesh, p._spec.placements)
+                        pending.append(p)
+        reduce_grads(pending)
 
     def post_step(self, optimizer, args, kwargs) -> None:
         for z in self.zero12:
@@ -204,6 +206,40 @@ class _OptimizerSharding:
                     for key, value in list(state.items()):
                         if isinstance(value, torch.Tensor) and value.dim() > 0:
                             state[key] = self.shard_fn(key, p, value)
+
+
+def _all_reduces_only(src: DistSpec, dst: DistSpec) -> bool:
+    """src -> dst only turns Partial mesh dims into Replicate (one all-reduce each)."""
+    return src.mesh == dst.mesh and all(
+        a == b or (type(a) is Partial and type(b) is Replicate) for a, b in zip(src.placements, dst.placements)
+    )
+
+
+def reduce_grads(params: list) -> None:
+    """Bring each parameter's gradient to the parameter's placements, coalescing the gradients
+    that only need all-reduces (data parallel) into one flat buffer per (mesh, placements,
+    dtype): one collective per bucket instead of one per parameter, as DDP's buckets do."""
+    from ..comm import all_reduce, get_rank
+
+    buckets: dict = {}
+    for p in params:
+        g = p.grad
+        if _all_reduces_only(g._spec, p._spec):
+            key = (g._spec.mesh, g._spec.placements, p._spec.placements, g.dtype)
+            buckets.setdefault(key, []).append(p)
+        else:
+            p.grad = reshard(g.detach(), p._spec.mesh, p._spec.placements)
+    rank = get_rank()
+    for (mesh, src_pl, dst_pl, _), ps in buckets.items():
+        locals_ = [p.grad._local for p in ps]
+        if rank in mesh and sum(t.numel() for t in locals_):
+            flat = torch.cat([t.reshape(-1) for t in locals_])
+            for m, (a, b) in enumerate(zip(src_pl, dst_pl)):
+                if a != b:
+                    flat = all_reduce(flat, mesh.dim_group_of(rank, m), a.reduce_type, inplace=True)
+            locals_ = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in locals_]), locals_)]
+        for p, local in zip(ps, locals_):
+            p.grad = DistTensor(local, DistSpec(mesh, dst_pl, p.grad._spec.meta))
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable] = None) -> torch.optim.Optimizer:

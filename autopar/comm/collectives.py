@@ -57,10 +57,16 @@ def all_gather(t: torch.Tensor, ranks: tuple) -> list[torch.Tensor]:
     return list(out.chunk(len(ranks))) if t.dim() > 0 else [x.reshape(()) for x in out.unbind()]
 
 
-def all_reduce(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> torch.Tensor:
-    """Reduce `t` over the members; returns the reduced tensor (a new contiguous tensor)."""
+def all_reduce(
+    t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM, inplace: bool = False
+) -> torch.Tensor:
+    """Reduce `t` over the members; returns the reduced tensor (a new contiguous tensor, or
+    `t` itself with `inplace=True` when it is contiguous and the caller owns it)."""
     k = len(ranks)
-    out = t.contiguous().clone() if t.is_contiguous() else t.contiguous()
+    if inplace and t.is_contiguous():
+        out = t
+    else:
+        out = t.contiguous().clone() if t.is_contiguous() else t.contiguous()
     if k == 1:
         return out
     try:

@@ -1,0 +1,213 @@
+"""examples/train_gpt.py's GPT on 4 ranks: autopar DP and DPxTP vs torch DDP and DTensor TP + DP.
+
+    python -m autopar.launch --nproc_per_node 4 benchmarks/bench_gpt.py
+
+Model and data: train_gpt.GPT / train_gpt.batches with train_gpt's defaults (vocab 64, dim
+64, 4 heads, 2 layers, seq 32, global batch 8, AdamW lr 3e-3); one step = forward,
+cross-entropy, backward, optimizer step, zero_grad, loss.item().
+  autopar_dp   : train_gpt.build on a 4x1 (dp, mp) mesh (mp=1: pure data parallel).
+  ddp          : torch DistributedDataParallel, each rank feeds its 2-sequence batch slice.
+  autopar_dptp : train_gpt.build on a 2x2 (dp, mp) mesh (Megatron plan, incl. vocab-sharded
+                 tok embedding and head).
+  dtensor_dptp : 2-D DeviceMesh (dp=2, tp=2); parallelize_module per block with q,k,v,fc1
+                 ColwiseParallel and proj,fc2 RowwiseParallel (tok/pos/ln/head replicated);
+                 attention runs on the local heads (heads // tp, as torchtitan does); data
+                 parallel by one flat all-reduce (mean) of all local grads over the dp group
+                 after backward; each dp group feeds its 4-sequence batch slice.
+  plain        : train_gpt.build(args, None) on rank 0 (other ranks wait in a barrier).
+Checks: per-step losses of every impl agree with the single-process run (rtol 1e-5,
+atol 1e-5); distributed losses are global means (all-reduced where the impl reports a local one).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import _common as C  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as tdist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import autopar as dist  # noqa: E402
+import train_gpt as G  # noqa: E402
+
+
+def local_bytes(ts) -> int:
+    total = 0
+    for t in ts:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        elif dist.is_dist_tensor(t):
+            t = t._local
+        total += t.numel() * t.element_size()
+    return total
+
+
+def local_heads_attention(tp):
+    """Block.attention on the column-parallel q/k/v outputs: heads // tp local heads."""
+
+    def attention(self, x):
+        b, s, _ = x.shape
+        h = self.heads // tp
+        q, k, v = (f(x) for f in (self.q, self.k, self.v))
+        dl = q.shape[-1]
+        q, k, v = (t.view(b, s, h, dl // h).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, dl))
+
+    return attention
+
+
+class Runner:
+    def __init__(self, name, model, opt, data, vocab, after_backward=None, loss_fn=None):
+        self.name, self.model, self.opt, self.data, self.vocab = name, model, opt, data, vocab
+        self.after_backward = after_backward
+        self.loss_fn = loss_fn or (lambda loss: float(loss.item()))
+        self.losses: list[float] = []
+
+    def step(self):
+        x, y = self.data[len(self.losses) % len(self.data)]
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.reshape(-1, self.vocab), y.reshape(-1))
+        loss.backward()
+        if self.after_backward is not None:
+            self.after_backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.losses.append(self.loss_fn(loss))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--tp", type=int, default=2)
+    args = p.parse_args()
+    rank, k = C.setup()
+    warnings.simplefilter("default")
+    tp, dp = args.tp, k // args.tp
+    C.check(k % tp == 0 and args.batch % k == 0, "world must be divisible by tp and batch by world")
+    C.emit({"bench": "env", **C.env_info(), "ranks": k})
+    data = list(G.batches(args, 4))
+    world_mean = lambda loss: _world_mean(loss, k)  # noqa: E731
+
+    runners: dict[str, Runner] = {}
+    # autopar DP: (dp=k, mp=1)
+    mesh_dp = dist.ProcessMesh([[r] for r in range(k)], dim_names=["dp", "mp"])
+    m, o = G.build(args, mesh_dp)
+    sh = lambda t, mesh: dist.shard_tensor(t, mesh, [dist.Shard(0), dist.Replicate()])  # noqa: E731
+    runners["autopar_dp"] = Runner("autopar_dp", m, o, [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data], args.vocab)
+
+    # DDP
+    torch.manual_seed(args.seed)
+    dm = DDP(G.GPT(args.vocab, args.dim, args.heads, args.layers, args.seq))
+    per = args.batch // k
+    ddata = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in data]
+    runners["ddp"] = Runner("ddp", dm, torch.optim.AdamW(dm.parameters(), lr=args.lr), ddata, args.vocab,
+                            loss_fn=world_mean)
+
+    # autopar DP x TP
+    mesh_2d = dist.ProcessMesh(torch.arange(k).reshape(dp, tp).tolist(), dim_names=["dp", "mp"])
+    m, o = G.build(args, mesh_2d)
+    runners["autopar_dptp"] = Runner("autopar_dptp", m, o, [(sh(x, mesh_2d), sh(y, mesh_2d)) for x, y in data],
+                                     args.vocab)
+
+    # DTensor TP + manual DP
+    dmesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(args.seed)
+    tm = G.GPT(args.vocab, args.dim, args.heads, args.layers, args.seq)
+    attn = local_heads_attention(tp)
+    for blk in tm.blocks:
+        parallelize_module(blk, dmesh["tp"], {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                                              "fc1": ColwiseParallel(), "proj": RowwiseParallel(),
+                                              "fc2": RowwiseParallel()})
+        blk.attention = attn.__get__(blk)
+    dp_group = dmesh.get_group("dp")
+    tparams = list(tm.parameters())
+
+    def dp_allreduce():
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in tparams]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        tdist.all_reduce(flat, group=dp_group)
+        flat /= dp
+        off = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[off:off + n].view_as(g))
+            off += n
+
+    dpr = rank // tp
+    pd = args.batch // dp
+    tdata = [(x[dpr * pd:(dpr + 1) * pd], y[dpr * pd:(dpr + 1) * pd]) for x, y in data]
+    runners["dtensor_dptp"] = Runner("dtensor_dptp", tm, torch.optim.AdamW(tm.parameters(), lr=args.lr), tdata,
+                                     args.vocab, after_backward=dp_allreduce, loss_fn=world_mean)
+
+    # single process
+    pm, po = G.build(args, None)
+    runners["plain"] = Runner("plain", pm, po, data, args.vocab)
+    if rank != 0:
+        runners["plain"].step = lambda: None
+
+    fns = {n: r.step for n, r in runners.items()}
+    times = C.interleaved(fns, reps=args.reps, warmup=args.warmup, only_rank0=frozenset({"plain"}))
+
+    ref = runners["plain"].losses
+    max_rel = {}
+    if rank == 0:
+        for n, r in runners.items():
+            if n == "plain":
+                continue
+            C.assert_close(torch.tensor(r.losses), torch.tensor(ref), f"{n} vs single-process losses")
+            max_rel[n] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r.losses, ref))
+
+    st = {n: C.stats_ms(v) for n, v in times.items()}
+    pbytes = {}
+    for n, r in runners.items():
+        states = [v for s in r.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        t = torch.tensor([local_bytes(r.model.parameters()), local_bytes(states)], dtype=torch.int64)
+        if n != "plain":
+            tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        pbytes[n] = t.tolist()
+    peer = {"autopar_dp": "ddp", "autopar_dptp": "dtensor_dptp"}
+    for n in runners:
+        rec = {"bench": "gpt_step", "impl": n, "ranks": 1 if n == "plain" else k, "world": k, **st[n],
+               "steps_checked": len(ref), "max_rel_loss_diff_vs_plain": max_rel.get(n),
+               "loss_first_last": runners[n].losses[:1] + runners[n].losses[-1:],
+               "param_bytes_per_rank": pbytes[n][0], "optim_state_bytes_per_rank": pbytes[n][1]}
+        if n in peer:
+            rec[f"ratio_vs_{peer[n]}"] = round(st[n]["median_ms"] / st[peer[n]]["median_ms"], 3)
+        if n != "plain":
+            rec["ratio_vs_plain"] = round(st[n]["median_ms"] / st["plain"]["median_ms"], 3)
+        C.emit(rec)
+    C.emit({"bench": "rules_missing", "ranks": k, "ops": C.rule_warnings()})
+
+
+def _world_mean(loss, k):
+    t = loss.detach().clone()
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    tdist.all_reduce(t)
+    return float(t.item()) / k
+
+
+if __name__ == "__main__":
+    C.fail_loudly(main)
