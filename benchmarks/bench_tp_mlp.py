@@ -6,7 +6,7 @@
 Model: z = (x @ w0) @ w1 with w0 1024x4096 split by columns (Shard(1)) and w1 4096x1024 by
 rows (Shard(0)), x 4x128x1024, loss = z.mean(), AdamW(lr=1e-3); one step = forward,
 backward, optimizer step, zero_grad, loss.item().  (`--relu` puts a ReLU between the
-layers, as in examples/quickstart.py.)
+layers, with a ReLU between them.)
   autopar : the seed's program: shard_tensor on the two Parameters, plain x.
   dtensor : nn.Module with two bias-free nn.Linear (weights = w0.T, w1.T, since Linear stores
             weight as out x in), parallelize_module with fc0 ColwiseParallel and fc1

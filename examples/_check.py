@@ -1,5 +1,7 @@
-"""--check support for the examples: run the single-process program and compare."""
+"""What the seed examples share: their command line and the --check against one process."""
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -14,3 +16,26 @@ def compare(losses, ref_losses, params: dict, ref_params: dict, rtol: float = 1e
         torch.testing.assert_close(got, ref_params[name].detach(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
     if dist.get_rank() == 0:
         print(f"check: {len(losses)} losses and {len(params)} parameters match the single-process run")
+
+
+def example_args(doc: str, batch: int = 4) -> argparse.Namespace:
+    """The seed's sizes by default (hidden 1024, ffn 4096, 128 tokens); --check compares."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action="store_true", help="also run one process and compare")
+    return p.parse_args()
+
+
+def finish(args, model, losses, reference) -> None:
+    """Print the losses on rank 0; with --check run `reference()` (the single-process
+    program, returning (model, losses)) and fail unless everything matches."""
+    if dist.get_rank() == 0:
+        print("losses", [round(v, 6) for v in losses])
+    if args.check:
+        ref, ref_losses = reference()
+        compare(losses, ref_losses, dict(model.named_parameters()), dict(ref.named_parameters()))

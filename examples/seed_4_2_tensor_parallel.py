@@ -2,12 +2,10 @@
 
     python -m autopar.launch --nproc_per_node 4 examples/seed_4_2_tensor_parallel.py --check
 """
-import argparse
-
 import torch
 
 import autopar as dist
-from _check import compare
+from _check import example_args, finish
 
 
 class MlpModel(torch.nn.Module):
@@ -45,24 +43,13 @@ def train(mesh, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--check", action="store_true")
-    args = p.parse_args()
+    args = example_args(__doc__)
     mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["x"])
     model, losses = train(mesh, args)
     if dist.get_rank() == 0:
         print(f"w0 {model.w0.placements} local {tuple(model.w0.local_value().shape)}; "
               f"w1 {model.w1.placements} local {tuple(model.w1.local_value().shape)}")
-        print("losses", [round(v, 6) for v in losses])
-    if args.check:
-        ref, ref_losses = train(None, args)
-        compare(losses, ref_losses, dict(model.named_parameters()), dict(ref.named_parameters()))
+    finish(args, model, losses, lambda: train(None, args))
 
 
 if __name__ == "__main__":

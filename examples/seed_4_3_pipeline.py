@@ -6,12 +6,10 @@ the activation from stage 0 to stage 1 (and its gradient back in backward).
 Every rank runs the whole program: a rank skips the ops of the stage it is not in, and
 `loss.backward()` on every rank drives the backward across the meshes.
 """
-import argparse
-
 import torch
 
 import autopar as dist
-from _check import compare
+from _check import example_args, finish
 
 
 class MlpModel(torch.nn.Module):
@@ -52,15 +50,7 @@ def train(meshes, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--check", action="store_true")
-    args = p.parse_args()
+    args = example_args(__doc__)
     world = dist.get_world_size()
     if world % 2:
         raise SystemExit(f"the pipeline example needs an even number of ranks, got {world}")
@@ -69,10 +59,7 @@ def main():
     model, losses = train((mesh0, mesh1), args)
     if dist.get_rank() == 0:
         print(f"stage 0 {mesh0.process_ids}, stage 1 {mesh1.process_ids}")
-        print("losses", [round(v, 6) for v in losses])
-    if args.check:
-        ref, ref_losses = train((None, None), args)
-        compare(losses, ref_losses, dict(model.named_parameters()), dict(ref.named_parameters()))
+    finish(args, model, losses, lambda: train((None, None), args))
 
 
 if __name__ == "__main__":

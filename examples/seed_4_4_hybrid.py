@@ -3,13 +3,11 @@ across two 2x2 meshes; the dataloader puts inputs on the first mesh, labels on t
 
     python -m autopar.launch --nproc_per_node 8 examples/seed_4_4_hybrid.py --check
 """
-import argparse
-
 import numpy as np
 import torch
 
 import autopar as dist
-from _check import compare
+from _check import example_args, finish
 
 
 class RandomDataset(torch.utils.data.Dataset):
@@ -71,25 +69,13 @@ def train(meshes, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--check", action="store_true")
-    args = p.parse_args()
+    args = example_args(__doc__, batch=2)
     if dist.get_world_size() != 8:
         raise SystemExit("the 3-D hybrid example runs on 8 ranks (two 2x2 meshes)")
     mesh0 = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
     mesh1 = dist.ProcessMesh([[4, 5], [6, 7]], dim_names=["x", "y"])
     model, losses = train((mesh0, mesh1), args)
-    if dist.get_rank() == 0:
-        print("losses", [round(v, 6) for v in losses])
-    if args.check:
-        ref, ref_losses = train((None, None), args)
-        compare(losses, ref_losses, dict(model.named_parameters()), dict(ref.named_parameters()))
+    finish(args, model, losses, lambda: train((None, None), args))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The seed's four strategies and the quickstart, launched as users launch them, with --check
+"""The seed's four strategies and the main job, launched as users launch them, with --check
 (each exits non-zero unless every loss and the final weights match the single-process run)."""
 import os
 import subprocess
@@ -17,7 +17,6 @@ SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
         ("seed_4_2_tensor_parallel.py", 4, SMALL),
         ("seed_4_3_pipeline.py", 4, SMALL),
         ("seed_4_4_hybrid.py", 8, SMALL),
-        ("quickstart.py", 2, SMALL),
         ("train_gpt.py", 4, ["--steps", "6"]),
     ],
 )
