@@ -17,7 +17,7 @@ from .placement import Partial, Replicate
 from .reshard import piece_of_replicated, redistribute_local
 from .spec import DistSpec, TensorMeta
 from .spmd import engine
-from .spmd.registry import KERNELS, LOCAL_ARGS
+from .spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS
 from .spmd.strategy import OpCall
 
 aten = torch.ops.aten
@@ -265,6 +265,8 @@ def dispatch(func, args, kwargs):
     locals_ = [t._local for t in flat] if dec.direct else _inputs_in_place(dec, flat)
     if not dec.member:
         device = flat[0].device
+        if func in DRAWS_RANDOM:  # keep this rank's generator on the single-process stream
+            _draw_and_discard(func, args, kwargs, flat)
         return _wrap(dec, [torch.empty(0, dtype=s.meta.dtype, device=device) for s in dec.out_specs], args, kwargs)
     if dec.positions is not None:
         largs = list(args)
@@ -304,6 +306,16 @@ def _inputs_in_place(dec: Decision, flat) -> list:
         if type(t) is DistTensor and t._spec is not dec.in_specs[i]:
             t._local, t._spec = locals_[i], dec.in_specs[i]
     return locals_
+
+
+def _draw_and_discard(func, args, kwargs, flat) -> None:
+    """Run a random op on full-size stand-ins so the generator advances as on the mesh."""
+    stand_ins = [
+        torch.zeros(t._spec.meta.shape, dtype=t._spec.meta.dtype, device=t.device) if type(t) is DistTensor else t
+        for t in flat
+    ]
+    sargs, skwargs = _substitute(args, kwargs, stand_ins)
+    func(*sargs, **skwargs)
 
 
 def _only_reduces(src: DistSpec, dst: DistSpec) -> bool:

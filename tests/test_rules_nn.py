@@ -363,3 +363,21 @@ def test_random_ops_2_and_4_ranks():
 
 def test_random_ops_2d_mesh():
     run_dist(_random_rank, 4, MESH_2D)
+
+
+def _pipeline_dropout():
+    """Stage 0 draws a dropout mask, stage 1 draws another: ranks of stage 1 must have
+    advanced their generator through stage 0's draw to match the single process."""
+    mesh0, mesh1 = dist.ProcessMesh([0, 1]), dist.ProcessMesh([2, 3])
+    torch.manual_seed(7)
+    x = torch.randn(6, 4)
+    ref = F.dropout(F.dropout(x, 0.5), 0.5)
+    torch.manual_seed(7)
+    x = torch.randn(6, 4)
+    y = F.dropout(dist.shard_tensor(x, mesh0, [Shard(0)]), 0.5)
+    z = F.dropout(dist.reshard(y, mesh1, [Shard(0)]), 0.5)
+    return torch.equal(dist.unshard_dtensor(z), ref)
+
+
+def test_random_ops_keep_every_rank_on_the_single_process_stream_across_meshes():
+    assert run_dist(_pipeline_dropout, 4) == [True] * 4

@@ -6,9 +6,9 @@ process), then keeping this rank's piece.  Every rank of the mesh draws the whol
 the price of matching the single-process stream on any device.  A Replicate result is the
 plain op (every rank draws the same full tensor).
 
-Limitation: ranks outside an op's mesh run no kernel, so their generator does not advance;
-random ops on a mesh that leaves out some ranks keep those ranks' streams apart from the
-single-process one.  Seed such ranks explicitly if they later draw on a larger mesh.
+Ranks outside an op's mesh draw (and discard) the same full-shape numbers, so every rank's
+generator stays on the single-process stream: a pipeline stage that drops out after another
+stage did draws the same mask as the single process.
 
 Ops covered:
   in-place fills (uniform_, normal_, bernoulli_ with a float p, random_, exponential_, ...):
@@ -28,7 +28,7 @@ import torch
 from ..api.tensor import _piece_of_full
 from ..placement import Partial, Replicate, Shard
 from .pointwise import shard_strategies
-from .registry import register, register_kernel
+from .registry import DRAWS_RANDOM, register, register_kernel
 from .strategy import OpCall, Strategy
 
 aten = torch.ops.aten
@@ -50,6 +50,9 @@ VALUE_DRAWS = [
     aten.bernoulli.default, aten.bernoulli.Tensor, aten.bernoulli_.Tensor, aten.normal.Tensor_float,
     aten.normal.float_Tensor, aten.normal.Tensor_Tensor,
 ]
+
+
+DRAWS_RANDOM.update(FILLS + LIKE + VALUE_DRAWS + [aten.native_dropout.default])
 
 
 def _rest(call: OpCall) -> tuple:

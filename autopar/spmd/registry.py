@@ -6,6 +6,9 @@ from typing import Callable, Iterable
 RULES: dict = {}
 LOCAL_ARGS: dict = {}
 KERNELS: dict = {}
+# ops that draw from the random generator: a rank outside their mesh still draws (and
+# discards) the same numbers, so every rank's stream stays the single-process stream
+DRAWS_RANDOM: set = set()
 
 
 def register(ops: Iterable | object, local_args: Callable | None = None):
