@@ -1,8 +1,10 @@
 """Op dispatch for DistTensor: decide once per (op, argument specs), then execute.
 
 `decide` is the planning half (meta shapes, rule choice, target specs) and is cached;
-`execute` is the hot half: reshard the inputs that need it, run the local op, wrap.
-A rank outside the op's mesh runs nothing and returns empty pieces with the right meta.
+`dispatch` is the hot half: look the decision up, reshard the inputs that need it, run the
+local op, wrap (a decision whose inputs never move runs as unwrap + C++ op + wrap).
+A rank outside the op's mesh computes nothing and returns empty pieces with the right meta
+(random ops still draw, so its generator stays on the single-process stream).
 """
 from __future__ import annotations
 
