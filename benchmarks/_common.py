@@ -197,6 +197,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for `tensors` (autopar or DTensor pieces, plain tensors, None)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        elif autopar.is_dist_tensor(t):
+            t = t._local
+        total += _nbytes(t)
+    return total
+
+
 class TorchCommCounter(TorchDispatchMode):
     """Collectives DTensor issues below it: [(op name, bytes sent by this rank, group size)]."""
 

@@ -41,19 +41,6 @@ import autopar as dist  # noqa: E402
 import train_gpt as G  # noqa: E402
 
 
-def local_bytes(ts) -> int:
-    total = 0
-    for t in ts:
-        if t is None:
-            continue
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        elif dist.is_dist_tensor(t):
-            t = t._local
-        total += t.numel() * t.element_size()
-    return total
-
-
 def local_heads_attention(tp):
     """Block.attention on the column-parallel q/k/v outputs: heads // tp local heads."""
 
@@ -183,7 +170,7 @@ def main():
     pbytes = {}
     for n, r in runners.items():
         states = [v for s in r.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        t = torch.tensor([local_bytes(r.model.parameters()), local_bytes(states)], dtype=torch.int64)
+        t = torch.tensor([C.local_bytes(r.model.parameters()), C.local_bytes(states)], dtype=torch.int64)
         if n != "plain":
             tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
         pbytes[n] = t.tolist()

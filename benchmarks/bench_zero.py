@@ -31,7 +31,6 @@ import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
 import autopar as dist  # noqa: E402
 
@@ -45,19 +44,6 @@ def make_mlp(w0, w1):
     return m
 
 
-def local_bytes(ts) -> int:
-    total = 0
-    for t in ts:
-        if t is None:
-            continue
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        elif dist.is_dist_tensor(t):
-            t = t._local
-        total += t.numel() * t.element_size()
-    return total
-
-
 def opt_params(opt):
     return [p for g in opt.param_groups for p in g["params"]]
 
@@ -67,7 +53,7 @@ def mem_breakdown(model, opt) -> dict:
     extra = [p for p in opt_params(opt) if all(p is not q for q in params)]  # ZeRO-1/2 shards
     grads = [p.grad for p in params] + [p.grad for p in extra]
     states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    pb, gb, sb = local_bytes(params), local_bytes(grads), local_bytes(states)
+    pb, gb, sb = C.local_bytes(params), C.local_bytes(grads), C.local_bytes(states)
     return {"param_bytes": pb, "grad_bytes": gb, "state_bytes": sb, "total_bytes": pb + gb + sb}
 
 

@@ -91,7 +91,7 @@ def dispatch_table(recs):
     print("| op, placement | ranks | plain | plain, local piece | autopar | DTensor | autopar overhead | DTensor overhead | autopar / DTensor | autopar / plain | decide() calls in timed loops |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (ranks, bench), v in sorted(g.items()):
-        ap, dt, pl, pll = v["autopar"], v["dtensor"], v["plain"], v["plain_local"]
+        ap, dt, pl = v["autopar"], v["dtensor"], v["plain"]
         us = {k: med(x, "median_ms", 1e3) for k, x in v.items()}
         decides = sum(r["decide_calls_timed_loops"] for r in ap.values())
         calls = sum(r["timed_calls"] for r in ap.values())
