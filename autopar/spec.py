@@ -119,6 +119,12 @@ class DistSpec:
     def with_placements(self, placements: Sequence[Placement]) -> "DistSpec":
         return DistSpec(self.mesh, placements, self.meta)
 
+    def without_partial(self) -> "DistSpec":
+        """The same spec with every Partial mesh dim made Replicate (the reduced value's layout)."""
+        if not any(type(p) is Partial for p in self.placements):
+            return self
+        return self.with_placements([Replicate() if type(p) is Partial else p for p in self.placements])
+
     def sharding_mesh_dims(self, tensor_dim: int) -> list[int]:
         """Mesh dims that shard `tensor_dim`, in nesting order."""
         return [m for m, p in enumerate(self.placements) if type(p) is Shard and p.dim == tensor_dim]

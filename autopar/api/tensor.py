@@ -24,10 +24,6 @@ def _check_mesh(mesh: ProcessMesh, what: str) -> None:
         raise ValueError(f"{what}: mesh {mesh} names ranks {beyond} but the world has {world} processes")
 
 
-def _without_partial(spec: DistSpec) -> DistSpec:
-    return spec.with_placements([Replicate() if type(p) is Partial else p for p in spec.placements])
-
-
 def _piece_of_full(full: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     """This rank's piece of `spec` cut from the full value (no communication), as its own
     storage: a cut piece must not pin the full tensor, each rank holds only its shard."""
@@ -56,7 +52,7 @@ class _Reshard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        target = _without_partial(ctx.src)
+        target = ctx.src.without_partial()
         if type(grad) is not DistTensor:
             return DistTensor(_piece_of_full(grad, target), target), None
         return DistTensor(redistribute_local(grad._local, grad._spec, target), target), None
@@ -81,7 +77,7 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        target = _without_partial(ctx.spec)
+        target = ctx.spec.without_partial()
         if type(grad) is DistTensor:
             return redistribute_local(grad._local, grad._spec, target), None
         return _piece_of_full(grad, target), None
@@ -95,7 +91,7 @@ class _FullValue(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        target = _without_partial(ctx.spec)
+        target = ctx.spec.without_partial()
         return DistTensor(_piece_of_full(grad, target), target)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from ..comm import current_device
 from ..dtensor import DistTensor
-from ..placement import Partial, ReduceType, Replicate
+from ..placement import Partial, ReduceType
 from ..spec import DistSpec, TensorMeta
 from . import sync
 from .errors import Problems
@@ -211,7 +211,7 @@ class _Loader:
             coord = spec.mesh.coordinate(self.rank)
             if coord is None:
                 return torch.empty(0, dtype=dtype)
-            whole = _without_partial(spec)
+            whole = spec.without_partial()
             local_shape = whole.local_shape(coord)
             if job.target is not None and tuple(job.target._local.shape) != local_shape:
                 self.problems.add(
@@ -255,12 +255,6 @@ def _slices(box) -> tuple:
     return tuple(slice(a, b) for a, b in box)
 
 
-def _without_partial(spec: DistSpec) -> DistSpec:
-    if not spec.partial_dims():
-        return spec
-    return spec.with_placements([Replicate() if type(p) is Partial else p for p in spec.placements])
-
-
 def _need_box(spec: DistSpec, whole: DistSpec, coord) -> list | None:
     """The global box a mesh coordinate reads; None for a sum-Partial term that stays zero."""
     for m, p in enumerate(spec.placements):
@@ -270,7 +264,7 @@ def _need_box(spec: DistSpec, whole: DistSpec, coord) -> list | None:
 
 
 def _all_needs(spec: DistSpec) -> list[tuple[int, list | None]]:
-    whole = _without_partial(spec)
+    whole = spec.without_partial()
     return [(int(r), _need_box(spec, whole, c)) for c, r in np.ndenumerate(spec.mesh.mesh)]
 
 

@@ -11,12 +11,7 @@ from functools import lru_cache
 import torch
 
 from .. import comm
-from ..placement import Partial, Replicate
 from ..spec import DistSpec
-
-
-def without_partial(spec: DistSpec) -> DistSpec:
-    return spec.with_placements([Replicate() if type(p) is Partial else p for p in spec.placements])
 
 
 def _intersect(a, b):
@@ -58,7 +53,7 @@ def _view(t: torch.Tensor, box, origin) -> torch.Tensor:
 
 def cross_mesh(local: torch.Tensor, src: DistSpec, dst: DistSpec, rank: int, run_same_mesh) -> torch.Tensor:
     """New local tensor of `dst` for this rank (empty when the rank is not on dst's mesh)."""
-    src_flat, dst_flat = without_partial(src), without_partial(dst)
+    src_flat, dst_flat = src.without_partial(), dst.without_partial()
     if rank in src.mesh and src_flat != src:
         local = run_same_mesh(local, src, src_flat)
     in_src, in_dst = rank in src.mesh, rank in dst.mesh
