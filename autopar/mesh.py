@@ -124,9 +124,23 @@ class ProcessMesh:
 
     def dim_group_of(self, rank: int, dim: int) -> tuple[int, ...]:
         """The ranks along mesh dim `dim` that share `rank`'s other coordinates, in mesh order."""
-        coord = list(self._coords[rank])
-        coord[dim] = slice(None)
-        return tuple(int(r) for r in self._ids[tuple(coord)])
+        return self.group_of(rank, (dim,))
+
+    def group_of(self, rank: int, dims: tuple[int, ...]) -> tuple[int, ...]:
+        """The ranks spanning mesh dims `dims` that share `rank`'s other coordinates, in mesh
+        order (one collective over them reduces several mesh dims at once)."""
+        key = (rank, dims)
+        group = self._groups.get(key)
+        if group is None:
+            coord = list(self._coords[rank])
+            for d in dims:
+                coord[d] = slice(None)
+            group = self._groups[key] = tuple(int(r) for r in self._ids[tuple(coord)].reshape(-1))
+        return group
+
+    @cached_property
+    def _groups(self) -> dict:
+        return {}
 
     # -- sub-meshes -------------------------------------------------------------------
     def get_mesh_with_dim(self, dim_name: str, index: int | None = None) -> "ProcessMesh":

@@ -4,7 +4,7 @@ import torch
 
 import autopar as dist
 from autopar.placement import Partial, Replicate, Shard, normalize_placements
-from autopar.reshard.plan import plan_steps
+from autopar.reshard.plan import plan_bytes, plan_steps
 from autopar.spec import DistSpec, TensorMeta, split_range
 
 R = Replicate()
@@ -108,6 +108,23 @@ def test_planner_uses_the_cheapest_collective_per_transition():
     assert _kinds((2, 2), (8, 8), [S0, S0], [R, R]) == ["all_gather", "all_gather"]
     steps = plan_steps((2, 2), (8, 8), 4, (S0, S0), (R, R))
     assert [s.mesh_dim for s in steps] == [1, 0]
+
+
+def test_planner_reduces_several_mesh_dims_in_one_all_reduce():
+    """P on two mesh dims -> R: one all-reduce over the 4 ranks, not one per mesh dim."""
+    steps = plan_steps((2, 2), (8, 8), 4, (Partial(), Partial()), (R, R))
+    assert [(s.kind, s.mesh_dims) for s in steps] == [("all_reduce", (0, 1))]
+    src = DistSpec(dist.ProcessMesh([[0, 1], [2, 3]]), [Partial(), Partial()], TensorMeta((8, 8), (8, 1), torch.float32))
+    assert plan_bytes(src, DistSpec(src.mesh, [R, R], src.meta)) == 2 * 256 * 3 / 4
+    # different reduce ops stay two steps
+    steps = plan_steps((2, 2), (8, 8), 4, (Partial("max"), Partial()), (R, R))
+    assert sorted(s.kind for s in steps) == ["all_reduce", "all_reduce"]
+
+
+def test_planner_skips_mesh_dims_of_size_one():
+    """On a mesh dim of size 1 every placement is the whole tensor: nothing to do."""
+    assert plan_steps((4, 1), (8, 8), 4, (R, Shard(0)), (R, R)) == ()
+    assert _kinds((4, 1), (8, 8), [Partial(), Partial()], [R, Shard(1)]) == ["all_reduce"]
 
 
 def test_planner_reduces_before_gathering():

@@ -17,7 +17,7 @@ from opcheck import check
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
 MESH_2D = [[2, 0], [1, 3]]
-MY_OPS = ("softmax", "nll_loss", "flash_attention", "dropout", "bernoulli", "uniform", "normal", "rand")
+MY_OPS = ("softmax", "nll_loss", "mse_loss", "smooth_l1", "huber", "binary_cross_entropy", "flash_attention", "dropout", "bernoulli", "uniform", "normal", "rand")
 
 
 def _call(op, *args, **kwargs):
@@ -289,6 +289,34 @@ def _sdpa_2d_rank():
         assert _comm(log) == [] and out.placements == [Shard(0), Shard(1)]
         check(fn, [q, k, v], [[Shard(1), Shard(2)], [Shard(1), R], [Shard(1), R]], MESH_2D)
     return True
+
+
+# -- elementwise losses ---------------------------------------------------------------------------
+def _elementwise_losses_rank(mesh_ids):
+    mesh = ProcessMesh(mesh_ids)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(7, 5, generator=g), torch.randn(7, 5, generator=g)
+    p, t = torch.rand(7, 5, generator=g) * 0.9 + 0.05, torch.rand(7, 5, generator=g)
+    losses = {
+        "mse": (F.mse_loss, x, y), "smooth_l1": (lambda a, b, **k: F.smooth_l1_loss(a, b, beta=0.5, **k), x, y),
+        "huber": (lambda a, b, **k: F.huber_loss(a, b, delta=0.7, **k), x, y), "bce": (F.binary_cross_entropy, p, t),
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, (fn, a, b) in losses.items():
+            for reduction in ("mean", "sum", "none"):
+                for pl in ([Shard(0)] * mesh.ndim, [Shard(1)] + [Shard(0)] * (mesh.ndim - 1)):  # 7 rows: uneven
+                    out, log = check(lambda a, b: fn(a, b, reduction=reduction), [a, b], [pl, pl], mesh)
+                    assert _comm(log) == [], (name, reduction, pl, _comm(log))  # the loss itself: local
+                    if reduction != "none":
+                        assert all(type(q) is Partial for q in out.placements), (name, reduction, out.placements)
+    _no_rule_warnings(caught)
+    return True
+
+
+def test_elementwise_losses_shard_and_reduce_once():
+    run_dist(_elementwise_losses_rank, 2, [0, 1])
+    run_dist(_elementwise_losses_rank, 4, MESH_2D)
 
 
 def test_attention_2_and_4_ranks():

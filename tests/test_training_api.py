@@ -152,6 +152,60 @@ def test_tensor_parallel_with_global_grad_norm_clipping():
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5)
 
 
+def _col_row_norm_col():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8),
+                               torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+
+
+def _dp_tp_one_reduction_per_bucket():
+    """dp x mp: column, row, layer norm, column.  The step reduces all gradients in one
+    collective per group of mesh dims: over dp for the weights, over dp and mp at once for
+    the layer norm's, which the last column layer's backward leaves Partial on mp too."""
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+
+    def shard_fn(name, sub, mesh):
+        if name in ("0", "4"):
+            sub.weight = dist.shard_tensor(sub.weight, mesh, [R, S0])
+            sub.bias = dist.shard_tensor(sub.bias, mesh, [R, S0])
+        if name == "2":
+            sub.weight = dist.shard_tensor(sub.weight, mesh, [R, S1])
+
+    model = dist.shard_layer(_col_row_norm_col(), mesh, shard_fn)
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    steps = []
+    losses = _train(model, _Logged(opt, steps), mesh)
+    return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, steps
+
+
+class _Logged:
+    """An optimizer whose step records the collectives it ran."""
+
+    def __init__(self, opt, steps):
+        self.opt, self.steps = opt, steps
+
+    def step(self):
+        with dist.comm_log() as log:
+            self.opt.step()
+        self.steps.append(sorted((r.op, r.ranks) for r in log))
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+
+def test_data_and_tensor_parallel_step_reduces_in_one_collective_per_bucket():
+    model = _col_row_norm_col()
+    ref_losses = _train(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    ref_params = {k: v.detach() for k, v in model.state_dict().items()}
+    for rank, (losses, params, steps) in enumerate(run_dist(_dp_tp_one_reduction_per_bucket, 4)):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5)
+        dp_group = (rank % 2, rank % 2 + 2)
+        for ops in steps:
+            assert ops == sorted([("all_reduce", dp_group), ("all_reduce", (0, 1, 2, 3))]), ops
+
+
 def _shard_layer_hooks():
     mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
     seen = []

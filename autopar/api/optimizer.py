@@ -208,38 +208,47 @@ class _OptimizerSharding:
                             state[key] = self.shard_fn(key, p, value)
 
 
-def _all_reduces_only(src: DistSpec, dst: DistSpec) -> bool:
-    """src -> dst only turns Partial mesh dims into Replicate (one all-reduce each)."""
-    return src.mesh == dst.mesh and all(
-        a == b or (type(a) is Partial and type(b) is Replicate) for a, b in zip(src.placements, dst.placements)
-    )
+def _reductions(src: DistSpec, dst: DistSpec):
+    """The (mesh dims, reduce op) of an all-reduce that alone takes src to dst's local
+    pieces, or None when src -> dst needs more than that.  Mesh dims of size 1 hold the
+    whole tensor whatever their placement, so they never differ."""
+    if src.mesh != dst.mesh:
+        return None
+    dims, op = [], None
+    for m, (a, b) in enumerate(zip(src.placements, dst.placements)):
+        if a == b or src.mesh.shape[m] == 1:
+            continue
+        if type(a) is not Partial or type(b) is not Replicate or op not in (None, a.reduce_type):
+            return None
+        dims.append(m)
+        op = a.reduce_type
+    return tuple(dims), op
 
 
 def reduce_grads(params: list) -> None:
-    """Bring each parameter's gradient to the parameter's placements, coalescing the gradients
-    that only need all-reduces (data parallel) into one flat buffer per (mesh, placements,
-    dtype): one collective per bucket instead of one per parameter, as DDP's buckets do."""
+    """Bring each parameter's gradient to the parameter's placements.  Gradients that only
+    need an all-reduce (data parallel, and Partial left over from tensor parallel) share
+    one flat buffer per (mesh, reduced mesh dims, reduce op, dtype) and one all-reduce over
+    the ranks spanning those dims, as DDP's buckets do, instead of one per parameter."""
     from ..comm import all_reduce, get_rank
 
     buckets: dict = {}
     for p in params:
         g = p.grad
-        if _all_reduces_only(g._spec, p._spec):
-            key = (g._spec.mesh, g._spec.placements, p._spec.placements, g.dtype)
-            buckets.setdefault(key, []).append(p)
-        else:
+        how = _reductions(g._spec, p._spec)
+        if how is None:
             p.grad = reshard(g.detach(), p._spec.mesh, p._spec.placements)
+        else:
+            buckets.setdefault((p._spec.mesh, how, g.dtype), []).append(p)
     rank = get_rank()
-    for (mesh, src_pl, dst_pl, _), ps in buckets.items():
+    for (mesh, (dims, op), _), ps in buckets.items():
         locals_ = [p.grad._local for p in ps]
-        if rank in mesh and sum(t.numel() for t in locals_):
+        if dims and rank in mesh and sum(t.numel() for t in locals_):
             flat = torch.cat([t.reshape(-1) for t in locals_])
-            for m, (a, b) in enumerate(zip(src_pl, dst_pl)):
-                if a != b:
-                    flat = all_reduce(flat, mesh.dim_group_of(rank, m), a.reduce_type, inplace=True)
+            flat = all_reduce(flat, mesh.group_of(rank, dims), op, inplace=True)
             locals_ = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in locals_]), locals_)]
         for p, local in zip(ps, locals_):
-            p.grad = DistTensor(local, DistSpec(mesh, dst_pl, p.grad._spec.meta))
+            p.grad = DistTensor(local, DistSpec(mesh, p._spec.placements, p.grad._spec.meta))
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable] = None) -> torch.optim.Optimizer:

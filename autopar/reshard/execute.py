@@ -141,6 +141,11 @@ def run_steps(local: torch.Tensor, src: DistSpec, steps: tuple, rank: int) -> to
     coord = mesh.coordinate(rank)
     state = list(src.placements)
     for st in steps:
+        if st.also:  # one all-reduce over several mesh dims: no pieces to cut
+            local = comm.all_reduce(local, mesh.group_of(rank, st.mesh_dims), st.src.reduce_type)
+            for m in st.mesh_dims:
+                state[m] = st.dst
+            continue
         m = st.mesh_dim
         k = mesh.shape[m]
         ranks = mesh.dim_group_of(rank, m)

@@ -5,6 +5,10 @@ A step changes the placement on a single mesh dim with one collective (or none):
     S->R all_gather, P->R all_reduce, P->S reduce_scatter, S(i)->S(j) all_to_all,
     R->S slice, R->P / S->P local (zero or identity fill)
 
+Adjacent all-reduces of the same reduce op on several mesh dims then merge into one
+all-reduce over the ranks spanning those dims: fewer collectives and fewer bytes
+(2(k1 k2 - 1)/(k1 k2) of the tensor instead of 2(k1-1)/k1 + 2(k2-1)/k2).
+
 Shards nest in mesh-dim order (see spec.py), so a step may add or remove a shard of tensor
 dim d on mesh dim m only while no later mesh dim shards d.  The planner runs Dijkstra over
 placement tuples with bytes-sent-per-rank as the cost; the result is cached per spec pair.
@@ -22,12 +26,18 @@ from ..spec import DistSpec, _itemsize
 
 @dataclass(frozen=True)
 class Step:
-    """Change mesh dim `mesh_dim` from `src` to `dst` with `kind` (collective or local op)."""
+    """Change mesh dim `mesh_dim` from `src` to `dst` with `kind` (collective or local op);
+    `also` lists further mesh dims that the same all-reduce takes from `src` to `dst`."""
 
     mesh_dim: int
     kind: str
     src: Placement
     dst: Placement
+    also: tuple = ()
+
+    @property
+    def mesh_dims(self) -> tuple:
+        return tuple(sorted((self.mesh_dim,) + self.also))
 
 
 def step_kind(src: Placement, dst: Placement) -> str:
@@ -100,8 +110,8 @@ def plan_steps(mesh_shape: tuple, shape: tuple, itemsize: int, src: tuple, dst: 
     heap = [(0.0, 0, next(counter), src, ())]
     while heap:
         cost, nsteps, _, state, path = heapq.heappop(heap)
-        if state == dst:
-            return path
+        if state == dst:  # steps on mesh dims of size 1 move nothing: drop them
+            return _merge_all_reduces(tuple(st for st in path if mesh_shape[st.mesh_dim] > 1))
         if cost > best.get(state, float("inf")):
             continue
         local_bytes = _local_numel(shape, mesh_shape, state) * itemsize
@@ -121,6 +131,25 @@ def plan_steps(mesh_shape: tuple, shape: tuple, itemsize: int, src: tuple, dst: 
     raise AssertionError(f"no reshard path from {src} to {dst}")  # unreachable: via Replicate always works
 
 
+def _merge_all_reduces(path: tuple) -> tuple:
+    """Fold runs of adjacent all-reduces with the same Partial into one multi-dim step."""
+    out: list = []
+    for st in path:
+        prev = out[-1] if out else None
+        if st.kind == "all_reduce" and prev is not None and prev.kind == "all_reduce" and prev.src == st.src:
+            out[-1] = Step(prev.mesh_dim, "all_reduce", prev.src, prev.dst, prev.also + (st.mesh_dim,))
+        else:
+            out.append(st)
+    return tuple(out)
+
+
+def group_size(mesh_shape: tuple, st: Step) -> int:
+    k = 1
+    for m in st.mesh_dims:
+        k *= mesh_shape[m]
+    return k
+
+
 def plan(src: DistSpec, dst: DistSpec) -> tuple:
     """Steps turning `src` into `dst` (same mesh, same global meta)."""
     return plan_steps(
@@ -134,6 +163,7 @@ def plan_bytes(src: DistSpec, dst: DistSpec) -> float:
     mesh_shape = tuple(src.mesh.shape)
     for st in plan(src, dst):
         local = _local_numel(src.meta.shape, mesh_shape, state) * _itemsize(src.meta.dtype)
-        total += step_bytes(st.kind, mesh_shape[st.mesh_dim], local)
-        state = state[: st.mesh_dim] + (st.dst,) + state[st.mesh_dim + 1:]
+        total += step_bytes(st.kind, group_size(mesh_shape, st), local)
+        for m in st.mesh_dims:
+            state = state[:m] + (st.dst,) + state[m + 1:]
     return total

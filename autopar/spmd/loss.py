@@ -1,0 +1,89 @@
+"""Elementwise losses with a reduction: mse, smooth L1, Huber, binary cross-entropy.
+
+Every tensor operand has the input's shape, so they shard alike on any dim:
+  reduction 'none' -> the output keeps the shard;
+  'sum'            -> each rank holds a Partial(sum) term;
+  'mean'           -> a Partial(avg) term, computed as local sum * k / global count (k: the
+                      ranks holding pieces), so uneven pieces average right.
+Backward: 'none' keeps the shard; 'sum' and 'mean' take the Replicate scalar grad, and 'mean'
+scales by the global count (the local op would divide by the local one).
+The losses are not linear in their inputs: Partial inputs are reduced first.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..placement import Partial, Replicate, Shard
+from .reduction import shard_group
+from .registry import register, register_kernel
+from .strategy import OpCall, Strategy
+
+aten = torch.ops.aten
+
+NONE, MEAN, SUM = 0, 1, 2
+# op -> position of its `reduction` argument
+FORWARD = {aten.mse_loss.default: 2, aten.smooth_l1_loss.default: 2, aten.huber_loss.default: 2,
+           aten.binary_cross_entropy.default: 3}
+BACKWARD = {aten.mse_loss_backward.default: 3, aten.smooth_l1_loss_backward.default: 3,
+            aten.huber_loss_backward.default: 3, aten.binary_cross_entropy_backward.default: 4}
+
+
+def _alike(call: OpCall, first: int) -> bool:
+    """Operands from `first` on all have the loss input's shape (no broadcast weight)."""
+    shape = call.inputs[first].shape
+    return all(m.shape == shape for m in call.inputs[first:])
+
+
+@register(list(FORWARD))
+def loss_rule(call: OpCall) -> list[Strategy]:
+    if not _alike(call, 0):
+        return []
+    reduction = call.arg(FORWARD[call.func], "reduction", MEAN)
+    n = len(call.inputs)
+    reduced = {SUM: Partial("sum"), MEAN: Partial("avg")}.get(reduction)
+    return [
+        Strategy((Shard(d) if reduced is None else reduced,), (Shard(d),) * n,
+                 kernel="loss_mean" if reduction == MEAN else None)
+        for d, size in enumerate(call.inputs[0].shape)
+        if size != 1
+    ]
+
+
+@register(list(BACKWARD))
+def loss_backward_rule(call: OpCall) -> list[Strategy]:
+    if not _alike(call, 1):
+        return []
+    reduction = call.arg(BACKWARD[call.func], "reduction", MEAN)
+    n = len(call.inputs) - 1
+    return [
+        Strategy((Shard(d),), ((Shard(d) if reduction == NONE else Replicate()),) + (Shard(d),) * n,
+                 kernel="loss_mean_backward" if reduction == MEAN else None)
+        for d, size in enumerate(call.inputs[1].shape)
+        if size != 1
+    ]
+
+
+def _as_sum(func, args, kwargs, position: int):
+    """Run the local op with reduction='sum'."""
+    if position < len(args):
+        args = list(args)
+        args[position] = SUM
+    else:
+        kwargs = {**kwargs, "reduction": SUM}
+    return func(*args, **kwargs)
+
+
+@register_kernel("loss_mean")
+def loss_mean_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    spec = in_specs[0]
+    dims = range(spec.ndim)
+    count = math.prod(spec.shape)
+    k = len(shard_group(spec, set(dims), coord))
+    return _as_sum(func, args, kwargs, FORWARD[func]).mul_(k / count)
+
+
+@register_kernel("loss_mean_backward")
+def loss_mean_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    return _as_sum(func, args, kwargs, BACKWARD[func]).div_(math.prod(in_specs[1].shape))
