@@ -143,6 +143,23 @@ def test_dtensor_from_fn_builds_only_the_local_piece_and_from_local_wraps():
         assert total == 14.0
 
 
+def _strided_inputs():
+    """A strided input (seq[:, 1:]) sharded or replicated, on a mesh with a size-1 dim too."""
+    seq = torch.arange(4 * 9).reshape(4, 9)
+    out = []
+    for mesh, pl in ((dist.ProcessMesh([0, 1]), [S0]), (dist.ProcessMesh([0, 1]), [R]),
+                     (dist.ProcessMesh([[0], [1]]), [S0, S0]), (dist.ProcessMesh([[0, 1]]), [R, R])):
+        y = dist.shard_tensor(seq[:, 1:], mesh, pl)
+        out.append(dist.unshard_dtensor(y.reshape(-1)))
+    return out
+
+
+def test_strided_inputs_shard_into_pieces_that_views_accept():
+    for outs in run_dist(_strided_inputs, 2):
+        for got in outs:
+            assert torch.equal(got, torch.arange(4 * 9).reshape(4, 9)[:, 1:].reshape(-1))
+
+
 def _cached_decisions():
     mesh = dist.ProcessMesh([0, 1])
     a = dist.shard_tensor(torch.randn(4, 4), mesh, [S0])

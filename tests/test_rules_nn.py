@@ -58,7 +58,7 @@ def test_choices_without_processes():
     _, outs, kernel = engine.choose(call, mesh, [(Shard(1),), (R,)], inplace=False)
     assert (outs, kernel) == ([(P,), (R,)], "nll_loss")
     _, outs, kernel = engine.choose(call, mesh, [(Shard(0),), (Shard(0),)], inplace=False)
-    assert (outs, kernel) == ([(P,), (R,)], "nll_loss")  # mean: global total weight
+    assert (outs, kernel) == ([(R,), (R,)], "nll_loss")  # mean: (sum, total weight) reduced together
     call = _call(aten.nll_loss_forward.default, _m(8, 10), t, None, 2, -100)
     _, outs, kernel = engine.choose(call, mesh, [(Shard(0),), (Shard(0),)], inplace=False)
     assert (outs, kernel) == ([(P,), (P,)], None)
@@ -186,9 +186,11 @@ def _ce_rank(world):
                 if xp == [Shard(1)]:  # vocab-parallel: only log_softmax's two (rows x 1) all-reduces
                     assert _comm(log) == [("all_reduce", (n, 1))] * 2, (kw, _comm(log))
                     assert out.placements == [P]
-                if xp == [Shard(0)]:
+                if xp == [Shard(0)]:  # mean: (sum, total weight) in one all-reduce, the loss comes out whole
                     mean = kw.get("reduction", "mean") == "mean"
-                    assert _comm(log) == ([("all_reduce", ())] if mean else []), (kw, _comm(log))
+                    assert _comm(log) == ([("all_reduce", (2,))] if mean else []), (kw, _comm(log))
+                    if mean:
+                        assert out.placements == [R]
             # nll_loss alone: total_weight (second output) is right too
             for xp, tp in placements:
                 check(lambda x, t: torch.ops.aten.nll_loss_forward.default(

@@ -26,9 +26,11 @@ def _check_mesh(mesh: ProcessMesh, what: str) -> None:
 
 def _piece_of_full(full: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     """This rank's piece of `spec` cut from the full value (no communication), as its own
-    storage: a cut piece must not pin the full tensor, each rank holds only its shard."""
+    storage: a cut piece must not pin the full tensor, each rank holds only its shard.
+    Contiguous, as `spec`'s meta says (a strided input, like seq[:, 1:], would otherwise
+    make a later view valid on the global meta fail on the local piece)."""
     out = piece_of_replicated(full, spec, get_rank())
-    return out.clone() if out.shape != full.shape else out
+    return out.clone(memory_format=torch.contiguous_format) if out.shape != full.shape else out.contiguous()
 
 
 class _FromFull(torch.autograd.Function):

@@ -93,6 +93,9 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool)
     mesh_shape = mesh.shape
     picks = []
     for m, k in enumerate(mesh_shape):
+        if k == 1:  # one rank holds everything: inputs stay as they are, outputs are whole
+            picks.append(Strategy((Replicate(),) * len(call.outputs), (None,) * len(call.inputs)))
+            continue
         best, best_cost = None, None
         for s in strategies:
             if s.even and not _divides(s.even, call, current, mesh_shape, m):

@@ -7,11 +7,15 @@ the output stays sharded on the class dim.
 
 nll_loss picks -w[t] * logp[t] per sample:
   batch-like dims shard with the target (reduction none: output sharded like the target;
-  sum: output and total weight Partial; mean: a kernel divides the local sum by the global
-  total weight, all-reduced, so uneven shards and ignore_index still give the global mean);
-  the class dim shards with a kernel that picks only targets in this rank's class range,
-  output Partial(sum) (the total weight needs no communication: target and weight are
-  whole along that mesh dim);
+  sum: output and total weight Partial);
+  the class dim shards with a kernel that picks only targets in this rank's class range
+  (sum: output Partial(sum); the total weight needs no communication, target and weight
+  are whole along that mesh dim);
+  mean: the global mean needs the global total weight (uneven shards, ignore_index), so
+  the kernel all-reduces (local loss sum, local total weight) together, one collective
+  over the mesh dims sharding batch-like dims, where the loss comes out Replicate (reduced
+  already: reading its value costs nothing more); along mesh dims splitting the classes
+  it stays Partial(sum), as for sum;
   a Partial input passes through (the loss is linear in logp).
 """
 from __future__ import annotations
@@ -121,7 +125,7 @@ def nll_loss_rule(call: OpCall) -> list[Strategy]:
         elif reduction == _SUM:
             outs, kernel = (Partial(), Partial()), None
         else:
-            outs, kernel = (Partial(), Replicate()), "nll_loss"
+            outs, kernel = (Replicate(), Replicate()), "nll_loss"
         strategies.append(Strategy(outs, (Shard(d), Shard(td)) + w, kernel=kernel))
     if nd:
         strategies.append(Strategy((Partial(), Replicate()), (Shard(_class_dim(nd)), Replicate()) + w,
@@ -173,8 +177,10 @@ def nll_loss_kernel(func, args, kwargs, in_specs, out_specs, coord):
     total = wt.sum()
     if reduction == _SUM:
         return loss.sum(), total
-    total = comm.all_reduce(total, shard_group(spec, set(range(spec.ndim)) - {c}, coord), ReduceType.SUM)
-    return loss.sum() / total, total
+    # one all-reduce of (sum, total weight) over the mesh dims sharding batch-like dims
+    both = torch.stack([loss.sum(), total])
+    both = comm.all_reduce(both, shard_group(spec, set(range(spec.ndim)) - {c}, coord), ReduceType.SUM)
+    return both[0] / both[1], both[1]
 
 
 @register_kernel("nll_loss_backward")
