@@ -259,10 +259,13 @@ def dispatch(func, args, kwargs):
         _scan(kwargs.values(), flat, key)
     key_t = tuple(key)
     dec = _CACHE.get(key_t)
+    if type(dec) is list:  # a list op placed unalike: these index groups, one call each
+        return _run_groups(func, args, kwargs, dec)
     if dec is None:
         if _is_list_op(func):
             groups = _foreach_groups(args, kwargs)
             if len(groups) > 1:
+                _CACHE[key_t] = groups
                 return _run_groups(func, args, kwargs, groups)
         if _plain_inplace(func, args):
             return _run_on_dense(func, args, kwargs, flat)
@@ -375,18 +378,26 @@ def _is_list_op(func) -> bool:
 
 
 def _foreach_groups(args, kwargs) -> list[list[int]]:
-    """Indices of the list arguments grouped by the specs of the tensors at each index."""
+    """Indices of the list arguments grouped by the mesh, placements and rank of the tensors at
+    each index (not their shapes: one local foreach op serves every shape alike)."""
     lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple)) and a]
     n = len(lists[0]) if lists else 0
     groups: dict = {}
     for i in range(n):
         sig = tuple(
-            (x[i]._spec if type(x[i]) is DistTensor else ("plain", x[i].dim()) if isinstance(x[i], torch.Tensor) else None)
+            (_placed(x[i]._spec) if type(x[i]) is DistTensor
+             else ("plain", x[i].dim()) if isinstance(x[i], torch.Tensor) else None)
             for x in lists
             if len(x) == n
         )
         groups.setdefault(sig, []).append(i)
     return list(groups.values())
+
+
+def _placed(spec: DistSpec) -> tuple:
+    """What a foreach group shares (a mesh dim of size 1 holds everything whatever it says)."""
+    shape = spec.mesh.shape
+    return spec.mesh, tuple(p if k > 1 else Replicate() for p, k in zip(spec.placements, shape)), spec.ndim
 
 
 def _sub(a, idx, n):

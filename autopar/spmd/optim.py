@@ -1,8 +1,8 @@
 """Optimizer ops: the `_foreach_*` list ops and the `_fused_*` optimizer steps.
 
-dispatch.py splits a list op into groups of indices whose tensors have the same specs, so a
-rule sees lists whose entries all share shape and placements: entry 0 of each list stands
-for the whole list.  A foreach op is the per-entry op applied to every entry, so its
+dispatch.py splits a list op into groups of indices whose tensors have the same mesh,
+placements and rank, so a rule sees lists whose entries are placed alike: entry 0 of each
+list stands for the whole list (shapes may differ; the strategies are the same).  A foreach op is the per-entry op applied to every entry, so its
 strategies are the per-entry pointwise ones (broadcast scalars and 0-dim tensors whole),
 repeated over the entries.  Linear ones pass Partial through:
   zero_/copy_/clone: every Partial kind;  neg, mul/div by a whole factor: sum/avg;
