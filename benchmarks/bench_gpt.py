@@ -9,6 +9,8 @@ cross-entropy, backward, optimizer step, zero_grad, loss.item().
   ddp          : torch DistributedDataParallel, each rank feeds its 2-sequence batch slice.
   autopar_dptp : train_gpt.build on a 2x2 (dp, mp) mesh (Megatron plan, incl. vocab-sharded
                  tok embedding and head).
+  autopar_*_static : the same model and plan run by `dist.to_static` (the step captured once,
+                 then replayed as a program of local ops and transfers).
   dtensor_dptp : 2-D DeviceMesh (dp=2, tp=2); parallelize_module per block with q,k,v,fc1
                  ColwiseParallel and proj,fc2 RowwiseParallel (tok/pos/ln/head replicated);
                  attention runs on the local heads (heads // tp, as torchtitan does); data
@@ -54,6 +56,21 @@ def local_heads_attention(tp):
         return self.proj(y.transpose(1, 2).reshape(b, s, dl))
 
     return attention
+
+
+class StaticRunner:
+    """One step of a `dist.to_static` model: forward, loss, backward and optimizer step."""
+
+    def __init__(self, name, model, opt, data, vocab):
+        self.name, self.opt, self.data = name, opt, data
+        self.model = dist.to_static(model, None, lambda logits, y: F.cross_entropy(logits.reshape(-1, vocab),
+                                                                                    y.reshape(-1)), opt)
+        self.layer = model
+        self.losses: list[float] = []
+
+    def step(self):
+        x, y = self.data[len(self.losses) % len(self.data)]
+        self.losses.append(float(self.model(x, y)))
 
 
 class Runner:
@@ -103,6 +120,9 @@ def main():
     m, o = G.build(args, mesh_dp)
     sh = lambda t, mesh: dist.shard_tensor(t, mesh, [dist.Shard(0), dist.Replicate()])  # noqa: E731
     runners["autopar_dp"] = Runner("autopar_dp", m, o, [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data], args.vocab)
+    m, o = G.build(args, mesh_dp)
+    runners["autopar_dp_static"] = StaticRunner("autopar_dp_static", m, o,
+                                                [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data], args.vocab)
 
     # DDP
     torch.manual_seed(args.seed)
@@ -117,6 +137,9 @@ def main():
     m, o = G.build(args, mesh_2d)
     runners["autopar_dptp"] = Runner("autopar_dptp", m, o, [(sh(x, mesh_2d), sh(y, mesh_2d)) for x, y in data],
                                      args.vocab)
+    m, o = G.build(args, mesh_2d)
+    runners["autopar_dptp_static"] = StaticRunner("autopar_dptp_static", m, o,
+                                                  [(sh(x, mesh_2d), sh(y, mesh_2d)) for x, y in data], args.vocab)
 
     # DTensor TP + manual DP
     dmesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -170,11 +193,13 @@ def main():
     pbytes = {}
     for n, r in runners.items():
         states = [v for s in r.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        t = torch.tensor([C.local_bytes(r.model.parameters()), C.local_bytes(states)], dtype=torch.int64)
+        layer = getattr(r, "layer", r.model)
+        t = torch.tensor([C.local_bytes(layer.parameters()), C.local_bytes(states)], dtype=torch.int64)
         if n != "plain":
             tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
         pbytes[n] = t.tolist()
-    peer = {"autopar_dp": "ddp", "autopar_dptp": "dtensor_dptp"}
+    peer = {"autopar_dp": "ddp", "autopar_dptp": "dtensor_dptp", "autopar_dp_static": "ddp",
+            "autopar_dptp_static": "dtensor_dptp"}
     for n in runners:
         rec = {"bench": "gpt_step", "impl": n, "ranks": 1 if n == "plain" else k, "world": k, **st[n],
                "steps_checked": len(ref), "max_rel_loss_diff_vs_plain": max_rel.get(n),

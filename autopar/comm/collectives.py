@@ -34,6 +34,46 @@ def _fail(op: str, ranks: Sequence[int], err: Exception):
     ) from err
 
 
+# A graph capture (autopar.static) listens here: every transfer is one call of `_wire`.
+CAPTURE_HOOKS: list = []
+
+
+class Wire:
+    """One blocking transfer: `run(*tensors)` moves the bytes (writing its outputs in place),
+    then `logs` (op, ranks, sent, received, shape) go to comm_log.  Kept whole so that a
+    captured program can replay it."""
+
+    __slots__ = ("op", "ranks", "run", "logs")
+
+    def __init__(self, op: str, ranks, run, logs: tuple):
+        self.op, self.ranks, self.run, self.logs = op, tuple(ranks), run, logs
+
+    def __call__(self, *tensors) -> None:
+        try:
+            self.run(*tensors)
+        except RuntimeError as e:
+            _fail(self.op, self.ranks, e)
+        for log in self.logs:
+            record(*log)
+
+
+def _wire(op: str, ranks, run, tensors: tuple, sent: int = 0, received: int = 0, shape: tuple = (),
+          logs: tuple | None = None) -> None:
+    wire = Wire(op, ranks, run, ((op, tuple(ranks), sent, received, shape),) if logs is None else logs)
+    if not CAPTURE_HOOKS:
+        wire(*tensors)
+        return
+    for hook in CAPTURE_HOOKS:
+        hook.enter_wire()
+    try:
+        wire(*tensors)
+    finally:
+        for hook in CAPTURE_HOOKS:
+            hook.exit_wire()
+    for hook in CAPTURE_HOOKS:
+        hook.wire(wire, tensors)
+
+
 def all_gather_into(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
     """Every member's `t` (all the same shape) concatenated along dim 0, in mesh order."""
     k = len(ranks)
@@ -41,11 +81,9 @@ def all_gather_into(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
         return t
     t = t.contiguous().reshape(t.shape if t.dim() else (1,))
     out = torch.empty((k * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    try:
-        group_for(ranks)._allgather_base(out, t).wait()
-    except RuntimeError as e:
-        _fail("all_gather", ranks, e)
-    record("all_gather", ranks, _nbytes(t) * (k - 1), _nbytes(t) * (k - 1), tuple(t.shape))
+    n = _nbytes(t) * (k - 1)
+    _wire("all_gather", ranks, lambda o, i: group_for(ranks)._allgather_base(o, i).wait(), (out, t), n, n,
+          tuple(t.shape))
     return out
 
 
@@ -69,16 +107,13 @@ def all_reduce(
         out = t.contiguous().clone() if t.is_contiguous() else t.contiguous()
     if k == 1:
         return out
-    try:
-        opts = AllreduceOptions()
-        opts.reduceOp = _TORCH_OP[reduce_type]
-        group_for(ranks).allreduce([out], opts).wait()
-    except RuntimeError as e:
-        _fail("all_reduce", ranks, e)
+    opts = AllreduceOptions()
+    opts.reduceOp = _TORCH_OP[reduce_type]
+    moved = 2 * (k - 1) * _nbytes(out) // k
+    _wire("all_reduce", ranks, lambda o: group_for(ranks).allreduce([o], opts).wait(), (out,), moved, moved,
+          tuple(out.shape))
     if reduce_type is ReduceType.AVG:
         out.div_(k)
-    moved = 2 * (k - 1) * _nbytes(out) // k
-    record("all_reduce", ranks, moved, moved, tuple(out.shape))
     return out
 
 
@@ -91,32 +126,23 @@ def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Redu
         raise ValueError(f"reduce_scatter needs dim 0 ({t.shape[0]}) divisible by {k}")
     t = t.contiguous()
     out = torch.empty((t.shape[0] // k,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    moved = (k - 1) * _nbytes(out)
     if reduce_type in (ReduceType.SUM, ReduceType.AVG):
-        try:
-            opts = ReduceScatterOptions()
-            opts.reduceOp = _TORCH_OP[reduce_type]
-            group_for(ranks)._reduce_scatter_base(out, t, opts).wait()
-        except RuntimeError as e:
-            _fail("reduce_scatter", ranks, e)
+        opts = ReduceScatterOptions()
+        opts.reduceOp = _TORCH_OP[reduce_type]
+        _wire("reduce_scatter", ranks, lambda o, i: group_for(ranks)._reduce_scatter_base(o, i, opts).wait(),
+              (out, t), moved, moved, tuple(t.shape))
         if reduce_type is ReduceType.AVG:
             out.div_(k)
     else:
         # gloo's reduce_scatter only sums: max/min go as all-to-all of pieces + local reduce,
         # which moves the same bytes.
-        pieces = _all_to_all_equal(t, ranks)
+        pieces = torch.empty_like(t)
+        _wire("reduce_scatter", ranks,
+              lambda o, i: group_for(ranks).alltoall_base(o, i, [], [], AllToAllOptions()).wait(),
+              (pieces, t), moved, moved, tuple(t.shape))
         red = torch.amax if reduce_type is ReduceType.MAX else torch.amin
         out = red(pieces.reshape((k,) + tuple(out.shape)), dim=0)
-    moved = (k - 1) * _nbytes(out)
-    record("reduce_scatter", ranks, moved, moved, tuple(t.shape))
-    return out
-
-
-def _all_to_all_equal(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
-    out = torch.empty_like(t)
-    try:
-        group_for(ranks).alltoall_base(out, t, [], [], AllToAllOptions()).wait()
-    except RuntimeError as e:
-        _fail("all_to_all", ranks, e)
     return out
 
 
@@ -127,18 +153,11 @@ def all_to_all(t: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[in
     me = ranks.index(get_rank())
     t = t.contiguous()
     out = torch.empty((sum(recv_rows),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    try:
-        group_for(ranks).alltoall_base(out, t, list(recv_rows), list(send_rows), AllToAllOptions()).wait()
-    except RuntimeError as e:
-        _fail("all_to_all", ranks, e)
+    recv, send = list(recv_rows), list(send_rows)
     row = _row_bytes(t)
-    record(
-        "all_to_all",
-        ranks,
-        row * (sum(send_rows) - send_rows[me]),
-        row * (sum(recv_rows) - recv_rows[me]),
-        tuple(t.shape),
-    )
+    _wire("all_to_all", ranks,
+          lambda o, i: group_for(ranks).alltoall_base(o, i, recv, send, AllToAllOptions()).wait(), (out, t),
+          row * (sum(send_rows) - send_rows[me]), row * (sum(recv_rows) - recv_rows[me]), tuple(t.shape))
     return out
 
 
@@ -154,32 +173,28 @@ def broadcast(t: torch.Tensor, src: int, ranks: tuple) -> torch.Tensor:
     if len(ranks) == 1:
         return t
     t = t.contiguous()
-    try:
-        opts = BroadcastOptions()
-        opts.rootRank = ranks.index(src)
-        group_for(ranks).broadcast([t], opts).wait()
-    except RuntimeError as e:
-        _fail("broadcast", ranks, e)
+    opts = BroadcastOptions()
+    opts.rootRank = ranks.index(src)
     me = get_rank()
-    record("broadcast", ranks, _nbytes(t) * (len(ranks) - 1) if me == src else 0,
-           0 if me == src else _nbytes(t), tuple(t.shape))
+    _wire("broadcast", ranks, lambda x: group_for(ranks).broadcast([x], opts).wait(), (t,),
+          _nbytes(t) * (len(ranks) - 1) if me == src else 0, 0 if me == src else _nbytes(t), tuple(t.shape))
     return t
 
 
 def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
     """Post all sends (tensor, dst) and receives (buffer, src) at once and wait for them."""
-    ops = [tdist.P2POp(tdist.isend, t.contiguous(), peer) for t, peer in sends]
-    ops += [tdist.P2POp(tdist.irecv, buf, peer) for buf, peer in recvs]
-    if not ops:
+    if not sends and not recvs:
         return
-    peers = sorted({p for _, p in sends} | {p for _, p in recvs})
-    try:
+    tensors = tuple(t.contiguous() for t, _ in sends) + tuple(buf for buf, _ in recvs)
+    dsts, srcs = [p for _, p in sends], [p for _, p in recvs]
+
+    def run(*ts):
+        ops = [tdist.P2POp(tdist.isend, t, p) for t, p in zip(ts, dsts)]
+        ops += [tdist.P2POp(tdist.irecv, b, p) for b, p in zip(ts[len(dsts):], srcs)]
         for work in tdist.batch_isend_irecv(ops):
             work.wait()
-    except RuntimeError as e:
-        _fail("send/recv", [get_rank()] + peers, e)
+
     me = get_rank()
-    for t, peer in sends:
-        record("send", (me, peer), _nbytes(t), 0, tuple(t.shape))
-    for buf, peer in recvs:
-        record("recv", (peer, me), 0, _nbytes(buf), tuple(buf.shape))
+    logs = tuple(("send", (me, p), _nbytes(t), 0, tuple(t.shape)) for t, p in zip(tensors, dsts))
+    logs += tuple(("recv", (p, me), 0, _nbytes(b), tuple(b.shape)) for b, p in zip(tensors[len(dsts):], srcs))
+    _wire("send/recv", [me] + sorted(set(dsts) | set(srcs)), run, tensors, logs=logs)

@@ -93,8 +93,8 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool)
     mesh_shape = mesh.shape
     picks = []
     for m, k in enumerate(mesh_shape):
-        if k == 1:  # one rank holds everything: inputs stay as they are, outputs are whole
-            picks.append(Strategy((Replicate(),) * len(call.outputs), (None,) * len(call.inputs)))
+        if k == 1:  # one rank holds everything: placements are labels, inputs never move
+            picks.append(_label_only(strategies, current, m, len(call.outputs)))
             continue
         best, best_cost = None, None
         for s in strategies:
@@ -124,6 +124,16 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool)
     if len(kernels) > 1:
         raise AssertionError(f"rule for {call.func} mixes kernels {kernels} across mesh dims")
     return in_pl, out_pl, (kernels.pop() if kernels else None)
+
+
+def _label_only(strategies, current, m: int, n_out: int) -> Strategy:
+    """On a mesh dim of size 1: the rule's outputs for the inputs as they are (a state made
+    like a Shard(0) parameter says Shard(0)), else Replicate; no input is converted."""
+    n_in = len(current)
+    for s in strategies:
+        if not s.kernel and all(t is None or t == current[i][m] for i, t in enumerate(s.inputs)):
+            return Strategy(s.outputs, (None,) * n_in)
+    return Strategy((Replicate(),) * n_out, (None,) * n_in)
 
 
 def explain(call: OpCall) -> list[Strategy]:

@@ -1,0 +1,237 @@
+"""Capture a step as a flat program of local ops and transfers; replay it without dispatch.
+
+While a `Recorder` is active, every aten op that runs on plain (local) tensors is recorded:
+the local ops that `dispatch` runs for a distributed op, the copies and buffers of a
+reshard, the autograd engine's backward ops, the random draws.  Each transfer in `comm`
+is recorded whole (a `Wire`: post, wait, log).  Ops on distributed tensors themselves are
+not recorded: they pass to `DistTensor.__torch_dispatch__` with the recorder still active,
+so what they do locally is.  The result is a `Program`: entries over numbered slots, the
+step's inputs first.
+
+Replaying runs the entries in order on fresh inputs: the same local ops on the same
+shapes, the same transfers in the same order, so every rank computes the same numbers as
+the eager step, without the wrapper tensors, the decision lookups or the autograd graph.
+Random ops draw again.  Tensors the step reads but did not compute and that are not
+inputs (a module's constant) are kept by reference.  What cannot be captured raises
+`CaptureError`: a step that reads a tensor's value into Python (`.item()`, `if t > 0`),
+or a collective outside autopar's comm layer.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..comm import collectives
+from ..dtensor import DistTensor
+
+aten = torch.ops.aten
+
+_VALUE_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+
+
+class CaptureError(RuntimeError):
+    """The step does something a captured program cannot replay."""
+
+
+class Slot:
+    """A program value: input i, or the output of an entry."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"%{self.i}"
+
+
+class Entry:
+    """One recorded op (an OpOverload) or transfer (a Wire) with its arguments over slots."""
+
+    __slots__ = ("fn", "call", "args", "kwargs", "outs", "frees", "wire")
+
+    def __init__(self, fn, args: tuple, kwargs: dict, outs: tuple, wire: bool):
+        self.fn, self.args, self.kwargs, self.outs, self.wire = fn, args, kwargs, outs, wire
+        self.call = fn if wire else fn._op  # the C++ op itself: skips OpOverload.__call__
+        self.frees: tuple = ()
+
+    def __str__(self) -> str:
+        args = ", ".join(_show(a) for a in self.args)
+        if self.kwargs:
+            args += ", " + ", ".join(f"{k}={_show(v)}" for k, v in self.kwargs.items())
+        if self.wire:
+            w = self.fn
+            sent = sum(log[2] for log in w.logs)
+            return f"{w.op}({args}) ranks={list(w.ranks)} sent={sent} B"
+        outs = ", ".join(repr(o) if o is not None else "_" for o in self.outs)
+        return f"{outs or '_'} = {self.fn}({args})"
+
+
+def _show(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_show(x) for x in v) + "]"
+    if isinstance(v, torch.Tensor):
+        return f"const{tuple(v.shape)}"
+    return repr(v)
+
+
+def _fill(v, slots):
+    t = type(v)
+    if t is Slot:
+        return slots[v.i]
+    if t is list or t is tuple:
+        return t(_fill(x, slots) for x in v)
+    return v
+
+
+class Program:
+    """A replayable step: `run(inputs)` returns the values of the `outputs` slots."""
+
+    def __init__(self, entries: list[Entry], n_inputs: int, n_slots: int, outputs: Sequence[Any]):
+        self.entries, self.n_inputs, self.n_slots = entries, n_inputs, n_slots
+        self.outputs = list(outputs)  # Slot, or a constant (a value the step did not compute)
+        self._plan_frees()
+
+    def _plan_frees(self) -> None:
+        """Drop each computed value right after its last use (the eager step frees as it goes)."""
+        keep = {o.i for o in self.outputs if type(o) is Slot}
+        last: dict[int, int] = {}
+        for n, e in enumerate(self.entries):
+            for s in _slots_in((e.args, list(e.kwargs.values()))):
+                last[s] = n
+            for o in e.outs:
+                if o is not None:
+                    last.setdefault(o.i, n)
+        frees: dict[int, list] = {}
+        for s, n in last.items():
+            if s >= self.n_inputs and s not in keep:
+                frees.setdefault(n, []).append(s)
+        for n, e in enumerate(self.entries):
+            e.frees = tuple(frees.get(n, ()))
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list:
+        slots: list = [None] * self.n_slots
+        slots[: self.n_inputs] = inputs
+        with torch.no_grad():
+            for e in self.entries:
+                args = [_fill(a, slots) for a in e.args]
+                kwargs = {k: _fill(v, slots) for k, v in e.kwargs.items()} if e.kwargs else {}
+                if e.wire:
+                    e.call(*args)
+                else:
+                    out = e.call(*args, **kwargs)
+                    outs = e.outs
+                    if len(outs) == 1:
+                        if outs[0] is not None:
+                            slots[outs[0].i] = out
+                    else:
+                        for o, v in zip(outs, out):
+                            if o is not None:
+                                slots[o.i] = v
+                for s in e.frees:
+                    slots[s] = None
+        return [slots[o.i] if type(o) is Slot else o for o in self.outputs]
+
+    def __str__(self) -> str:
+        head = f"inputs %0..%{self.n_inputs - 1}" if self.n_inputs else "no inputs"
+        lines = [head] + [str(e) for e in self.entries]
+        lines.append("outputs " + ", ".join(repr(o) if type(o) is Slot else "const" for o in self.outputs))
+        return "\n".join(lines)
+
+    def wires(self) -> list:
+        """The transfers, in order."""
+        return [e.fn for e in self.entries if e.wire]
+
+
+def _slots_in(v):
+    if type(v) is Slot:
+        yield v.i
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _slots_in(x)
+
+
+class Recorder(TorchDispatchMode):
+    """Active during an eager step: records the local program it runs (see the module doc)."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor]):
+        super().__init__()
+        self.entries: list[Entry] = []
+        self.slot_of: dict[int, int] = {}
+        self.alive: list = []  # every recorded tensor stays alive, so ids are never reused
+        self.n_slots = 0
+        self.in_wire = 0
+        for t in inputs:
+            self._new_slot(t)
+        self.n_inputs = self.n_slots
+
+    def _new_slot(self, t: torch.Tensor) -> Slot:
+        i = self.n_slots
+        self.n_slots += 1
+        self.slot_of[id(t)] = i
+        self.alive.append(t)
+        return Slot(i)
+
+    def slot(self, t) -> Any:
+        """The slot holding `t`, or `t` itself (a constant) when the step did not compute it."""
+        i = self.slot_of.get(id(t))
+        return Slot(i) if i is not None else t
+
+    def _template(self, v):
+        if isinstance(v, torch.Tensor):
+            return self.slot(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._template(x) for x in v)
+        return v
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.in_wire:  # the transfer's own ops: recorded whole by `wire`
+            return func(*args, **kwargs)
+        if any(issubclass(t, DistTensor) for t in types):
+            with self:  # its local work is what gets recorded
+                return DistTensor.__torch_dispatch__(func, types, args, kwargs)
+        if func.namespace == "c10d":
+            raise CaptureError(f"to_static: {func} runs outside autopar's comm layer; it cannot be replayed")
+        if func in _VALUE_OPS:
+            raise CaptureError(
+                f"to_static: the step reads a tensor's value into Python ({func}); a captured step must not "
+                f"depend on tensor values (no .item(), no `if tensor:`) between its first op and the loss"
+            )
+        t_args, t_kwargs = self._template(list(args)), {k: self._template(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        flat = out if isinstance(out, (list, tuple)) else (out,)
+        if any(isinstance(o, torch.Tensor) and o.is_meta for o in flat):
+            return out  # shape inference while planning a distributed op: not part of the step
+        outs = tuple(
+            (Slot(self.slot_of[id(o)]) if id(o) in self.slot_of else self._new_slot(o))
+            if isinstance(o, torch.Tensor) else None
+            for o in flat
+        )
+        self.entries.append(Entry(func, tuple(t_args), t_kwargs, outs, wire=False))
+        return out
+
+    # -- transfers (called by comm.collectives._wire) ------------------------------------
+    def enter_wire(self) -> None:
+        self.in_wire += 1
+
+    def exit_wire(self) -> None:
+        self.in_wire -= 1
+
+    def wire(self, wire, tensors) -> None:
+        if not self.in_wire:
+            self.entries.append(Entry(wire, tuple(self.slot(t) for t in tensors), {}, (), wire=True))
+
+    def __enter__(self):
+        if not self.in_wire and self not in collectives.CAPTURE_HOOKS:
+            collectives.CAPTURE_HOOKS.append(self)
+        return super().__enter__()
+
+    def program(self, outputs: Sequence) -> Program:
+        return Program(self.entries, self.n_inputs, self.n_slots, [self.slot(o) for o in outputs])
+
+    def close(self) -> None:
+        if self in collectives.CAPTURE_HOOKS:
+            collectives.CAPTURE_HOOKS.remove(self)

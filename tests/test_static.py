@@ -1,0 +1,219 @@
+"""to_static: the captured program gives the dynamic mode's numbers, bit for bit, for every
+strategy (data, tensor, hybrid, pipeline across meshes, ZeRO 1/2/3, plain parameters with a
+marked input, dropout), and both match the single process."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar as dist
+from autopar.placement import Replicate, Shard
+from distpool import run_dist
+
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+STEPS = 4
+
+
+class Net(torch.nn.Module):
+    """col -> gelu -> row -> layer norm -> dropout -> col: every kind of op the strategies split."""
+
+    def __init__(self, p_drop=0.0):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+        self.ln, self.head = torch.nn.LayerNorm(8), torch.nn.Linear(8, 6)
+        self.p_drop = p_drop
+
+    def forward(self, x):
+        h = self.ln(self.fc2(F.gelu(self.fc1(x))))
+        return self.head(F.dropout(h, self.p_drop, self.training))
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 6, (8,), generator=g)) for _ in range(STEPS)]
+
+
+def _megatron(name, sub, mesh):
+    col, row = [R] * (mesh.ndim - 1) + [S0], [R] * (mesh.ndim - 1) + [S1]
+    if name in ("fc1", "head"):
+        sub.weight = dist.shard_tensor(sub.weight, mesh, col)
+        sub.bias = dist.shard_tensor(sub.bias, mesh, col)
+    if name == "fc2":
+        sub.weight = dist.shard_tensor(sub.weight, mesh, row)
+
+
+MESHES = {"dp": [0, 1, 2, 3], "tp": [0, 1], "dp_tp": [[0, 1], [2, 3]]}
+
+
+def _setup(strategy, p_drop):
+    torch.manual_seed(0)
+    model = Net(p_drop)
+    if strategy == "single":
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01), None
+    if strategy == "plain_params":  # only the input is marked: data parallel through plain parameters
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01), dist.ProcessMesh([0, 1, 2, 3])
+    mesh = dist.ProcessMesh(MESHES.get(strategy, [0, 1, 2, 3]))
+    dist.shard_layer(model, mesh, _megatron if strategy in ("tp", "dp_tp") else None)
+    stage = {"zero1": dist.ShardingStage1, "zero2": dist.ShardingStage2, "zero3": dist.ShardingStage3}.get(strategy)
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), stage(0) if stage else None)
+    return model, opt, mesh
+
+
+def _loss(logits, y):
+    return F.cross_entropy(logits, y)
+
+
+def _train(strategy, static, p_drop=0.0):
+    model, opt, mesh = _setup(strategy, p_drop)
+    torch.manual_seed(5)  # the dropout stream
+    step = dist.to_static(model, None, _loss, opt) if static else None
+    losses = []
+    for x, y in _batches():
+        if mesh is not None:
+            x = dist.shard_tensor(x, mesh, [S0] + [R] * (mesh.ndim - 1))
+            y = dist.shard_tensor(y, mesh, [S0] + [R] * (mesh.ndim - 1))
+        if static:
+            losses.append(float(step(x, y)))
+            continue
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {k: dist.unshard_dtensor(v.detach()) if dist.is_dist_tensor(v) else v.detach()
+              for k, v in model.state_dict().items()}
+    if static:
+        assert len(step._programs) == 1  # captured once, replayed for every later step
+    return losses, params, step.dist_main_program() if static else None
+
+
+def _both(strategy, p_drop=0.0):
+    return _train(strategy, False, p_drop), _train(strategy, True, p_drop)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "tp", "dp_tp", "zero1", "zero2", "zero3", "plain_params"])
+def test_static_equals_dynamic_equals_single_process(strategy):
+    ref_losses, ref_params, _ = _train("single", False)
+    world = 2 if strategy == "tp" else 4
+    for (dyn_losses, dyn_params, _), (st_losses, st_params, program) in run_dist(_both, world, strategy):
+        assert st_losses == dyn_losses  # the same local ops in the same order: bit for bit
+        for k in dyn_params:
+            assert torch.equal(st_params[k], dyn_params[k]), k
+        np.testing.assert_allclose(st_losses, ref_losses, rtol=1e-5)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(st_params[k], v, rtol=1e-5, atol=1e-5)
+        assert "aten.addmm" in program or "aten.mm" in program
+
+
+def _dropout():
+    return _both("dp_tp", p_drop=0.3)
+
+
+def test_static_replays_random_ops_with_fresh_draws():
+    for (dyn_losses, _, _), (st_losses, _, _) in run_dist(_dropout, 4):
+        assert st_losses == dyn_losses
+        assert len(set(st_losses)) == len(st_losses)
+
+
+class Stages(torch.nn.Module):
+    """Seed 4.3: w0 on mesh0, w1 on mesh1, the activation sent between them."""
+
+    def __init__(self, mesh0, mesh1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mesh1 = mesh1
+        self.w0 = dist.shard_tensor(torch.nn.Parameter(torch.randn(16, 32) * 0.25), mesh0, [R])
+        self.w1 = dist.shard_tensor(torch.nn.Parameter(torch.randn(32, 8) * 0.2), mesh1, [R])
+
+    def forward(self, x):
+        return torch.matmul(dist.reshard(torch.matmul(x, self.w0), self.mesh1, [R]), self.w1)
+
+
+def _pipeline(static):
+    mesh0, mesh1 = dist.ProcessMesh([0, 1]), dist.ProcessMesh([2, 3])
+    model = Stages(mesh0, mesh1)
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    step = dist.to_static(model, None, torch.mean, opt)
+    losses = []
+    for x, _ in _batches():
+        if static:
+            losses.append(float(step(x)))
+        else:
+            loss = torch.mean(model(x))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, step.dist_main_program() if static else ""
+
+
+def _pipeline_both():
+    return _pipeline(False), _pipeline(True)
+
+
+def test_static_pipeline_sends_between_meshes():
+    for rank, ((dyn, _), (st, program)) in enumerate(run_dist(_pipeline_both, 4)):
+        assert st == dyn
+        assert "send/recv" in program  # every rank takes part in the stage-to-stage transfer
+
+
+def _modes():
+    mesh = dist.ProcessMesh([0, 1])
+    model, opt, _ = _setup("single", 0.0)
+    dist.shard_layer(model, mesh, _megatron)
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    dm = dist.to_static(model, None, _loss, opt)
+    x, y = _batches()[0]
+    xd, yd = dist.shard_tensor(x, mesh, [S0]), dist.shard_tensor(y, mesh, [S0])
+    out = {}
+    dm.eval()
+    out["eval"] = [float(dm(xd, yd)) for _ in range(2)]  # captured, replayed: no training
+    dm.predict()
+    logits = [dm(xd) for _ in range(2)]
+    out["predict"] = [dist.unshard_dtensor(t) for t in logits]
+    out["predict_placements"] = logits[1].placements
+    dm.train()
+    out["train"] = [float(dm(xd, yd)) for _ in range(2)]
+    x2, y2 = torch.randn(4, 16), torch.randint(0, 6, (4,))  # a new batch shape: captured anew
+    out["new_shape"] = float(dm(dist.shard_tensor(x2, mesh, [S0]), dist.shard_tensor(y2, mesh, [S0])))
+    out["programs"] = len(dm._programs)
+    with torch.no_grad():
+        model.eval()
+        out["eager_eval"] = float(_loss(model(xd), yd))
+    return out
+
+
+def test_static_eval_predict_and_recapture_on_a_new_signature():
+    for out in run_dist(_modes, 2):
+        assert out["eval"][0] == out["eval"][1]
+        assert torch.equal(out["predict"][0], out["predict"][1])
+        assert out["predict_placements"] == [S1]  # head is column parallel: logits stay split
+        assert out["train"][1] < out["train"][0]
+        assert out["programs"] == 4  # eval, predict, train, train with the new shape
+        assert out["eager_eval"] < out["eval"][0]  # the trained model is better, and eval saw it
+
+
+def _branch_on_value():
+    mesh = dist.ProcessMesh([0, 1])
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = dist.shard_tensor(torch.nn.Parameter(torch.ones(4, 4)), mesh, [R])
+
+        def forward(self, x):
+            h = x @ self.w
+            return h * 2 if h.sum() > 0 else h
+
+    model = Branchy()
+    dm = dist.to_static(model, None, torch.mean, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        dm(dist.shard_tensor(torch.ones(4, 4), mesh, [S0]))
+    except dist.CaptureError as e:
+        return str(e)
+    return "no error"
+
+
+def test_static_refuses_a_step_that_branches_on_tensor_values():
+    for msg in run_dist(_branch_on_value, 2):
+        assert "reads a tensor's value" in msg and "_local_scalar_dense" in msg
