@@ -87,7 +87,11 @@ def _scan(values, flat: list, key: list) -> None:
             flat.append(a)
             key.append(a._spec if type(a) is DistTensor else (a.shape, a.dtype))
         elif isinstance(a, (list, tuple)):
-            if a and any(isinstance(x, torch.Tensor) for x in a):
+            if a and all(type(x) is DistTensor for x in a):  # foreach lists: the common case, in C loops
+                key.append(("[", len(a)))
+                key.extend([x._spec for x in a])
+                flat.extend(a)
+            elif a and any(isinstance(x, torch.Tensor) for x in a):
                 key.append(("[", len(a)))
                 _scan(a, flat, key)
             else:  # sizes, dims, or an optimizer's per-tensor scalars (floats: changed every step)
@@ -288,6 +292,9 @@ def dispatch(func, args, kwargs):
         for pos, loc in zip(dec.positions, locals_):
             largs[pos] = loc
         lkwargs = kwargs
+    elif dec.direct and not kwargs:  # every tensor is a DistTensor in place: swap in the locals
+        largs = [_local_of(a) for a in args]
+        lkwargs = kwargs
     else:
         largs, lkwargs = _substitute(args, kwargs, locals_)
     if dec.local_args is not None:
@@ -299,6 +306,16 @@ def dispatch(func, args, kwargs):
     if dec.single:
         return new_dist(out, dec.out_specs[0])
     return _wrap(dec, _flatten_out(out, []), args, kwargs)
+
+
+def _local_of(a):
+    """A DistTensor argument's local piece; a list of them, their pieces; anything else as is."""
+    t = type(a)
+    if t is DistTensor:
+        return a._local
+    if (t is list or t is tuple) and a and type(a[0]) is DistTensor:
+        return [x._local for x in a]
+    return a
 
 
 def _inputs_in_place(dec: Decision, flat) -> list:
