@@ -74,6 +74,7 @@ def interleaved(
     only_rank0: frozenset = frozenset(),
     before_rep: Callable[[int], None] | None = None,
     cpu: dict | None = None,
+    whole: frozenset = frozenset(),
 ) -> dict[str, list[float]]:
     """Per-call wall seconds of every impl, one list entry per repetition (max over ranks).
 
@@ -83,7 +84,9 @@ def interleaved(
 
     Each repetition runs every impl once (`inner` calls, time divided by `inner`), in an
     order rotated per repetition; with `sync` all ranks pass a barrier before each timed
-    block so they measure the same impl at the same time.  Impls named in `only_rank0` run
+    block so they measure the same impl at the same time.  Impls named in `whole` do all
+    `inner` units of work in one call (a captured program of `inner` ops): called once,
+    their time is still divided by `inner`.  Impls named in `only_rank0` run
     on rank 0 only (single-process baselines) while the other ranks wait in the barrier.
     """
     names = list(fns)
@@ -103,7 +106,7 @@ def interleaved(
             else:
                 c0 = time.thread_time()
                 t0 = time.perf_counter()
-                for _ in range(inner):
+                for _ in range(1 if n in whole else inner):
                     fn()
                 dt = (time.perf_counter() - t0) / inner
                 dc = (time.thread_time() - c0) / inner

@@ -11,7 +11,9 @@ Placements (mesh = all ranks, 1-D):
         output Shard(0), no communication in either library
 Impls, interleaved per repetition: `plain` (the full 64x64 op on torch tensors),
 `plain_local` (the same op on this rank's local pieces: what the distributed op computes),
-`autopar`, `dtensor`.  Each repetition is `--inner` ops in a loop; us/op = time / inner.
+`autopar`, `dtensor`, and `autopar_static`: the same loop of ops as a `dist.to_static`
+program (captured once, then replayed in predict mode; one call runs all `--inner` ops).
+Each repetition is `--inner` ops in a loop; us/op = time / inner.
 
 Also checks: results equal the plain op; no communication; and the "second call does no
 planning" claim: `autopar.dispatch.decide` is wrapped with a counter, it must run on the
@@ -44,6 +46,20 @@ def _counting_decide(*args, **kwargs):
 
 
 ap_dispatch.decide = _counting_decide  # dispatch() looks `decide` up in its module globals
+
+
+class _Loop(torch.nn.Module):
+    """`inner` applications of `op` (what the static impl captures and replays)."""
+
+    def __init__(self, op, inner):
+        super().__init__()
+        self.op, self.inner = op, inner
+
+    def forward(self, a, b):
+        out = None
+        for _ in range(self.inner):
+            out = self.op(a, b)
+        return out
 
 
 def main():
@@ -101,15 +117,19 @@ def main():
             dt_out_pl = [str(x) for x in dout.placements]
             C.assert_close(dout.full_tensor(), want, f"{op_name}/{pl_name} DTensor result")
 
+            static = dist.to_static(_Loop(op, args.inner)).predict()
+            C.assert_close(static(A, B).full_value(), want, f"{op_name}/{pl_name} autopar static result")
             fns = {
                 "plain": lambda: op(a, b),
                 "plain_local": lambda: op(la, lb),
                 "autopar": lambda: op(A, B),
                 "dtensor": lambda: op(DA, DB),
+                "autopar_static": lambda: static(A, B),
             }
             before = DECIDE_CALLS[0]
             cpu: dict = {}
-            times = C.interleaved(fns, reps=args.reps, warmup=args.warmup, inner=args.inner, cpu=cpu)
+            times = C.interleaved(fns, reps=args.reps, warmup=args.warmup, inner=args.inner, cpu=cpu,
+                                  whole=frozenset({"autopar_static"}))
             timed_decides = DECIDE_CALLS[0] - before
             C.check(timed_decides == 0, f"{op_name}/{pl_name}: {timed_decides} decide calls inside the timed loops")
 
@@ -117,7 +137,7 @@ def main():
             us = {k: s["median_ms"] * 1e3 for k, s in st.items()}
             cus = {k: s["cpu_median_ms"] * 1e3 for k, s in st.items()}
             bench = f"dispatch_{op_name}_{args.n}x{args.n}_{pl_name}"
-            for impl in ("plain", "plain_local", "autopar", "dtensor"):
+            for impl in ("plain", "plain_local", "autopar", "dtensor", "autopar_static"):
                 rec = {
                     "bench": bench,
                     "impl": "plain" if impl.startswith("plain") else impl,
@@ -129,17 +149,19 @@ def main():
                     "bytes_sent_per_rank": 0,
                     "inner": args.inner,
                 }
-                if impl in ("autopar", "dtensor"):
+                if impl in ("autopar", "dtensor", "autopar_static"):
                     rec["overhead_us_vs_plain"] = round(us[impl] - us["plain"], 3)
                     rec["overhead_us_vs_plain_local"] = round(us[impl] - us["plain_local"], 3)
                     rec["ratio_vs_plain"] = round(us[impl] / us["plain"], 3)
                     rec["cpu_overhead_us_vs_plain"] = round(cus[impl] - cus["plain"], 3)
                     rec["cpu_overhead_us_vs_plain_local"] = round(cus[impl] - cus["plain_local"], 3)
                     rec["cpu_ratio_vs_plain"] = round(cus[impl] / cus["plain"], 3)
-                    rec["out_placements"] = ap_out_pl if impl == "autopar" else dt_out_pl
+                    rec["out_placements"] = dt_out_pl if impl == "dtensor" else ap_out_pl
+                if impl in ("autopar", "autopar_static"):
+                    rec["ratio_vs_dtensor"] = round(us[impl] / us["dtensor"], 3)
+                    rec["cpu_ratio_vs_dtensor"] = round(cus[impl] / cus["dtensor"], 3)
+                    rec["overhead_ratio_vs_dtensor"] = round((us[impl] - us["plain"]) / (us["dtensor"] - us["plain"]), 3)
                 if impl == "autopar":
-                    rec["ratio_vs_dtensor"] = round(us["autopar"] / us["dtensor"], 3)
-                    rec["cpu_ratio_vs_dtensor"] = round(cus["autopar"] / cus["dtensor"], 3)
                     rec["decide_calls_first_call"] = first_calls
                     rec["decide_calls_second_call"] = second_calls
                     rec["decide_calls_timed_loops"] = timed_decides
