@@ -18,6 +18,7 @@ SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
         ("seed_4_3_pipeline.py", 4, SMALL),
         ("seed_4_4_hybrid.py", 8, SMALL),
         ("train_gpt.py", 4, ["--steps", "6"]),
+        ("train_gpt.py", 4, ["--steps", "6", "--static"]),
     ],
 )
 def test_example_matches_single_process(script, nproc, args):
