@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run every benchmark once and keep rank 0's JSON lines under benchmarks/results/.
-#   bash benchmarks/run_all.sh [TAG [ONLY]]   # then: python benchmarks/summarize.py benchmarks/results/*.jsonl
+#   bash benchmarks/run_all.sh [TAG [ONLY]]   # then: python benchmarks/summarize.py benchmarks/results/*.TAG.jsonl
 # TAG names the run (results/<name>.TAG.jsonl); ONLY runs just the benchmarks whose name contains it.
 #
 # autopar is edited in parallel, so the benchmarks measure a frozen snapshot of the committed
@@ -38,8 +38,12 @@ run() {  # name, command...
 }
 run dispatch_1rank  python -m autopar.launch --nproc_per_node 1 "$bench/bench_dispatch.py"
 run dispatch_4ranks python -m autopar.launch --nproc_per_node 4 "$bench/bench_dispatch.py"
-run proto_fastpath  python "$bench/proto_fastpath.py"
 run reshard_4ranks  python -m autopar.launch --nproc_per_node 4 "$bench/bench_reshard.py"
-run proto_reshard   python -m autopar.launch --nproc_per_node 4 "$bench/proto_reshard.py"
 run tp_mlp_2ranks   python -m autopar.launch --nproc_per_node 2 "$bench/bench_tp_mlp.py"
 run tp_mlp_4ranks   python -m autopar.launch --nproc_per_node 4 "$bench/bench_tp_mlp.py"
+run zero_2ranks     python -m autopar.launch --nproc_per_node 2 "$bench/bench_zero.py" --stages 1,2,3
+run zero_4ranks     python -m autopar.launch --nproc_per_node 4 "$bench/bench_zero.py" --stages 1,2,3
+run gpt_4ranks      python -m autopar.launch --nproc_per_node 4 "$bench/bench_gpt.py"
+run scaling_1rank   python -m autopar.launch --nproc_per_node 1 "$bench/bench_scaling.py" --reps 7
+run scaling_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_scaling.py"
+run scaling_4ranks  python -m autopar.launch --nproc_per_node 4 "$bench/bench_scaling.py"
