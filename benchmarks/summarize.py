@@ -41,18 +41,22 @@ def _cell(values, nd=2):
 
 
 def rows(recs):
-    """{(bench, ranks, impl): [rec per run]} for every timed record."""
+    """{(bench, ranks, impl): [rec per run]} for every timed record (a bench over several
+    widths gets one row per width)."""
     out = defaultdict(list)
     for r in recs:
         if "median_ms" in r:
-            out[(r["bench"], r.get("ranks"), r.get("variant", r.get("impl")))].append(r)
+            bench = r["bench"] + (f" h={r['hidden']}" if r["bench"].startswith("scaling") else "")
+            if r.get("world") not in (None, r.get("ranks")):  # a single-process baseline in a k-rank run
+                bench += f" (in a {r['world']}-rank run)"
+            out[(bench, r.get("ranks"), r.get("variant", r.get("impl")))].append(r)
     return out
 
 
 def main():
     recs = load(sys.argv[1:])
     table = rows(recs)
-    ratio_fields = sorted({k for r in recs for k in r if k.startswith("ratio_vs_") or k.startswith("overhead_ratio")})
+    ratio_fields = sorted({k for r in recs for k in r if k.startswith(("ratio_vs_", "ratio_time_vs", "overhead_ratio"))})
     head = ["bench", "ranks", "impl", "runs", "ms median", "[min–max]"] + ratio_fields + ["bytes sent/rank"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

@@ -127,3 +127,17 @@ def test_uneven_merge_falls_back_to_a_correct_layout():
     even_in = TensorMeta.contiguous((4, 6), torch.float32)
     call = OpCall(torch.ops.aten.view.default, (even_in, [24]), {}, [even_in], [TensorMeta.contiguous((24,), torch.float32)])
     assert engine.choose(call, mesh, [(S0,)], False)[1] == [(S0,)]
+
+
+def test_a_partial_gradient_is_reduced_rather_than_kept_partial_by_gathering_a_weight():
+    """Row-parallel backward: grad_input = grad_out(Partial) @ W(Shard(1)).  Gathering W keeps the
+    product Partial, but that still needs its reduction and grad_out is reduced anyway for the
+    weight gradient: one all-reduce of grad_out is the cheaper plan (Megatron's)."""
+    mesh = dist.ProcessMesh([0, 1])
+    g, w, out = (TensorMeta.contiguous(s, torch.float32) for s in ((256, 64), (64, 64), (256, 64)))
+    call = OpCall(torch.ops.aten.mm.default, (g, w), {}, [g, w], [out])
+    in_pl, out_pl, _ = engine.choose(call, mesh, [(Partial(),), (Shard(1),)], False)
+    assert in_pl == [(Replicate(),), (Shard(1),)] and out_pl == [(Shard(1),)]
+    # a Partial that needs no gather to stay Partial still flows on (reduced once, later)
+    call = OpCall(torch.ops.aten.mm.default, (g, w), {}, [g, w], [out])
+    assert engine.choose(call, mesh, [(Partial(),), (Replicate(),)], False)[1] == [(Partial(),)]

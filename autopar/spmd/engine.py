@@ -4,9 +4,11 @@ Cost of a strategy on mesh dim m = bytes the inputs must move to meet it, from t
 placements they have now.  Partial->Shard is priced as a full reduction so that a rule's
 free choice never turns a Partial input into a Shard (the seed's convention: a non-linear
 op makes a Partial input Replicate); when the strategy is forced (in-place ops) the reshard
-itself still uses the cheaper reduce-scatter.  Ties go to the strategy that changes fewer
-inputs (nothing is sliced or moved without a reason), then to the one whose outputs are
-sharded more (less memory for the same traffic), then to the rule's order, all-Replicate first.
+itself still uses the cheaper reduce-scatter.  Keeping a Partial input Partial by gathering
+another operand is also charged the later reduction of the Partial output (see
+`_deferred_reduction`).  Ties go to the strategy that changes fewer inputs (nothing is sliced
+or moved without a reason), then to the one whose outputs are sharded more (less memory for
+the same traffic), then to the rule's order, all-Replicate first.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import logging
 import warnings
 
 from ..mesh import ProcessMesh
-from ..placement import Replicate, Shard
+from ..placement import Partial, Replicate, Shard
 from .registry import rule_for
 from .strategy import OpCall, Strategy, replicated
 
@@ -100,16 +102,19 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool)
         for s in strategies:
             if s.even and not _divides(s.even, call, current, mesh_shape, m):
                 continue
-            cost, changes = 0.0, 0
+            cost, changes, gathers = 0.0, 0, False
             for i, tgt in enumerate(s.inputs):
                 cur = current[i][m]
                 if tgt is None or tgt == cur:
                     continue
                 changes += 1
+                gathers = gathers or (type(cur) is Shard and type(tgt) is Replicate)
                 c = conversion_cost(cur, tgt, _local_bytes(call.inputs[i], current[i], mesh_shape, m), k)
                 if inplace and i == 0:
                     c += INPLACE_PENALTY
                 cost += c
+            if gathers and any(type(current[i][m]) is Partial and t == current[i][m] for i, t in enumerate(s.inputs)):
+                cost += _deferred_reduction(call, s, mesh_shape, m)
             key = (round(cost, 3), changes, -sum(type(o) is Shard for o in s.outputs))
             if best_cost is None or key < best_cost:
                 best, best_cost = s, key
@@ -124,6 +129,17 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool)
     if len(kernels) > 1:
         raise AssertionError(f"rule for {call.func} mixes kernels {kernels} across mesh dims")
     return in_pl, out_pl, (kernels.pop() if kernels else None)
+
+
+def _deferred_reduction(call: OpCall, s: Strategy, mesh_shape, m: int) -> float:
+    """What keeping a Partial input Partial costs when it takes gathering another operand:
+    the Partial outputs still need their reduction later, and the input is usually reduced
+    anyway for its other consumers (a backward's grad_output feeds both the input and the
+    weight gradient), so the gather is extra.  Priced as reducing each Partial output."""
+    k = mesh_shape[m]
+    return sum(
+        2.0 * call.outputs[j].nbytes * (k - 1) / k for j, o in enumerate(s.outputs) if type(o) is Partial
+    )
 
 
 def _label_only(strategies, current, m: int, n_out: int) -> Strategy:

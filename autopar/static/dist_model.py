@@ -203,6 +203,11 @@ def to_static(layer: torch.nn.Module, loader=None, loss: Optional[Callable] = No
               optimizer: Optional[torch.optim.Optimizer] = None, strategy=None) -> DistModel:
     """Run `layer` (annotated as for the dynamic mode) as a captured program.
 
+    `loss(outputs[, label])` and `optimizer` (a `shard_optimizer`) make `train()` and
+    `eval()` available; without them the model predicts.  `loader` is accepted for the
+    seed's signature; it is not read: the program is captured from the first batch itself.
+    `strategy` must be None (there are no compiler passes to configure yet).
+
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["dp"])
     >>> layer = dist.shard_layer(torch.nn.Linear(4, 2), mesh)
