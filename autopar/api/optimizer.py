@@ -184,10 +184,16 @@ class _OptimizerSharding:
         p.register_post_accumulate_grad_hook(reduce_grad)
 
     def pre_step(self, optimizer, args, kwargs) -> None:
+        self.prepare_grads()
+
+    def prepare_grads(self) -> None:
+        """Bring every gradient to where the step reads it (ZeRO-1/2: onto the shard;
+        Partial ones reduced, data-parallel ones in buckets).  Idempotent: the static mode
+        runs it inside the captured program, then the step's own call finds nothing to do."""
         for z in self.zero12:
             z.take_grad()
         pending = []
-        for group in optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
                 if isinstance(g, DistTensor) and isinstance(p, DistTensor) and g._spec is not p._spec:

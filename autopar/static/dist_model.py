@@ -120,6 +120,9 @@ class DistModel:
                 result = self._forward(batch)
                 if self._mode == "train":
                     result.backward()
+                    sharding = getattr(self.optimizer, "_autopar_sharding", None)
+                    if sharding is not None:  # gradient reduction is part of the program too
+                        sharding.prepare_grads()
         finally:
             recorder.close()
         results = _leaves(result)

@@ -50,10 +50,10 @@ class Slot:
 class Entry:
     """One recorded op (an OpOverload) or transfer (a Wire) with its arguments over slots."""
 
-    __slots__ = ("fn", "call", "args", "kwargs", "outs", "frees", "wire")
+    __slots__ = ("fn", "call", "args", "kwargs", "outs", "frees", "wire", "seq")
 
-    def __init__(self, fn, args: tuple, kwargs: dict, outs: tuple, wire: bool):
-        self.fn, self.args, self.kwargs, self.outs, self.wire = fn, args, kwargs, outs, wire
+    def __init__(self, fn, args: tuple, kwargs: dict, outs: tuple, wire: bool, seq: bool = False):
+        self.fn, self.args, self.kwargs, self.outs, self.wire, self.seq = fn, args, kwargs, outs, wire, seq
         self.call = fn if wire else fn._op  # the C++ op itself: skips OpOverload.__call__
         self.frees: tuple = ()
 
@@ -77,22 +77,18 @@ def _show(v) -> str:
     return repr(v)
 
 
-def _fill(v, slots):
-    t = type(v)
-    if t is Slot:
-        return slots[v.i]
-    if t is list or t is tuple:
-        return t(_fill(x, slots) for x in v)
-    return v
-
-
 class Program:
-    """A replayable step: `run(inputs)` returns the values of the `outputs` slots."""
+    """A replayable step: `run(inputs)` returns the values of the `outputs` slots.
+
+    The entries compile to one straight-line Python function (a local variable per slot,
+    `del` after a value's last use), so a replayed op costs a call and nothing else.
+    Pure aliases (`detach`: autograd's saved tensors) are folded into their source."""
 
     def __init__(self, entries: list[Entry], n_inputs: int, n_slots: int, outputs: Sequence[Any]):
-        self.entries, self.n_inputs, self.n_slots = entries, n_inputs, n_slots
-        self.outputs = list(outputs)  # Slot, or a constant (a value the step did not compute)
+        self.n_inputs, self.n_slots = n_inputs, n_slots
+        self.entries, self.outputs = _fold_aliases(entries, list(outputs))
         self._plan_frees()
+        self._replay = self._compile()
 
     def _plan_frees(self) -> None:
         """Drop each computed value right after its last use (the eager step frees as it goes)."""
@@ -109,30 +105,45 @@ class Program:
             if s >= self.n_inputs and s not in keep:
                 frees.setdefault(n, []).append(s)
         for n, e in enumerate(self.entries):
-            e.frees = tuple(frees.get(n, ()))
+            e.frees = tuple(sorted(frees.get(n, ())))
+
+    def _compile(self):
+        consts: list = []
+
+        def ref(v) -> str:
+            consts.append(v)
+            return f"c[{len(consts) - 1}]"
+
+        def expr(v) -> str:
+            if type(v) is Slot:
+                return f"s{v.i}"
+            if type(v) is list:
+                return "[" + ", ".join(expr(x) for x in v) + "]"
+            if type(v) is tuple:
+                return "(" + "".join(expr(x) + ", " for x in v) + ")"
+            return ref(v)
+
+        names = [f"s{i}" for i in range(self.n_inputs)]
+        lines = ["def replay(inputs, c):", f"    {''.join(n + ', ' for n in names)}= inputs" if names else "    pass"]
+        for e in self.entries:
+            args = ", ".join([expr(a) for a in e.args] + [f"{k}={expr(v)}" for k, v in e.kwargs.items()])
+            call = f"{ref(e.call)}({args})"
+            if e.wire or not any(o is not None for o in e.outs):
+                lines.append(f"    {call}")
+            else:
+                targets = [f"s{o.i}" if o is not None else "_" for o in e.outs]
+                lines.append(f"    {''.join(t + ', ' for t in targets) if e.seq else targets[0]} = {call}")
+            if e.frees:
+                lines.append("    del " + ", ".join(f"s{i}" for i in e.frees))
+        lines.append("    return [" + ", ".join(expr(o) for o in self.outputs) + "]")
+        scope: dict = {}
+        exec(compile("\n".join(lines), "<autopar static program>", "exec"), scope)
+        fn = scope["replay"]
+        return lambda inputs: fn(inputs, consts)
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list:
-        slots: list = [None] * self.n_slots
-        slots[: self.n_inputs] = inputs
         with torch.no_grad():
-            for e in self.entries:
-                args = [_fill(a, slots) for a in e.args]
-                kwargs = {k: _fill(v, slots) for k, v in e.kwargs.items()} if e.kwargs else {}
-                if e.wire:
-                    e.call(*args)
-                else:
-                    out = e.call(*args, **kwargs)
-                    outs = e.outs
-                    if len(outs) == 1:
-                        if outs[0] is not None:
-                            slots[outs[0].i] = out
-                    else:
-                        for o, v in zip(outs, out):
-                            if o is not None:
-                                slots[o.i] = v
-                for s in e.frees:
-                    slots[s] = None
-        return [slots[o.i] if type(o) is Slot else o for o in self.outputs]
+            return self._replay(list(inputs))
 
     def __str__(self) -> str:
         head = f"inputs %0..%{self.n_inputs - 1}" if self.n_inputs else "no inputs"
@@ -143,6 +154,31 @@ class Program:
     def wires(self) -> list:
         """The transfers, in order."""
         return [e.fn for e in self.entries if e.wire]
+
+
+_ALIASES = {aten.detach.default, aten.alias.default}
+
+
+def _fold_aliases(entries: list[Entry], outputs: list):
+    """Drop `detach`/`alias` entries: later uses read their source instead (without autograd
+    an alias is its source: same storage, same sizes)."""
+    source: dict[int, Any] = {}
+
+    def sub(v):
+        if type(v) is Slot:
+            return source.get(v.i, v)
+        if type(v) in (list, tuple):
+            return type(v)(sub(x) for x in v)
+        return v
+
+    kept = []
+    for e in entries:
+        e.args, e.kwargs = sub(e.args), {k: sub(v) for k, v in e.kwargs.items()}
+        if not e.wire and e.fn in _ALIASES and len(e.outs) == 1 and e.outs[0] is not None:
+            source[e.outs[0].i] = e.args[0]
+            continue
+        kept.append(e)
+    return kept, [sub(o) for o in outputs]
 
 
 def _slots_in(v):
@@ -210,7 +246,7 @@ class Recorder(TorchDispatchMode):
             if isinstance(o, torch.Tensor) else None
             for o in flat
         )
-        self.entries.append(Entry(func, tuple(t_args), t_kwargs, outs, wire=False))
+        self.entries.append(Entry(func, tuple(t_args), t_kwargs, outs, wire=False, seq=flat is out))
         return out
 
     # -- transfers (called by comm.collectives._wire) ------------------------------------
