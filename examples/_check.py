@@ -27,8 +27,27 @@ def example_args(doc: str, batch: int = 4) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--static", action="store_true",
+                   help="seed 4.5: run the distributed steps as a captured program (dist.to_static)")
     p.add_argument("--check", action="store_true", help="also run one process and compare")
     return p.parse_args()
+
+
+def run_steps(model, opt, inputs, static: bool = False) -> list[float]:
+    """One training step per input, loss = mean(model(x)): the seed's dynamic loop, or with
+    `static` its section 4.5, the same annotated model as a `to_static` program."""
+    if static:
+        dist_model = dist.to_static(model, None, torch.mean, opt)
+        dist_model.train()
+        return [float(dist_model(x)) for x in inputs]
+    losses = []
+    for x in inputs:
+        loss = torch.mean(model(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def finish(args, model, losses, reference) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import autopar as dist
-from _check import example_args, finish
+from _check import example_args, finish, run_steps
 
 
 class RandomDataset(torch.utils.data.Dataset):
@@ -49,15 +49,7 @@ def train(mesh, args):
     opt = torch.optim.AdamW(model.parameters(), lr=0.001)
     if mesh is not None:
         opt = dist.shard_optimizer(opt)
-    losses = []
-    for step, inputs in enumerate(loader):
-        logits = model(inputs)
-        loss = torch.mean(logits)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return model, losses
+    return model, run_steps(model, opt, loader, static=args.static and mesh is not None)
 
 
 def main():

@@ -5,7 +5,7 @@
 import torch
 
 import autopar as dist
-from _check import example_args, finish
+from _check import example_args, finish, run_steps
 
 
 class MlpModel(torch.nn.Module):
@@ -31,15 +31,8 @@ def train(mesh, args):
     opt = torch.optim.AdamW(model.parameters(), lr=0.001)
     if mesh is not None:
         opt = dist.shard_optimizer(opt)
-    losses = []
-    for _ in range(args.steps):
-        x = torch.rand(args.batch, args.seq, args.hidden)
-        loss = torch.mean(model(x))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return model, losses
+    inputs = (torch.rand(args.batch, args.seq, args.hidden) for _ in range(args.steps))
+    return model, run_steps(model, opt, inputs, static=args.static and mesh is not None)
 
 
 def main():

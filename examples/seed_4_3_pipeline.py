@@ -9,7 +9,7 @@ Every rank runs the whole program: a rank skips the ops of the stage it is not i
 import torch
 
 import autopar as dist
-from _check import example_args, finish
+from _check import example_args, finish, run_steps
 
 
 class MlpModel(torch.nn.Module):
@@ -38,15 +38,8 @@ def train(meshes, args):
     opt = torch.optim.AdamW(model.parameters(), lr=0.001)
     if meshes[0] is not None:
         opt = dist.shard_optimizer(opt)
-    losses = []
-    for _ in range(args.steps):
-        x = torch.rand(args.batch, args.seq, args.hidden)
-        loss = torch.mean(model(x))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return model, losses
+    inputs = (torch.rand(args.batch, args.seq, args.hidden) for _ in range(args.steps))
+    return model, run_steps(model, opt, inputs, static=args.static and meshes[0] is not None)
 
 
 def main():

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 import autopar as dist
-from _check import example_args, finish
+from _check import example_args, finish, run_steps
 
 
 class RandomDataset(torch.utils.data.Dataset):
@@ -56,16 +56,8 @@ def train(meshes, args):
         batches = dataloader()
     else:
         batches = iter(dataloader)
-    losses = []
-    for step, inputs in enumerate(batches):
-        data = inputs[0]
-        logits = model(data)
-        loss = torch.mean(logits)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return model, losses
+    data = (inputs[0] for inputs in batches)
+    return model, run_steps(model, opt, data, static=args.static and meshes[0] is not None)
 
 
 def main():

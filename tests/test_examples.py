@@ -1,5 +1,6 @@
-"""The seed's four strategies and the main job, launched as users launch them, with --check
-(each exits non-zero unless every loss and the final weights match the single-process run)."""
+"""The seed's four strategies (dynamic, and static as in seed 4.5) and the main job, launched
+as users launch them, with --check (each exits non-zero unless every loss and the final
+weights match the single-process run)."""
 import os
 import subprocess
 import sys
@@ -17,6 +18,11 @@ SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
         ("seed_4_2_tensor_parallel.py", 4, SMALL),
         ("seed_4_3_pipeline.py", 4, SMALL),
         ("seed_4_4_hybrid.py", 8, SMALL),
+        # seed 4.5: the same four programs as captured programs (dist.to_static)
+        ("seed_4_1_data_parallel.py", 4, SMALL + ["--static"]),
+        ("seed_4_2_tensor_parallel.py", 4, SMALL + ["--static"]),
+        ("seed_4_3_pipeline.py", 4, SMALL + ["--static"]),
+        ("seed_4_4_hybrid.py", 8, SMALL + ["--static"]),
         ("train_gpt.py", 4, ["--steps", "6"]),
         ("train_gpt.py", 4, ["--steps", "6", "--static"]),
     ],
