@@ -29,13 +29,17 @@ def _setup(kind):
     return model, opt, mesh
 
 
-def _steps(model, opt, mesh, first, count):
+def _steps(model, opt, mesh, first, count, static=None):
+    """`count` steps from step `first`; with `static` (a DistModel) as a captured program."""
     losses = []
     for step in range(first, first + count):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
         if "dp" in mesh.dim_names:
             x, y = dist.shard_tensor(x, mesh, [Shard(0)]), dist.shard_tensor(y, mesh, [Shard(0)])
+        if static is not None:
+            losses.append(float(static(x, y)))
+            continue
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -64,3 +68,34 @@ def _resume(kind, path):
 def test_resumed_training_continues_with_the_same_losses(kind, tmp_path):
     for straight, resumed in run_dist(_resume, 2, kind, str(tmp_path / "ckpt")):
         np.testing.assert_allclose(resumed, straight, rtol=1e-6)
+
+
+def _resume_static(kind, path):
+    """Static mode: a checkpoint loaded into the running model (rolling back one step) and
+    into a fresh model both continue with the uninterrupted losses."""
+    model, opt, mesh = _setup(kind)
+    straight = _steps(model, opt, mesh, 0, 5)
+
+    model, opt, mesh = _setup(kind)
+    dm = dist.to_static(model, None, torch.nn.functional.mse_loss, opt)
+    first = _steps(model, opt, mesh, 0, 2, dm)
+    dist.save_state_dict({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    _steps(model, opt, mesh, 2, 1, dm)  # a step to roll back
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}
+    dist.load_state_dict(state, path)
+    opt.load_state_dict(state["opt"])
+    rolled_back = first + _steps(model, opt, mesh, 2, 3, dm)  # the same captured program
+
+    model, opt, mesh = _setup(kind)
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}
+    dist.load_state_dict(state, path)
+    opt.load_state_dict(state["opt"])
+    fresh = first + _steps(model, opt, mesh, 2, 3, dist.to_static(model, None, torch.nn.functional.mse_loss, opt))
+    return straight, rolled_back, fresh
+
+
+@pytest.mark.parametrize("kind", ["tp", "zero2"])
+def test_static_training_resumes_from_a_checkpoint(kind, tmp_path):
+    for straight, rolled_back, fresh in run_dist(_resume_static, 2, kind, str(tmp_path / "ckpt")):
+        np.testing.assert_allclose(rolled_back, straight, rtol=1e-6)
+        np.testing.assert_allclose(fresh, straight, rtol=1e-6)
