@@ -206,6 +206,50 @@ def test_data_and_tensor_parallel_step_reduces_in_one_collective_per_bucket():
             assert ops == sorted([("all_reduce", dp_group), ("all_reduce", (0, 1, 2, 3))]), ops
 
 
+def _optimizer_step_dispatches(opt_name):
+    """Counts the distributed ops an elementwise optimizer's step sends through the dispatch."""
+    import autopar.dispatch as D
+
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    model = dist.shard_layer(_mlp(), mesh, lambda name, sub, mesh: setattr(
+        sub, "weight", dist.shard_tensor(sub.weight, mesh, [R, S0])) if name == "0" else None)
+    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01), "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)}
+    opt = dist.shard_optimizer(make[opt_name](model.parameters()))
+    calls, orig = [0], D.dispatch
+
+    def counting(func, args, kwargs):
+        calls[0] += 1
+        return orig(func, args, kwargs)
+
+    per_step = []
+    for x, y in _batches():
+        x, y = dist.shard_tensor(x, mesh, [S0, R]), dist.shard_tensor(y, mesh, [S0, R])
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt._autopar_sharding.prepare_grads()  # the gradient reductions (collectives) aside
+        D.dispatch, calls[0] = counting, 0
+        try:
+            opt.step()
+        finally:
+            D.dispatch = orig
+        per_step.append(calls[0])
+        opt.zero_grad()
+    states = [type(v).__name__ for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+    return per_step, states, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_elementwise_optimizers_step_local_pieces_without_dispatch(opt_name):
+    model = _mlp()
+    cls = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01), "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)}
+    opt = cls[opt_name](model.parameters())
+    _train(model, opt)
+    for per_step, states, params in run_dist(_optimizer_step_dispatches, 4, opt_name):
+        assert per_step == [0] * len(per_step), per_step  # plain tensors all the way
+        assert states and set(states) == {"DistTensor"}  # states stay distributed, placed like params
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5)
+
+
 def _shard_layer_hooks():
     mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
     seen = []

@@ -2,7 +2,9 @@
 
 The returned optimizer is the torch optimizer itself, with step hooks:
 - any stage: a gradient that arrived Partial is reduced once, to its parameter's placements,
-  before the update (so an update op never reduces the same gradient twice);
+  before the update (so an update op never reduces the same gradient twice); then an
+  elementwise optimizer (Adam, SGD, ...) steps the local pieces as plain tensors
+  (`local_step.py`): as fast as on one device;
 - stage 1: the optimizer steps a *shard* of each parameter (a view into this rank's slice)
   so its states are sharded over the mesh dim; gradients are reduce-scattered before the
   step and the updated slices all-gathered after it;
@@ -23,6 +25,7 @@ from ..mesh import ProcessMesh
 from ..placement import Partial, Replicate, Shard
 from ..reshard import redistribute_local
 from ..spec import DistSpec, TensorMeta
+from .local_step import LocalStep
 from .tensor import reshard
 
 
@@ -146,6 +149,7 @@ class _OptimizerSharding:
         self.shard_fn = shard_fn
         self.stage = getattr(shard_fn, "stage", None)
         self.zero12: list[_Zero12] = []
+        self.local_step = LocalStep(optimizer)
         self.states_sharded = False
         rank = get_rank()
         if self.stage in (1, 2, 3):
@@ -185,6 +189,7 @@ class _OptimizerSharding:
 
     def pre_step(self, optimizer, args, kwargs) -> None:
         self.prepare_grads()
+        self.local_step.swap()
 
     def prepare_grads(self) -> None:
         """Bring every gradient to where the step reads it (ZeRO-1/2: onto the shard;
@@ -202,6 +207,7 @@ class _OptimizerSharding:
         reduce_grads(pending)
 
     def post_step(self, optimizer, args, kwargs) -> None:
+        self.local_step.restore()
         for z in self.zero12:
             z.publish()
         if self.shard_fn is not None and self.stage is None and not self.states_sharded:

@@ -1,0 +1,97 @@
+"""Step an elementwise optimizer on the local pieces, without the distributed op dispatch.
+
+Adam, AdamW, SGD, RMSprop and the like update every element from the same element of the
+parameter, its gradient and its states.  When a group's gradients and states are placed
+exactly like their parameters (which `shard_optimizer` arranges before every step), the step
+on the local pieces *is* the step on the global tensors, so the torch optimizer can run on
+plain tensors, as fast as on one device, instead of sending every foreach op through the
+dispatch (a decision lookup and a wrapper per op and group).  `swap` puts the local pieces
+into the optimizer for one step; `restore` puts the parameters back and wraps the states the
+step created as distributed tensors placed like their parameters.  A group that does not
+qualify (a Partial gradient left, a state placed differently, an optimizer that reduces over
+a tensor) steps through the dispatch as before.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dtensor import DistTensor
+from ..placement import Partial
+from ..spec import DistSpec
+
+ELEMENTWISE = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
+    torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+
+
+def _placed_like(t, p: DistTensor) -> bool:
+    return type(t) is DistTensor and t._spec.mesh == p._spec.mesh and t._spec.placements == p._spec.placements
+
+
+def _qualifies(p, state: dict) -> bool:
+    """p, its gradient and its tensor states are distributed alike (or all plain)."""
+    if type(p) is not DistTensor:
+        return not isinstance(p.grad, DistTensor) and not any(type(v) is DistTensor for v in state.values())
+    if any(type(pl) is Partial for pl in p._spec.placements):
+        return False
+    if p.grad is not None and not (_placed_like(p.grad, p) and p.grad.shape == p.shape):
+        return False
+    return all(_placed_like(v, p) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+class LocalStep:
+    """Swaps an optimizer's distributed parameters for their local pieces around a step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.swapped: list = []  # (group, its params, their local stand-ins)
+
+    def swap(self) -> None:
+        self.restore()  # a step that raised left its swap behind
+        if not isinstance(self.optimizer, ELEMENTWISE):
+            return
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            if not all(_qualifies(p, state.get(p, {})) for p in params):
+                continue
+            stand_ins = []
+            for p in params:
+                if type(p) is not DistTensor:
+                    stand_ins.append(p)
+                    continue
+                local = p._local
+                local.grad = p.grad._local if p.grad is not None else None
+                if p in state:
+                    state[local] = {k: v._local if type(v) is DistTensor else v for k, v in state[p].items()}
+                stand_ins.append(local)
+            group["params"] = stand_ins
+            self.swapped.append((group, params, stand_ins))
+
+    def restore(self) -> None:
+        state = self.optimizer.state
+        for group, params, stand_ins in self.swapped:
+            group["params"] = params
+            for p, local in zip(params, stand_ins):
+                if local is p:
+                    continue
+                local.grad = None
+                new = state.pop(local, None)
+                if new is not None:
+                    state[p] = {k: _as_state(v, p, state.get(p, {}).get(k)) for k, v in new.items()}
+        self.swapped = []
+
+
+def _as_state(value, p: DistTensor, old):
+    """A state the local step wrote: the existing distributed state when it updated that one
+    in place, a new one placed like its parameter when it made a tensor of the piece's shape."""
+    if type(old) is DistTensor and old._local is value:
+        return old
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p._local.shape:
+        meta = p._spec.meta
+        if value.dtype != meta.dtype:
+            meta = type(meta).contiguous(meta.shape, value.dtype)
+        return DistTensor(value, DistSpec(p._spec.mesh, p._spec.placements, meta))
+    return value
