@@ -85,7 +85,7 @@ def main():
     st = {n: C.stats_ms(v) for n, v in times.items()}
     n_params = sum(1 for _ in model.parameters())
     for impl in fns:
-        rec = {"bench": "adamw_step", "impl": impl, "ranks": 1 if impl == "plain" else k, "world": k,
+        rec = {"bench": f"adamw_step_dim{args.dim}_layers{args.layers}", "impl": impl, "ranks": 1 if impl == "plain" else k, "world": k,
                "tensors": n_params, **st[impl]}
         if impl != "plain":
             rec["ratio_vs_plain"] = round(st[impl]["median_ms"] / st["plain"]["median_ms"], 3)
