@@ -193,6 +193,34 @@ def test_static_eval_predict_and_recapture_on_a_new_signature():
         assert out["eager_eval"] < out["eval"][0]  # the trained model is better, and eval saw it
 
 
+class DictIn(torch.nn.Module):
+    def __init__(self, mesh):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = dist.shard_tensor(torch.nn.Parameter(torch.randn(4, 3)), mesh, [R])
+
+    def forward(self, batch):
+        return batch["x"] @ self.w * batch["scale"]
+
+
+def _dict_batches():
+    """Tensors nested in a dict batch are inputs of the program, not constants."""
+    mesh = dist.ProcessMesh([0, 1])
+    model = DictIn(mesh)
+    dm = dist.to_static(model).predict()
+    outs = []
+    for i in range(3):
+        x = dist.shard_tensor(torch.full((4, 4), float(i + 1)), mesh, [S0])
+        outs.append(dist.unshard_dtensor(dm({"x": x, "scale": torch.tensor(2.0)})))
+    return outs, dist.unshard_dtensor(model.w.detach())
+
+
+def test_static_batches_may_nest_tensors_in_dicts():
+    for outs, w in run_dist(_dict_batches, 2):
+        for i, out in enumerate(outs):
+            torch.testing.assert_close(out, torch.full((4, 4), float(i + 1)) @ w * 2)
+
+
 def _branch_on_value():
     mesh = dist.ProcessMesh([0, 1])
 

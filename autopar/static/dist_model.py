@@ -84,9 +84,8 @@ class DistModel:
             batch = tuple(batch[0])
         params = list(self.layer.parameters())
         grad_holders = params + self._optimizer_only_params(params)
-        inputs = params + list(self.layer.buffers()) + [b for b in batch if isinstance(b, torch.Tensor)]
-        key = (self._mode, self.layer.training, tuple(_signature(t) for t in inputs),
-               tuple(b if not isinstance(b, torch.Tensor) else None for b in batch))
+        inputs = params + list(self.layer.buffers()) + _leaves(batch)  # tensors nested in dicts/lists too
+        key = (self._mode, self.layer.training, tuple(_signature(t) for t in inputs), repr(_structure(batch)))
         if self._mode == "train":
             self.optimizer.zero_grad(set_to_none=True)
         captured = self._programs.get(key)
