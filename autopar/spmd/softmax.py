@@ -165,20 +165,31 @@ def _pick(target, weight, ignore_index, spec, coord, dtype):
     return (t - lo).clamp(0, max(hi - lo - 1, 0)), wt, mine, c, hi > lo
 
 
+def _classes_split(spec) -> bool:
+    c = _class_dim(spec.ndim)
+    return any(type(p) is Shard and p.dim == c for p, k in zip(spec.placements, spec.mesh.shape) if k > 1)
+
+
 @register_kernel("nll_loss")
 def nll_loss_kernel(func, args, kwargs, in_specs, out_specs, coord):
     x, target, weight, reduction, ignore_index = args
     spec = in_specs[0]
-    local_t, wt, mine, c, has_classes = _pick(target, weight, ignore_index, spec, coord, x.dtype)
-    picked = x.gather(c, local_t.unsqueeze(c)).squeeze(c) if has_classes else torch.zeros_like(wt)
-    loss = torch.where(mine, -wt * picked, 0)
-    if reduction == _NONE:
-        return loss, x.new_zeros(())
-    total = wt.sum()
-    if reduction == _SUM:
-        return loss.sum(), total
+    c = _class_dim(spec.ndim)
+    if not _classes_split(spec):  # every class here: the fused local op gives (sum, total weight)
+        if reduction != _MEAN:
+            return func(*args)
+        loss_sum, total = func(x, target, weight, _SUM, ignore_index)
+    else:
+        local_t, wt, mine, c, has_classes = _pick(target, weight, ignore_index, spec, coord, x.dtype)
+        picked = x.gather(c, local_t.unsqueeze(c)).squeeze(c) if has_classes else torch.zeros_like(wt)
+        loss = torch.where(mine, -wt * picked, 0)
+        if reduction == _NONE:
+            return loss, x.new_zeros(())
+        loss_sum, total = loss.sum(), wt.sum()
+        if reduction == _SUM:
+            return loss_sum, total
     # one all-reduce of (sum, total weight) over the mesh dims sharding batch-like dims
-    both = torch.stack([loss.sum(), total])
+    both = torch.stack([loss_sum, total])
     both = comm.all_reduce(both, shard_group(spec, set(range(spec.ndim)) - {c}, coord), ReduceType.SUM)
     return both[0] / both[1], both[1]
 
@@ -187,6 +198,9 @@ def nll_loss_kernel(func, args, kwargs, in_specs, out_specs, coord):
 def nll_loss_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
     grad_out, _, target, weight, reduction, ignore_index, total = args
     spec = out_specs[0]
+    if not _classes_split(spec):  # the fused local op, with the global total weight (read for self: its shape)
+        shape = grad_out.new_empty(spec.local_shape(coord), dtype=spec.meta.dtype)
+        return func(grad_out, shape, target, weight, reduction, ignore_index, total)
     local_t, wt, mine, c, has_classes = _pick(target, weight, ignore_index, spec, coord, spec.meta.dtype)
     coef = -wt * grad_out
     if reduction == _MEAN:
