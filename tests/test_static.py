@@ -215,6 +215,24 @@ def _dict_batches():
     return outs, dist.unshard_dtensor(model.w.detach())
 
 
+def _autocast():
+    mesh = dist.ProcessMesh([0, 1])
+    model = DictIn(mesh)
+    dm = dist.to_static(model).predict()
+    x = dist.shard_tensor(torch.ones(4, 4), mesh, [S0])
+    batch = {"x": x, "scale": torch.tensor(1.0)}
+    plain = dm(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = dm(batch)
+    again = dm(batch)
+    return plain.dtype, low.dtype, again.dtype, len(dm._programs)
+
+
+def test_static_captures_a_program_per_autocast_setting():
+    for plain, low, again, programs in run_dist(_autocast, 2):
+        assert (plain, low, again, programs) == (torch.float32, torch.bfloat16, torch.float32, 2)
+
+
 def test_static_batches_may_nest_tensors_in_dicts():
     for outs, w in run_dist(_dict_batches, 2):
         for i, out in enumerate(outs):

@@ -28,6 +28,11 @@ def _signature(t: torch.Tensor):
     return (tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
+def _autocast_state() -> tuple:
+    """Autocast changes which casts a step runs: a program is captured per autocast setting."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
 class _Captured:
     """A program and how to turn its outputs back into the step's results."""
 
@@ -85,7 +90,8 @@ class DistModel:
         params = list(self.layer.parameters())
         grad_holders = params + self._optimizer_only_params(params)
         inputs = params + list(self.layer.buffers()) + _leaves(batch)  # tensors nested in dicts/lists too
-        key = (self._mode, self.layer.training, tuple(_signature(t) for t in inputs), repr(_structure(batch)))
+        key = (self._mode, self.layer.training, _autocast_state(), tuple(_signature(t) for t in inputs),
+               repr(_structure(batch)))
         if self._mode == "train":
             self.optimizer.zero_grad(set_to_none=True)
         captured = self._programs.get(key)

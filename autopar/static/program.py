@@ -261,7 +261,7 @@ class Recorder(TorchDispatchMode):
             self.entries.append(Entry(wire, tuple(self.slot(t) for t in tensors), {}, (), wire=True))
 
     def __enter__(self):
-        if not self.in_wire and self not in collectives.CAPTURE_HOOKS:
+        if self not in collectives.CAPTURE_HOOKS:  # re-entered for every distributed op
             collectives.CAPTURE_HOOKS.append(self)
         return super().__enter__()
 
