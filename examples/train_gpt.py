@@ -118,9 +118,7 @@ def train(args, mesh, progress=False, static=False):
             losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     if step is not None and progress:
-        wires = [line for line in step.dist_main_program().splitlines() if " ranks=" in line]
-        print(f"static program: {len(step.dist_main_program().splitlines())} lines, {len(wires)} transfers per "
-              f"forward+backward (gradient reduction runs in the optimizer step)")
+        print("static program (forward, backward, gradient reduction):", step.dist_main_program().splitlines()[0])
     return model, losses
 
 

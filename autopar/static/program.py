@@ -146,7 +146,14 @@ class Program:
             return self._replay(list(inputs))
 
     def __str__(self) -> str:
-        head = f"inputs %0..%{self.n_inputs - 1}" if self.n_inputs else "no inputs"
+        wires = self.wires()
+        kinds: dict = {}
+        for w in wires:
+            kinds[w.op] = kinds.get(w.op, 0) + 1
+        sent = sum(log[2] for w in wires for log in w.logs)
+        head = (f"{len(self.entries) - len(wires)} local ops, {len(wires)} transfers "
+                f"({', '.join(f'{k} x{n}' for k, n in kinds.items()) or 'none'}), {sent} B sent by this rank; "
+                + (f"inputs %0..%{self.n_inputs - 1}" if self.n_inputs else "no inputs"))
         lines = [head] + [str(e) for e in self.entries]
         lines.append("outputs " + ", ".join(repr(o) if type(o) is Slot else "const" for o in self.outputs))
         return "\n".join(lines)
