@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .comm.collectives import reading_values as _reading_values
 from .spec import DistSpec
 
 
@@ -78,9 +79,11 @@ class DistTensor(torch.Tensor):
         return full_value(self)
 
     def tolist(self):
+        _reading_values("tolist")
         return self.full_value().tolist()
 
     def numpy(self, *args, **kwargs):
+        _reading_values("numpy")
         return self.full_value().detach().cpu().numpy(*args, **kwargs)
 
     def __repr__(self, *, tensor_contents=None):

@@ -38,6 +38,13 @@ def _fail(op: str, ranks: Sequence[int], err: Exception):
 CAPTURE_HOOKS: list = []
 
 
+def reading_values(what: str) -> None:
+    """A distributed tensor's values are about to be read into Python (`.tolist()`,
+    `.numpy()`): an active capture refuses, as it cannot replay a value-dependent step."""
+    for hook in CAPTURE_HOOKS:
+        hook.value_read(what)
+
+
 class Wire:
     """One blocking transfer: `run(*tensors)` moves the bytes (writing its outputs in place),
     then `logs` (op, ranks, sent, received, shape) go to comm_log.  Kept whole so that a

@@ -239,10 +239,7 @@ class Recorder(TorchDispatchMode):
         if func.namespace == "c10d":
             raise CaptureError(f"to_static: {func} runs outside autopar's comm layer; it cannot be replayed")
         if func in _VALUE_OPS:
-            raise CaptureError(
-                f"to_static: the step reads a tensor's value into Python ({func}); a captured step must not "
-                f"depend on tensor values (no .item(), no `if tensor:`) between its first op and the loss"
-            )
+            self.value_read(str(func))
         t_args, t_kwargs = self._template(list(args)), {k: self._template(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
         flat = out if isinstance(out, (list, tuple)) else (out,)
@@ -255,6 +252,12 @@ class Recorder(TorchDispatchMode):
         )
         self.entries.append(Entry(func, tuple(t_args), t_kwargs, outs, wire=False, seq=flat is out))
         return out
+
+    def value_read(self, what: str) -> None:
+        raise CaptureError(
+            f"to_static: the step reads a tensor's value into Python ({what}); a captured step must not "
+            f"depend on tensor values (no .item(), .tolist(), `if tensor:`) between its first op and the loss"
+        )
 
     # -- transfers (called by comm.collectives._wire) ------------------------------------
     def enter_wire(self) -> None:
