@@ -65,6 +65,14 @@ def assert_close(got, want, what: str, rtol: float = 1e-5, atol: float = 1e-5) -
         raise BenchFailure(f"[rank {rank()}] correctness check failed: {what}: {e}") from None
 
 
+def add_mlp_sizes(p) -> None:
+    """The seed's section 4.2 MLP sizes (w0 hidden x ffn, w1 ffn x hidden, x batch x seq x hidden)."""
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+
+
 def interleaved(
     fns: dict[str, Callable[[], object]],
     reps: int = 30,

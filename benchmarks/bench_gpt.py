@@ -94,14 +94,7 @@ class Runner:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    G.add_model_args(p)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)

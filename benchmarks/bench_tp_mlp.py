@@ -126,10 +126,7 @@ class Runner:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
+    C.add_mlp_sizes(p)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--relu", action="store_true")

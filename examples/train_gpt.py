@@ -131,17 +131,22 @@ def print_plan(model, mesh):
     print("  (blocks.1.. as blocks.0)")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, data and optimizer settings (shared with benchmarks/bench_gpt.py)."""
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--mp", type=int, default=2, help="tensor-parallel degree (the rest is data parallel)")
     p.add_argument("--static", action="store_true", help="run the step as a captured program (dist.to_static)")
     p.add_argument("--check", action="store_true", help="also run one process and compare every loss")
