@@ -13,6 +13,18 @@ the numbers of the single-device run.
 from .api.dataloader import ShardDataloader, shard_dataloader
 from .api.global_mesh import get_mesh, set_mesh
 from .api.layer import shard_layer
+from .api.parallelize import parallelize
+from .api.plans import (
+    ColWiseParallel,
+    PrepareLayerInput,
+    PrepareLayerOutput,
+    RowWiseParallel,
+    SequenceParallelBegin,
+    SequenceParallelDisable,
+    SequenceParallelEnable,
+    SequenceParallelEnd,
+    SplitPoint,
+)
 from .api.optimizer import (
     ShardingStage1,
     ShardingStage2,
@@ -37,6 +49,16 @@ from . import auto_parallel  # noqa: F401  (dist.auto_parallel.set_mesh)
 from . import dispatch as _dispatch  # noqa: F401  (installs the op dispatcher)
 
 __all__ = [
+    "ColWiseParallel",
+    "PrepareLayerInput",
+    "PrepareLayerOutput",
+    "RowWiseParallel",
+    "SequenceParallelBegin",
+    "SequenceParallelDisable",
+    "SequenceParallelEnable",
+    "SequenceParallelEnd",
+    "SplitPoint",
+    "parallelize",
     "CaptureError",
     "DistModel",
     "to_static",

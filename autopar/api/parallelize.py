@@ -1,0 +1,413 @@
+"""parallelize: the one-call API of seed 001 (Paddle's `paddle.distributed.parallelize`).
+
+One config turns a single-device model and optimizer into a distributed pair, in place:
+- `pp_config` gives every layer a mesh: its pipeline stage's slice of the mesh along "pp"
+  (a layer spanning several stages has none; a `global_spec` layer has the whole mesh).
+  Layers entered from another stage move their distributed inputs onto their own mesh in a
+  forward pre-hook (`reshard` across meshes, so gradients travel back in backward);
+- `mp_config` applies the plans of `plans.py` to the layers and parameters its keys name;
+- every parameter becomes a distributed Parameter on its layer's mesh: split over "mp"
+  where a plan says, Replicate elsewhere;
+- `dp_config` splits the model's plain tensor inputs on their batch dim over "dp" and picks
+  the optimizer's ZeRO stage;
+- the optimizer's param_groups are rebuilt with the new Parameters and it is wrapped with
+  `shard_optimizer`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from ..dtensor import DistTensor
+from ..mesh import ProcessMesh
+from ..placement import Shard
+from ..spec import split_range
+from .global_mesh import get_mesh
+from .layer import replicate_params
+from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
+from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
+from .tensor import reshard, shard_tensor
+
+_CONFIG_DIMS = {"dp_config": "dp", "mp_config": "mp", "pp_config": "pp"}
+_STAGES = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}
+_PARAM_KEYS = ("weight", "bias")  # what a plan key naming a parameter ends in (the seed's rule)
+_GLOBAL = -1  # the stage mark of a global_spec layer: on every stage
+
+
+# -- names -------------------------------------------------------------------------------
+def match_names(key: str, names: list[str]) -> list[str]:
+    """The names `key` matches: the name itself, or a regular expression matching the whole
+    name (so `layers.*.mlp` matches every layer's mlp, as in Paddle).
+
+    >>> match_names("layers.*.mlp", ["layers", "layers.0", "layers.0.mlp", "layers.1.mlp"])
+    ['layers.0.mlp', 'layers.1.mlp']
+    """
+    if key in names:
+        return [key]
+    try:
+        pattern = re.compile(key)
+    except re.error as err:
+        raise ValueError(
+            f"parallelize: {key!r} is neither a layer/parameter name nor a valid regular expression: {err}"
+        ) from None
+    return [n for n in names if pattern.fullmatch(n)]
+
+
+def _parent(name: str) -> Optional[str]:
+    return None if name == "" else name.rpartition(".")[0]
+
+
+def _within(name: str, root: str) -> bool:
+    """`name` is the layer `root` or one of its sub-layers."""
+    return root == "" or name == root or name.startswith(root + ".")
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+# -- pipeline stages -------------------------------------------------------------------------
+def _stage_starts(names: list[str], split_spec: Any, degree: int) -> set[str]:
+    """The layers that begin a new stage (stage 0 begins with the model)."""
+    if isinstance(split_spec, str):
+        if split_spec not in names:
+            raise ValueError(f"pp_config split_spec {split_spec!r} names no layer of the model")
+        children = [n for n in names if _parent(n) == split_spec]
+        if len(children) < degree:
+            raise ValueError(
+                f"pp_config split_spec {split_spec!r} has {len(children)} layers, too few for {degree} pipeline stages"
+            )
+        return {children[split_range(len(children), degree, i)[0]] for i in range(1, degree)}
+    if not isinstance(split_spec, dict):
+        raise TypeError(
+            f"pp_config split_spec must be a layer-name prefix (str) or a dict {{name: SplitPoint}}, got {split_spec!r}"
+        )
+    starts = set()
+    for key, point in split_spec.items():
+        if not isinstance(point, SplitPoint):
+            raise TypeError(
+                f"pp_config split_spec[{key!r}] must be SplitPoint.END or SplitPoint.BEGINNING, got {point!r}"
+            )
+        matched = match_names(key, names)
+        if not matched:
+            raise ValueError(f"pp_config split_spec key {key!r} matches no layer of the model")
+        for name in matched:
+            i = names.index(name)
+            if point is SplitPoint.END:
+                after = [n for n in names[i + 1:] if not _within(n, name)]
+                if not after:
+                    raise ValueError(
+                        f"pp_config split_spec: SplitPoint.END at {name!r}, the model's last layer, "
+                        f"leaves no next stage"
+                    )
+                starts.add(after[0])
+            elif i == 0:
+                raise ValueError(
+                    f"pp_config split_spec: SplitPoint.BEGINNING at {name!r}, the model itself, leaves stage 0 empty"
+                )
+            else:
+                starts.add(name)
+    if len(starts) != degree - 1:
+        raise ValueError(
+            f"pp_config split_spec {split_spec!r} cuts the model into {len(starts) + 1} stages "
+            f"(before {sorted(starts)}) but the mesh's 'pp' dim has {degree}"
+        )
+    return starts
+
+
+def module_meshes(
+    names: list[str], mesh: ProcessMesh, pp_config: Optional[dict]
+) -> dict[str, Optional[ProcessMesh]]:
+    """{layer name: the mesh its parameters live on} for the layers `names` (in
+    `named_modules()` order): the whole mesh without pipeline parallel; else the stage's
+    slice of the mesh along "pp", the whole mesh for a `global_spec` layer, and None for a
+    layer spanning several stages.  Layers are cut into stages at `split_spec`: a prefix
+    string splits the children of that layer as evenly as possible (earlier stages take
+    the extra ones; layers before it are stage 0, after it the last stage), a dict cuts at
+    exactly the named layers.
+
+    >>> mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "mp"])
+    >>> names = ["", "emb", "layers", "layers.0", "layers.1", "head"]
+    >>> meshes = module_meshes(names, mesh, {"split_spec": "layers"})
+    >>> {n: m.process_ids if m else None for n, m in meshes.items()}
+    {'': None, 'emb': [0, 1], 'layers': None, 'layers.0': [0, 1], 'layers.1': [2, 3], 'head': [2, 3]}
+    """
+    if pp_config is None:
+        return {n: mesh for n in names}
+    if not isinstance(pp_config, dict) or "split_spec" not in pp_config:
+        raise ValueError(f"pp_config must be a dict with a 'split_spec', got {pp_config!r}")
+    degree = mesh.get_dim_size("pp")
+    starts = _stage_starts(names, pp_config["split_spec"], degree)
+    global_spec = pp_config.get("global_spec")
+    roots = match_names(global_spec, names) if global_spec is not None else []
+    if global_spec is not None and not roots:
+        raise ValueError(f"pp_config global_spec {global_spec!r} matches no layer of the model")
+    stage, marks = 0, {}
+    for name in names:
+        if any(_within(name, r) for r in roots):
+            marks[name] = _GLOBAL
+            continue
+        if name in starts:
+            stage += 1
+        marks[name] = stage
+    spans = {a for n in names for a in _ancestors(n) if marks[a] != marks[n]}
+    return {
+        n: None if n in spans else mesh if marks[n] == _GLOBAL else mesh.get_mesh_with_dim("pp", marks[n])
+        for n in names
+    }
+
+
+# -- plans -----------------------------------------------------------------------------------
+def match_plans(model: torch.nn.Module, parallelize_plan: dict) -> list[tuple[str, Optional[str], PlanBase]]:
+    """(layer name, parameter name or None, plan) for every key of `parallelize_plan`, in
+    key order.  A key names layers (`named_modules()`) or parameters (`named_parameters()`,
+    whose names must end in weight or bias); a key matching nothing is an error."""
+    if not isinstance(parallelize_plan, dict):
+        raise TypeError(
+            f"mp_config parallelize_plan must be a dict {{name: plan}}, got {type(parallelize_plan).__name__}"
+        )
+    layers = [n for n, _ in model.named_modules()]
+    params = [n for n, _ in model.named_parameters(remove_duplicate=False) if n.rpartition(".")[2] in _PARAM_KEYS]
+    out = []
+    for key, plans in parallelize_plan.items():
+        plans = list(plans) if isinstance(plans, (list, tuple)) else [plans]
+        for plan in plans:
+            if not isinstance(plan, PlanBase):
+                raise TypeError(f"mp_config parallelize_plan[{key!r}]: {plan!r} is not a plan (ColWiseParallel(), ...)")
+        matched_layers, matched_params = match_names(key, layers), match_names(key, params)
+        if not matched_layers and not matched_params:
+            raise ValueError(
+                f"mp_config parallelize_plan key {key!r} matches no layer and no parameter of the model "
+                f"(parameter keys must end in 'weight' or 'bias')"
+            )
+        out += [(name, None, plan) for name in matched_layers for plan in plans]
+        for name in matched_params:
+            owner, _, attr = name.rpartition(".")
+            for plan in plans:
+                if not isinstance(plan, _SplitWeights):
+                    raise TypeError(f"{type(plan).__name__} acts on a layer, but {key!r} names the parameter {name!r}")
+                out.append((owner, attr, plan))
+    return out
+
+
+def _split_dims(modules: dict, plans: list) -> dict[int, tuple[Optional[int], str]]:
+    """{id(parameter): (the dim it is split on over "mp", the plan and layer that say so)}."""
+    dims: dict[int, tuple[Optional[int], str]] = {}
+    for layer_name, attr, plan in plans:
+        if not isinstance(plan, _SplitWeights):
+            continue
+        layer = modules[layer_name]
+        wanted = plan.param_dims(layer, layer_name) if attr is None else {attr: plan.param_dim(layer, attr)}
+        for pname, dim in wanted.items():
+            p = getattr(layer, pname)
+            who = f"{type(plan).__name__} on '{layer_name}'"
+            dim = None if dim is None else dim % max(p.dim(), 1)
+            have = dims.setdefault(id(p), (dim, who))
+            if have[0] != dim:
+                raise ValueError(
+                    f"parameter '{_join(layer_name, pname)}' of shape {list(p.shape)}: {who} splits it on dim {dim}, "
+                    f"{have[1]} on dim {have[0]}"
+                )
+    return dims
+
+
+def _join(layer: str, attr: str) -> str:
+    return f"{layer}.{attr}" if layer else attr
+
+
+def _parameter_targets(model: torch.nn.Module, meshes: dict, plans: list) -> list[tuple[list, ProcessMesh, list]]:
+    """(holders, mesh, placements) for every parameter: on its layer's mesh, split over "mp"
+    where a plan says, Replicate elsewhere; `holders` lists every (layer, name) holding it,
+    so a parameter shared by several layers is placed once.  Raises before anything changes."""
+    modules = dict(model.named_modules())
+    dims = _split_dims(modules, plans)
+    slots: dict[int, list] = {}
+    for layer_name, layer in modules.items():
+        for pname, p in layer._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((layer, layer_name, pname))
+    targets = []
+    for pid, holders in slots.items():
+        names = [_join(ln, pn) for _, ln, pn in holders]
+        where = {meshes[ln] for _, ln, _ in holders}
+        if None in where:
+            raise ValueError(
+                f"parameter {names[0]!r} belongs to a layer that spans several pipeline stages; move it into "
+                f"a sub-layer, or name its layer in pp_config global_spec"
+            )
+        if len(where) > 1:
+            raise ValueError(
+                f"parameter shared by {names} would live on several pipeline stages "
+                f"{sorted(m.process_ids for m in where)}; untie it or keep its layers on one stage"
+            )
+        mesh = where.pop()
+        dim = dims.get(pid, (None,))[0]
+        p = getattr(holders[0][0], holders[0][2])
+        targets.append((holders, mesh, placements_on(p, mesh, **({"mp": Shard(dim)} if dim is not None else {}))))
+    return targets
+
+
+def _place_parameters(model: torch.nn.Module, meshes: dict, targets: list) -> dict[int, torch.nn.Parameter]:
+    """Make every parameter distributed as `targets` says and every buffer Replicate on its
+    layer's mesh.  Returns {id(old parameter): new parameter}."""
+    replaced = {}
+    for holders, mesh, placements in targets:
+        layer, layer_name, pname = holders[0]
+        p = getattr(layer, pname)
+        try:
+            new = shard_tensor(p, mesh, placements)
+        except ValueError as err:
+            raise ValueError(
+                f"parameter {_join(layer_name, pname)!r} of shape {list(p.shape)} on mesh {mesh} as {placements}: {err}"
+            ) from err
+        for holder, _, name in holders:
+            holder._parameters[name] = new
+        replaced[id(p)] = new
+    for layer_name, layer in model.named_modules():
+        if meshes[layer_name] is not None:
+            replicate_params(layer, meshes[layer_name])  # the buffers (parameters are placed already)
+    return replaced
+
+
+# -- hooks -----------------------------------------------------------------------------------
+def _move_inputs(mesh: ProcessMesh):
+    """A forward pre-hook bringing distributed inputs from other meshes onto `mesh`."""
+
+    def hook(_layer, args, kwargs):
+        def move(t: DistTensor) -> DistTensor:
+            return t if t._spec.mesh == mesh else reshard(t, mesh, placements_on(t, mesh))
+
+        return tree_map_only(DistTensor, move, (args, kwargs))
+
+    return hook
+
+
+def _shard_batch(mesh: ProcessMesh):
+    """A forward pre-hook splitting plain tensor inputs on dim 0 (the batch) over "dp"."""
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DistTensor) or t.dim() == 0:
+            return t
+        return shard_tensor(t, mesh, placements_on(t, mesh, dp=Shard(0)))
+
+    return lambda _layer, args, kwargs: tree_map_only(torch.Tensor, split, (args, kwargs))
+
+
+# -- optimizer -------------------------------------------------------------------------------
+def _check_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """Refuse an optimizer whose param_groups cannot simply be rebuilt (before the model changes)."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"parallelize needs a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if optimizer.state:
+        raise ValueError(
+            f"parallelize: the optimizer already has state for {len(optimizer.state)} parameters (it has stepped); "
+            f"call parallelize before the first optimizer step"
+        )
+
+
+def _parallel_optimizer(optimizer: torch.optim.Optimizer, replaced: dict, sharding_level: int, mesh: ProcessMesh):
+    """The optimizer over the new Parameters (same groups, order and settings), sharded."""
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    shard_fn = _STAGES[sharding_level]("dp", mesh) if sharding_level else None
+    return shard_optimizer(optimizer, shard_fn)
+
+
+# -- the API ---------------------------------------------------------------------------------
+def parallelize(
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    mesh: Optional[ProcessMesh] = None,
+    config: Optional[dict] = None,
+) -> tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
+    """Make `model` and `optimizer` distributed with one config (in place; both are returned).
+
+    `mesh` defaults to `get_mesh()`; its dims are found by the names "dp", "mp" and "pp".
+    `config` holds any of
+    - `"dp_config": {"sharding_level": 0|1|2|3}`: plain tensor inputs are split on dim 0
+      over "dp"; the optimizer gets ZeRO stage `sharding_level` over "dp" (0: none);
+    - `"mp_config": {"parallelize_plan": {name: plan or [plans]}}`: names of layers or of
+      parameters (ending in weight/bias), regular expressions allowed (`layers.*.mlp`);
+      plans `ColWiseParallel`, `RowWiseParallel`, `SequenceParallelBegin/End/Enable/Disable`,
+      `PrepareLayerInput/Output`;
+    - `"pp_config": {"split_spec": prefix or {name: SplitPoint}, "global_spec": name}`:
+      pipeline stages on the slices of the mesh along "pp" (see `module_meshes`); compute
+      the loss from the model's output (on the last stage).
+    Without a mesh or any of these keys, model and optimizer come back unchanged.  An
+    optimizer must not have stepped yet: its param_groups are rebuilt with the new Parameters.
+
+    >>> import torch, autopar as dist
+    >>> dist.set_mesh(dist.ProcessMesh([[0]], dim_names=["dp", "mp"]))
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    >>> config = {"dp_config": {"sharding_level": 1},
+    ...           "mp_config": {"parallelize_plan": {"0": dist.ColWiseParallel(), "2": dist.RowWiseParallel()}}}
+    >>> model, opt = dist.parallelize(model, opt, config=config)
+    >>> model[0].weight.placements, model[2].bias.placements
+    ([Replicate(), Shard(0)], [Replicate(), Replicate()])
+    >>> loss = model(torch.ones(6, 4)).sum()
+    >>> loss.backward(); opt.step()
+    >>> opt.state[opt.param_groups[0]["params"][0]]["exp_avg"].placements  # ZeRO-1: states split over dp
+    [Shard(1), Shard(0)]
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"parallelize needs a torch.nn.Module, got {type(model).__name__}")
+    mesh = mesh if mesh is not None else get_mesh()
+    config = _checked_config(config, mesh)
+    if mesh is None or not config:
+        return model, optimizer
+    _check_optimizer(optimizer)
+    pp = "pp_config" in config
+    meshes = module_meshes([n for n, _ in model.named_modules()], mesh, config.get("pp_config"))
+    plans = match_plans(model, config.get("mp_config", {}).get("parallelize_plan", {}))
+    for name, attr, plan in plans:
+        if attr is None and meshes[name] is None:
+            raise ValueError(f"{type(plan).__name__} on '{name}': the layer spans several pipeline stages")
+    replaced = _place_parameters(model, meshes, _parameter_targets(model, meshes, plans))
+    modules = dict(model.named_modules())
+    for name, layer in modules.items():  # stage entries first: the plans' hooks see inputs on their mesh
+        parent = _parent(name)
+        if pp and meshes[name] is not None and (parent is None or meshes[parent] != meshes[name]):
+            layer.register_forward_pre_hook(_move_inputs(meshes[name]), with_kwargs=True)
+    for name, plan in dict.fromkeys((name, plan) for name, _, plan in plans):  # a plan hooks its layer once
+        plan.apply(modules[name], meshes[name], name)
+    if "dp_config" in config:
+        model.register_forward_pre_hook(_shard_batch(mesh.get_mesh_with_dim("pp", 0) if pp else mesh), with_kwargs=True)
+    if optimizer is not None:
+        level = config["dp_config"].get("sharding_level", 0) if "dp_config" in config else 0
+        optimizer = _parallel_optimizer(optimizer, replaced, level, mesh)
+    return model, optimizer
+
+
+def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict:
+    """`config` (or {}) after the checks that need no model: known keys, mesh dims, shapes."""
+    config = {} if config is None else config
+    if not isinstance(config, dict):
+        raise TypeError(f"parallelize config must be a dict, got {type(config).__name__}")
+    unknown = sorted(set(config) - set(_CONFIG_DIMS))
+    if unknown:
+        raise ValueError(f"parallelize config: unknown keys {unknown} (known: {list(_CONFIG_DIMS)})")
+    if mesh is None:
+        return config
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"parallelize needs a ProcessMesh, got {type(mesh).__name__}")
+    for key, dim in _CONFIG_DIMS.items():
+        if key in config and dim not in mesh.dim_names:
+            raise ValueError(
+                f"parallelize: {key} needs a mesh dim named {dim!r}, but mesh {mesh} has dims {mesh.dim_names}"
+            )
+    dp_config = config.get("dp_config", {})
+    if not isinstance(dp_config, dict) or dp_config.get("sharding_level", 0) not in (0, 1, 2, 3):
+        raise ValueError(f"dp_config must be a dict like {{'sharding_level': 0|1|2|3}}, got {dp_config!r}")
+    mp_config = config.get("mp_config", {"parallelize_plan": {}})
+    if not isinstance(mp_config, dict) or "parallelize_plan" not in mp_config:
+        raise ValueError(f"mp_config must be a dict with a 'parallelize_plan', got {mp_config!r}")
+    return config
+
+__all__ = ["match_names", "match_plans", "module_meshes", "parallelize"]
