@@ -1,4 +1,5 @@
-"""The seed's four strategies (dynamic, and static as in seed 4.5) and the main job, launched
+"""The seed's four strategies (dynamic, and static as in seed 4.5), seed 001's parallelize and
+the main job, launched
 as users launch them, with --check (each exits non-zero unless every loss and the final
 weights match the single-process run)."""
 import os
@@ -23,6 +24,7 @@ SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
         ("seed_4_2_tensor_parallel.py", 4, SMALL + ["--static"]),
         ("seed_4_3_pipeline.py", 4, SMALL + ["--static"]),
         ("seed_4_4_hybrid.py", 8, SMALL + ["--static"]),
+        ("parallelize_llama.py", 8, SMALL),  # seed 001: dist.parallelize, dp2 x mp2 x pp2
         ("train_gpt.py", 4, ["--steps", "6"]),
         ("train_gpt.py", 4, ["--steps", "6", "--static"]),
     ],
