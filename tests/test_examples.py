@@ -1,7 +1,6 @@
 """The seed's four strategies (dynamic, and static as in seed 4.5), seed 001's parallelize and
-the main job, launched
-as users launch them, with --check (each exits non-zero unless every loss and the final
-weights match the single-process run)."""
+the main job, launched as users launch them, with --check (each exits non-zero unless every
+loss and the final weights match the single-process run)."""
 import os
 import subprocess
 import sys
