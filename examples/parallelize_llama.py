@@ -137,8 +137,9 @@ def batches(args):
         yield seq[:, :-1], seq[:, 1:]
 
 
-def train(args, mesh=None, config=None):
-    """Train from the seed; with a mesh, parallelized by `config` (default: the seed's)."""
+def train(args, mesh=None, config=None, static=False):
+    """Train from the seed; with a mesh, parallelized by `config` (default: the seed's), and
+    with `static` as a captured program (`to_static`: the first step is recorded, then replayed)."""
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(args.vocab, args.hidden, args.ffn, args.heads, args.layers, args.seq)
     # eps above the rounding noise of gradients that cancel to ~0 (causal attention has
@@ -146,10 +147,16 @@ def train(args, mesh=None, config=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=1e-6)
     if mesh is not None:
         model, opt = dist.parallelize(model, opt, mesh, config or parallel_config())
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.reshape(-1, args.vocab), labels.reshape(-1))
+
+    if static:
+        step = dist.to_static(model, None, loss_fn, opt)
+        return model, [float(step(x, y)) for x, y in batches(args)]
     losses = []
     for x, y in batches(args):
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
+        loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -169,13 +176,14 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--static", action="store_true", help="run the steps as a captured program (dist.to_static)")
     p.add_argument("--check", action="store_true", help="also run one process and compare")
     args = p.parse_args()
     if dist.get_world_size() != 8:
         raise SystemExit("the parallelize example runs on 8 ranks (dp2 x mp2 x pp2)")
     # the seed's mesh: "pp" is the last dim, so stage 0 is ranks 0, 2, 4, 6
     mesh = dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["dp", "mp", "pp"])
-    model, losses = train(args, mesh)
+    model, losses = train(args, mesh, static=args.static)
     if dist.get_rank() == 0:
         for name in ("llama.embed_tokens.weight", "llama.layers.0.self_attn.qkv_proj.weight",
                      "llama.layers.1.mlp.down_proj.weight", "lm_head.weight"):

@@ -24,6 +24,7 @@ SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
         ("seed_4_3_pipeline.py", 4, SMALL + ["--static"]),
         ("seed_4_4_hybrid.py", 8, SMALL + ["--static"]),
         ("parallelize_llama.py", 8, SMALL),  # seed 001: dist.parallelize, dp2 x mp2 x pp2
+        ("parallelize_llama.py", 8, SMALL + ["--static"]),
         ("train_gpt.py", 4, ["--steps", "6"]),
         ("train_gpt.py", 4, ["--steps", "6", "--static"]),
     ],
