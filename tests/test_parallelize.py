@@ -360,6 +360,8 @@ def test_pipeline_tensor_and_sequence_parallel_llama_on_pp_x_mp():
     _check_llama(results)
     for rank, (_, _, ops, local) in enumerate(results):
         assert ops.count("send") + ops.count("recv") >= 1  # the activation crosses from stage 0 to stage 1
+        # one decoder layer per stage, sequence parallel without a dp dim to read the layout from
+        assert ops.count("reduce_scatter") == 2, ops
         assert local["llama.layers.0.mlp.gate_up_proj.weight"][1] == [0, 1]
         assert local["llama.layers.1.mlp.gate_up_proj.weight"][1] == [2, 3]
         assert local["lm_head.weight"][1] == [2, 3]

@@ -286,6 +286,15 @@ def _move_inputs(mesh: ProcessMesh):
     return hook
 
 
+def _hook_stage_entries(modules: dict, meshes: dict) -> None:
+    """Hook the layers where the forward enters a stage (or a global_spec layer): those whose
+    parent spans stages or lives elsewhere.  Inside a stage every tensor is on its mesh."""
+    for name, layer in modules.items():
+        parent = _parent(name)
+        if meshes[name] is not None and (parent is None or meshes[parent] != meshes[name]):
+            layer.register_forward_pre_hook(_move_inputs(meshes[name]), with_kwargs=True)
+
+
 def _shard_batch(mesh: ProcessMesh):
     """A forward pre-hook splitting plain tensor inputs on dim 0 (the batch) over "dp"."""
 
@@ -371,14 +380,13 @@ def parallelize(
             raise ValueError(f"{type(plan).__name__} on '{name}': the layer spans several pipeline stages")
     replaced = _place_parameters(model, meshes, _parameter_targets(model, meshes, plans))
     modules = dict(model.named_modules())
-    for name, layer in modules.items():  # stage entries first: the plans' hooks see inputs on their mesh
-        parent = _parent(name)
-        if pp and meshes[name] is not None and (parent is None or meshes[parent] != meshes[name]):
-            layer.register_forward_pre_hook(_move_inputs(meshes[name]), with_kwargs=True)
+    if pp:  # first: the plans' hooks then see inputs on their layer's mesh
+        _hook_stage_entries(modules, meshes)
     for name, plan in dict.fromkeys((name, plan) for name, _, plan in plans):  # a plan hooks its layer once
         plan.apply(modules[name], meshes[name], name)
     if "dp_config" in config:
-        model.register_forward_pre_hook(_shard_batch(mesh.get_mesh_with_dim("pp", 0) if pp else mesh), with_kwargs=True)
+        first_stage = mesh.get_mesh_with_dim("pp", 0) if pp else mesh
+        model.register_forward_pre_hook(_shard_batch(first_stage), with_kwargs=True)
     if optimizer is not None:
         level = config["dp_config"].get("sharding_level", 0) if "dp_config" in config else 0
         optimizer = _parallel_optimizer(optimizer, replaced, level, mesh)
@@ -409,5 +417,6 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     if not isinstance(mp_config, dict) or "parallelize_plan" not in mp_config:
         raise ValueError(f"mp_config must be a dict with a 'parallelize_plan', got {mp_config!r}")
     return config
+
 
 __all__ = ["match_names", "match_plans", "module_meshes", "parallelize"]
