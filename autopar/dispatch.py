@@ -66,6 +66,8 @@ class Decision:
 
 _CACHE: dict = {}
 _STATE = {"rank": None}
+# Observers of every dispatched op (`local_region` verifying a module's first call): see(func, decision, flat)
+WATCHERS: list = []
 
 
 def _rank() -> int:
@@ -272,9 +274,14 @@ def dispatch(func, args, kwargs):
                 _CACHE[key_t] = groups
                 return _run_groups(func, args, kwargs, groups)
         if _plain_inplace(func, args):
+            for w in WATCHERS:
+                w.see(func, None, flat)
             return _run_on_dense(func, args, kwargs, flat)
         dec = decide(func, args, kwargs, flat)
         _CACHE[key_t] = dec
+    if WATCHERS:
+        for w in WATCHERS:
+            w.see(func, dec, flat)
     fast = dec.fast
     if fast is not None:  # every argument a DistTensor already in place or a plain value
         return new_dist(fast(*[a._local if type(a) is DistTensor else a for a in args]), dec.out_specs[0])

@@ -5,6 +5,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import local_region
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Replicate
@@ -33,7 +34,8 @@ def shard_layer(
     `shard_fn(name, sublayer, mesh)` is called for every sublayer (the root has name "")
     and may replace its parameters with `shard_tensor(...)`; whatever it leaves plain is
     replicated.  `input_fn(inputs, mesh)` / `output_fn(outputs, mesh)` run before / after
-    `layer.forward` and may reshard or mark what goes in and out.
+    `layer.forward` and may reshard or mark what goes in and out.  A sublayer whose forward
+    turns out not to communicate runs as plain PyTorch on the local pieces (`local_region`).
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["x"])
@@ -56,4 +58,5 @@ def shard_layer(
         layer.register_forward_pre_hook(lambda _m, inputs: input_fn(inputs, process_mesh))
     if output_fn is not None:
         layer.register_forward_hook(lambda _m, _inputs, outputs: output_fn(outputs, process_mesh))
+    local_region.install(layer)
     return layer

@@ -76,7 +76,14 @@ def sdpa_backward_rule(call: OpCall) -> list[Strategy]:
     return _strategies(call.inputs[1], call.inputs[2], mask, True)
 
 
-@register_kernel("sdpa")
+def _sdpa_is_plain(func, in_specs, coord) -> bool:
+    """Whole query rows and non-empty pieces: the kernel has nothing to fix."""
+    qi = 1 if func is _BWD else 0
+    q, k = in_specs[qi], in_specs[qi + 1]
+    return not q.sharding_mesh_dims(_L) and 0 not in q.local_shape(coord) and 0 not in k.local_shape(coord)
+
+
+@register_kernel("sdpa", plain_when=_sdpa_is_plain)
 def sdpa_kernel(func, args, kwargs, in_specs, out_specs, coord):
     """The local attention, with two fixes a plain call lacks:
     an empty piece (fewer heads or query rows than ranks) skips the op, which faults on

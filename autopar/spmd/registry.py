@@ -6,6 +6,8 @@ from typing import Callable, Iterable
 RULES: dict = {}
 LOCAL_ARGS: dict = {}
 KERNELS: dict = {}
+# kernel name -> fn(func, in_specs, coord): True where the kernel computes exactly the plain op
+KERNEL_PLAIN_WHEN: dict = {}
 # ops that draw from the random generator: a rank outside their mesh still draws (and
 # discards) the same numbers, so every rank's stream stays the single-process stream
 DRAWS_RANDOM: set = set()
@@ -31,11 +33,17 @@ def register(ops: Iterable | object, local_args: Callable | None = None):
     return deco
 
 
-def register_kernel(name: str):
-    """Decorator for a local kernel `fn(func, local_args, local_kwargs, in_specs, out_specs, coord)`."""
+def register_kernel(name: str, plain_when: Callable | None = None):
+    """Decorator for a local kernel `fn(func, local_args, local_kwargs, in_specs, out_specs, coord)`.
+
+    `plain_when(func, in_specs, coord)` says where the kernel is just the plain op (so a
+    module calling it can still run as a local region).
+    """
 
     def deco(fn):
         KERNELS[name] = fn
+        if plain_when is not None:
+            KERNEL_PLAIN_WHEN[name] = plain_when
         return fn
 
     return deco

@@ -1,0 +1,382 @@
+"""Local regions: a module whose forward never communicates runs as plain PyTorch.
+
+In data parallel (and in many tensor-parallel sub-layers) every op of a module runs on
+the local pieces as they are: no input moves, no collective, no special kernel.  Sending
+each of those ops through the distributed dispatch (a Python call per op, forward and
+backward) is pure overhead.  So the first call of a module with given input specs is
+*verified*: it runs through the dispatch as usual while every dispatched op is watched,
+and once more on the bare local pieces (no grad, same random state); if no op moved an
+input, drew random numbers or ran a special kernel, and the two runs agree bit for bit,
+the module is a local region for those specs.  Later calls unwrap the inputs and
+parameters to their local pieces, run the module's own forward on them (torch's C++
+autograd records it, as on one device) and wrap the outputs with the verified specs.
+
+The backward needs no verification: per mesh dim, the gradient of a region's value has
+the dual placement of the value (Shard(d) -> Shard(d), Replicate -> Partial(sum),
+Partial(sum) -> Replicate), because the local ops compute, on every rank, the local part
+of the global function.  A mesh dim on which everything is Replicate computes the same on
+every rank and keeps gradients Replicate.  Gradients reaching the region's outputs are
+resharded to the dual of the output placements once, at the boundary.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+
+from . import dispatch
+from .comm import collectives
+from .dtensor import DistTensor, new_dist
+from .placement import Partial, ReduceType, Replicate, Shard
+from .reshard import piece_of_replicated, redistribute_local
+from .spec import DistSpec, TensorMeta
+from .spmd.registry import DRAWS_RANDOM, KERNEL_PLAIN_WHEN
+
+MIN_OPS = 8  # below this many ops the boundary costs more than the dispatch it saves
+
+_STATE = {"enabled": True, "inside": 0}
+
+
+@contextlib.contextmanager
+def local_regions(enabled: bool):
+    """Turn local regions on or off (on by default), e.g. to compare with the op-by-op path.
+
+    >>> import autopar.local_region as lr
+    >>> with lr.local_regions(False):
+    ...     pass
+    """
+    before = _STATE["enabled"]
+    _STATE["enabled"] = enabled
+    try:
+        yield
+    finally:
+        _STATE["enabled"] = before
+
+
+def install(module: torch.nn.Module) -> None:
+    """Let `module` and every sublayer run as local regions where verification allows."""
+    for sub in module.modules():
+        if not isinstance(sub.__dict__.get("forward"), RegionForward):
+            sub.forward = RegionForward(sub)
+
+
+class RegionForward:
+    """Stands in for `module.forward`: runs it as a verified local region, or as is."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.inner = module.__dict__.get("forward") or type(module).forward.__get__(module)
+        self.regions: dict = {}
+
+    def __call__(self, *args, **kwargs):
+        if _STATE["inside"] or not _STATE["enabled"] or collectives.CAPTURE_HOOKS:
+            return self.inner(*args, **kwargs)
+        key = _call_key(self.module, args, kwargs)
+        if key is None:
+            return self.inner(*args, **kwargs)
+        region = self.regions.get(key, _UNSEEN)
+        if region is _UNSEEN:
+            region = self.regions[key] = None  # re-entrant calls during verification go op by op
+            out, region = _verify(self.module, self.inner, args, kwargs)
+            self.regions[key] = region
+            return out
+        if region is None or not region.params_unchanged():
+            return self.inner(*args, **kwargs)
+        return region.run(self.inner, args, kwargs)
+
+    def __getstate__(self):
+        return {"module": self.module}
+
+    def __setstate__(self, state):
+        self.__init__(state["module"])
+
+
+_UNSEEN = object()
+
+
+def _call_key(module, args, kwargs) -> Optional[tuple]:
+    """What a verified region depends on, or None when the call cannot be a region (no
+    distributed input, or an argument that is not a tensor or a hashable value)."""
+    key: list = [module.training, torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()]
+    found = False
+    for a in list(args) + list(kwargs.values()):
+        if type(a) is DistTensor:
+            found = True
+            key.append(a._spec)
+        elif isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return None  # a plain leaf used with distributed tensors gets its grad densified
+            key.append((a.shape, a.dtype))
+        elif isinstance(a, (int, float, bool, str, type(None))):
+            key.append(a)
+        else:
+            return None
+    if not found:
+        return None
+    if kwargs:
+        key.append(tuple(kwargs))
+    return tuple(key)
+
+
+# -- verification ---------------------------------------------------------------------------
+class _Watch:
+    """Sees every dispatched op of a module's first call: is each one local as it is?"""
+
+    def __init__(self, mesh, protected: set):
+        self.mesh, self.protected, self.ops, self.local = mesh, protected, 0, True
+
+    def see(self, func, dec, flat) -> None:
+        self.ops += 1
+        if not self.local:
+            return
+        if (
+            dec is None or dec.kind != "op" or not dec.member or dec.mesh != self.mesh or func in DRAWS_RANDOM
+            or (dec.kernel is not None and not KERNEL_PLAIN_WHEN.get(dec.kernel, _never)(func, dec.in_specs, dec.coord))
+        ):
+            self.local = False
+            return
+        for t, spec in zip(flat, dec.in_specs):
+            if type(t) is DistTensor:
+                if t._spec is not spec:
+                    self.local = False
+            elif not spec.is_replicated() or t.requires_grad:
+                self.local = False
+        for i in dec.mutated:
+            if id(flat[i]) in self.protected:
+                self.local = False
+
+
+def _never(*_) -> bool:
+    return False
+
+
+class _Refuse:
+    """A capture hook that stops a trial run before it communicates."""
+
+    def enter_wire(self):
+        raise _TrialFailed("communicates")
+
+    def value_read(self, what):
+        raise _TrialFailed(what)
+
+
+class _TrialFailed(RuntimeError):
+    pass
+
+
+def _tensors(module) -> tuple[list, list]:
+    """Every (sublayer, name, tensor) slot of the parameters and buffers, and the distinct params."""
+    slots, params = [], {}
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None:
+                slots.append((sub._parameters, name, p))
+                params[id(p)] = p
+        for name, b in sub._buffers.items():
+            if b is not None:
+                slots.append((sub._buffers, name, b))
+    return slots, list(params.values())
+
+
+def _verify(module, inner, args, kwargs):
+    """First call for these input specs: run it op by op while watching; return (output, Region or None)."""
+    flat_in = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    slots, params = _tensors(module)
+    mesh = next(t._spec.mesh for t in flat_in if type(t) is DistTensor)
+    suitable = (
+        dispatch._rank() in mesh
+        and all(t._spec.mesh == mesh for t in flat_in if type(t) is DistTensor)
+        and all(type(t) is DistTensor and t._spec.mesh == mesh for _, _, t in slots if t.is_floating_point())
+        and all(type(t) is DistTensor for t in params)
+    )
+    if not suitable:
+        return inner(*args, **kwargs), None
+    trial = _trial(inner, slots, args, kwargs)
+    watch = _Watch(mesh, {id(t) for t in flat_in} | {id(t) for _, _, t in slots})
+    dispatch.WATCHERS.append(watch)
+    try:
+        out = inner(*args, **kwargs)
+    finally:
+        dispatch.WATCHERS.remove(watch)
+    if watch.ops < MIN_OPS:
+        return out, None
+    # every rank of the mesh must reach the same verdict (the trial compares this rank's data)
+    verdict = torch.tensor([int(watch.local and _agrees(out, trial))])
+    if not collectives.all_reduce(verdict, tuple(mesh.process_ids), ReduceType.MIN).item():
+        return out, None
+    return out, Region.build(mesh, args, kwargs, slots, params, out)
+
+
+def _agrees(out, trial: Optional[list]) -> bool:
+    """Distributed outputs only, equal to the trial's bit for bit."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if trial is None or not isinstance(out, (torch.Tensor, tuple, list)) or len(outs) != len(trial):
+        return False
+    return all(
+        type(o) is DistTensor and isinstance(t, torch.Tensor) and type(t) is not DistTensor
+        and t.dtype == o._local.dtype and t.shape == o._local.shape and torch.equal(t, o._local)
+        for o, t in zip(outs, trial)
+    )
+
+
+def _trial(inner, slots, args, kwargs) -> Optional[list]:
+    """The module run once on the bare local pieces (no grad, random state restored)."""
+    largs = [a._local if type(a) is DistTensor else a for a in args]
+    lkwargs = {k: (v._local if type(v) is DistTensor else v) for k, v in kwargs.items()}
+    saved = _swap(slots, [t._local if type(t) is DistTensor else t for _, _, t in slots])
+    guard = _Refuse()
+    collectives.CAPTURE_HOOKS.append(guard)
+    _STATE["inside"] += 1
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = inner(*largs, **lkwargs)
+    except Exception:  # anything the bare pieces cannot run: the module is not a region
+        return None
+    finally:
+        _STATE["inside"] -= 1
+        collectives.CAPTURE_HOOKS.remove(guard)
+        _swap(slots, saved)
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _swap(slots, values) -> list:
+    old = []
+    for (where, name, _), v in zip(slots, values):
+        old.append(where[name])
+        where[name] = v
+    return old
+
+
+# -- the region -------------------------------------------------------------------------------
+def _dual(placements, mesh_shape, all_replicate) -> tuple:
+    """Per mesh dim, the placement of the gradient of a value placed `placements`."""
+    out = []
+    for p, size, rep in zip(placements, mesh_shape, all_replicate):
+        if size == 1 or rep:
+            out.append(p if size == 1 else Replicate())
+        elif type(p) is Replicate:
+            out.append(Partial())
+        elif type(p) is Partial:
+            out.append(Replicate())
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _grad_spec(spec: DistSpec, placements) -> DistSpec:
+    return DistSpec(spec.mesh, placements, TensorMeta.contiguous(spec.shape, spec.meta.dtype))
+
+
+class Region:
+    """A verified local region: the specs to wrap outputs with and to place gradients at."""
+
+    def __init__(self, slots, params, in_grad_specs, param_grad_specs, out_specs, out_grad_specs, single):
+        self.slots, self.params = slots, params
+        self.slot_specs = [t._spec if type(t) is DistTensor else None for _, _, t in slots]
+        self.in_grad_specs, self.param_grad_specs = in_grad_specs, param_grad_specs
+        self.out_specs, self.out_grad_specs, self.single = out_specs, out_grad_specs, single
+
+    @staticmethod
+    def build(mesh, args, kwargs, slots, params, out) -> Optional["Region"]:
+        inputs = [a for a in list(args) + list(kwargs.values()) if type(a) is DistTensor]
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        specs = [t._spec for t in inputs] + [p._spec for p in params] + [o._spec for o in outs]
+        if any(type(p) is Partial and p.reduce_type is not ReduceType.SUM for s in specs for p in s.placements):
+            return None  # only sums have a linear adjoint
+        all_rep = [all(type(s.placements[k]) is Replicate for s in specs) for k in range(mesh.ndim)]
+        for o in outs:
+            if o.is_floating_point():
+                for k, p in enumerate(o._spec.placements):
+                    if type(p) is Replicate and mesh.shape[k] > 1 and not all_rep[k]:
+                        return None  # its gradient would mix Replicate and Partial on that dim
+        shape = mesh.shape
+        return Region(
+            slots, params,
+            [_grad_spec(t._spec, _dual(t._spec.placements, shape, all_rep)) for t in inputs],
+            [_grad_spec(p._spec, _dual(p._spec.placements, shape, all_rep)) for p in params],
+            [o._spec for o in outs],
+            [_grad_spec(o._spec, _dual(o._spec.placements, shape, all_rep)) for o in outs],
+            not isinstance(out, (tuple, list)),
+        )
+
+    def params_unchanged(self) -> bool:
+        """The module still holds the verified parameters and buffers, placed as verified."""
+        for (where, name, t), spec in zip(self.slots, self.slot_specs):
+            if where.get(name) is not t or (spec is not None and t._spec is not spec):
+                return False
+        return True
+
+    def run(self, inner, args, kwargs):
+        dist_in = [a for a in list(args) + list(kwargs.values()) if type(a) is DistTensor]
+        grad = torch.is_grad_enabled() and (
+            any(t.requires_grad for t in dist_in) or any(p.requires_grad for p in self.params)
+        )
+        if grad:
+            locals_ = _Enter.apply(self, *dist_in, *self.params)
+        else:
+            locals_ = [t._local for t in dist_in] + [p._local for p in self.params]
+        by_id = {id(t): loc for t, loc in zip(dist_in, locals_)}
+        by_id.update({id(p): loc for p, loc in zip(self.params, locals_[len(dist_in):])})
+        largs = [by_id[id(a)] if type(a) is DistTensor else a for a in args]
+        lkwargs = {k: (by_id[id(v)] if type(v) is DistTensor else v) for k, v in kwargs.items()}
+        saved = _swap(self.slots, [by_id.get(id(t), t._local if type(t) is DistTensor else t)
+                                   for _, _, t in self.slots])
+        _STATE["inside"] += 1
+        try:
+            out = inner(*largs, **lkwargs)
+        finally:
+            _STATE["inside"] -= 1
+            _swap(self.slots, saved)
+        outs = [out] if self.single else list(out)
+        if grad:
+            wrapped = _Exit.apply(self, *outs)
+        else:
+            wrapped = [new_dist(o, s) for o, s in zip(outs, self.out_specs)]
+        if self.single:
+            return wrapped[0]
+        return type(out)(wrapped)
+
+
+class _Enter(torch.autograd.Function):
+    """Distributed inputs and parameters -> their local pieces; gradients come back dual-placed."""
+
+    @staticmethod
+    def forward(ctx, region, *tensors):
+        ctx.region = region
+        ctx.n_in = len(tensors) - len(region.params)
+        out = [t._local.detach() for t in tensors]
+        ctx.mark_non_differentiable(*[o for o in out if not o.is_floating_point()])
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        specs = ctx.region.in_grad_specs + ctx.region.param_grad_specs
+        return (None,) + tuple(
+            None if g is None else new_dist(g.contiguous(), spec) for g, spec in zip(grads, specs)
+        )
+
+
+class _Exit(torch.autograd.Function):
+    """Local outputs -> distributed outputs; their gradients are resharded to the dual placement."""
+
+    @staticmethod
+    def forward(ctx, region, *outs):
+        ctx.region = region
+        wrapped = [new_dist(o.detach(), s) for o, s in zip(outs, region.out_specs)]
+        ctx.mark_non_differentiable(*[w for w in wrapped if not w.is_floating_point()])
+        return tuple(wrapped)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + tuple(_placed_grad(g, s) for g, s in zip(grads, ctx.region.out_grad_specs))
+
+
+def _placed_grad(g: Any, spec: DistSpec):
+    if g is None:
+        return g
+    if type(g) is not DistTensor:  # a plain gradient is the replicated global value
+        return piece_of_replicated(g, spec, dispatch._rank())
+    if g._spec is spec:
+        return g._local
+    return redistribute_local(g._local, g._spec, spec)

@@ -1,0 +1,222 @@
+"""Local regions: modules that never communicate run as plain PyTorch on the local pieces,
+with the numbers of the single process; modules that cannot are refused at verification."""
+import numpy as np
+import pytest
+import torch
+
+import autopar as dist
+from autopar import dispatch, local_region
+from autopar.placement import Partial, Replicate, Shard
+from distpool import run_dist
+
+R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
+
+
+def test_gradient_placements_are_dual():
+    # mesh dims: 4 (batch split), 2 (everything replicated), 1 (a label only)
+    shape, all_rep = [4, 2, 1], [False, True, False]
+    assert local_region._dual((S0, R, P), shape, all_rep) == (S0, R, P)
+    assert local_region._dual((R, R, S1), shape, all_rep) == (P, R, S1)
+    assert local_region._dual((P, R, R), shape, all_rep) == (R, R, R)
+
+
+class Mlp(torch.nn.Module):
+    """Norm, two linears and a GELU: more than MIN_OPS ops, none of them communicating under DP."""
+
+    def __init__(self, d=8, h=16, bias2=True, dropout=0.0, view_rows=None):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, h), torch.nn.Linear(h, d, bias=bias2)
+        self.dropout, self.view_rows = dropout, view_rows
+
+    def forward(self, x):
+        y = self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+        if self.view_rows is not None:  # a global size written into the code
+            y = y.reshape(self.view_rows, -1).reshape(y.shape)
+        return torch.nn.functional.dropout(y, self.dropout, self.training)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, **mlp):
+        super().__init__()
+        self.mlp = Mlp(**mlp)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(x + self.mlp(x))
+
+
+def _batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 5, 8, generator=g), torch.randn(8, 5, 4, generator=g)) for _ in range(n)]
+
+
+def _train(model, mesh=None, placements=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if mesh is not None:
+        opt = dist.shard_optimizer(opt)
+    losses = []
+    for x, y in _batches():
+        if mesh is not None:
+            x, y = (dist.shard_tensor(t, mesh, placements) for t in (x, y))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {k: dist.unshard_dtensor(v.detach()) if dist.is_dist_tensor(v) else v.detach()
+              for k, v in model.state_dict().items()}
+    return losses, params
+
+
+def _reference(**mlp):
+    torch.manual_seed(0)
+    return _train(Net(**mlp))
+
+
+def _regions(module) -> list:
+    """Whether each verified call of `module` became a region."""
+    return [r is not None for r in module.forward.regions.values()]
+
+
+def _data_parallel(regions: bool, **mlp):
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Net(**mlp), mesh)
+    with local_region.local_regions(regions):
+        losses, params = _train(model, mesh, [S0])
+    return losses, params, _regions(model), _regions(model.mlp)
+
+
+def test_data_parallel_model_is_one_region_and_matches_single_process():
+    ref_losses, ref_params = _reference()
+    for regions in (True, False):
+        for losses, params, root, mlp in run_dist(_data_parallel, 4, regions):
+            np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+            for k, v in params.items():
+                torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+            assert root == ([True] if regions else [])
+
+
+def _data_parallel_counts():
+    """Dispatched ops and collectives of one step once the model is a region."""
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Net(), mesh)
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    counted = []
+    watch = type("Count", (), {"see": lambda self, *a: counted.append(a[0])})()
+    for i, (x, y) in enumerate(_batches()):
+        x, y = (dist.shard_tensor(t, mesh, [S0]) for t in (x, y))
+        with dist.comm_log() as log:
+            if i == 2:
+                dispatch.WATCHERS.append(watch)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 2:
+                dispatch.WATCHERS.remove(watch)
+    return len(counted), [e.op for e in log]
+
+
+def test_a_region_step_dispatches_only_the_loss_and_reduces_gradients_once():
+    for ops, collectives in run_dist(_data_parallel_counts, 4):
+        # the model's ~40 forward and ~60 backward ops run as plain torch; the loss, its
+        # backward and the region boundary's gradient wrappers remain
+        assert ops < 20, ops
+        assert collectives == ["all_reduce"], collectives  # one gradient bucket (the loss is read after)
+
+
+def _tensor_parallel():
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+
+    def megatron(name, sub, mesh):
+        if name == "mlp.fc1":
+            sub.weight = dist.shard_tensor(sub.weight, mesh, [R, S0])
+            sub.bias = dist.shard_tensor(sub.bias, mesh, [R, S0])
+        if name == "mlp.fc2":
+            sub.weight = dist.shard_tensor(sub.weight, mesh, [R, S1])
+
+    torch.manual_seed(0)
+    model = dist.shard_layer(Net(bias2=False), mesh, megatron)
+    losses, params = _train(model, mesh, [S0, R])
+    return losses, params, _regions(model), _regions(model.mlp)
+
+
+def test_tensor_parallel_sublayer_is_a_region_with_a_partial_output():
+    ref_losses, ref_params = _reference(bias2=False)
+    for losses, params, root, mlp in run_dist(_tensor_parallel, 4):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+        assert mlp == [True]  # column -> GELU -> row: no op communicates; its output is Partial
+        assert root == [False]  # the residual add reduces that Partial
+
+
+@pytest.mark.parametrize("case", ["dropout", "global_view"])
+def test_modules_that_are_not_local_are_refused_and_still_right(case):
+    mlp = {"dropout": {"dropout": 0.0}, "global_view": {"view_rows": 4}}[case]
+    ref_losses, ref_params = _reference(**mlp)
+    if case == "dropout":
+        mlp = {"dropout": 1e-9}  # draws random numbers (never drops: the numbers stay comparable)
+    for losses, params, root, sub in run_dist(_data_parallel, 4, True, **mlp):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert root == [False] and sub == [False]
+
+
+def _disagreeing_ranks():
+    """Rank 0's piece holds a NaN: its trial cannot agree bit for bit, so no rank uses a region."""
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Mlp(), mesh)
+    x = torch.randn(8, 8)
+    x[0, 0] = float("nan")
+    model(dist.shard_tensor(x, mesh, [S0]))
+    return _regions(model)
+
+
+def test_every_rank_reaches_the_same_verdict():
+    assert run_dist(_disagreeing_ranks, 4) == [[False]] * 4
+
+
+def _replaced_parameter():
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Mlp(), mesh)
+    x = dist.shard_tensor(torch.randn(8, 8), mesh, [S0])
+    model(x)
+    model.fc1.weight = dist.shard_tensor(torch.nn.Parameter(torch.zeros(16, 8)), mesh, [R])
+    out = model(x)  # the verified region no longer holds: op by op, with the new weight
+    torch.manual_seed(0)
+    expect = Mlp()
+    with torch.no_grad():
+        expect.fc1.weight.zero_()
+    return torch.equal(dist.unshard_dtensor(out.detach()), expect(x.full_value()).detach())
+
+
+def test_a_replaced_parameter_is_used():
+    assert run_dist(_replaced_parameter, 4) == [True] * 4
+
+
+def _inference():
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Net(), mesh).eval()
+    x = torch.randn(8, 5, 8)
+    with torch.no_grad():
+        outs = [dist.unshard_dtensor(model(dist.shard_tensor(x, mesh, [S0]))) for _ in range(2)]
+    import copy
+
+    twin = copy.deepcopy(model)
+    return outs, _regions(model), dist.unshard_dtensor(twin(dist.shard_tensor(x, mesh, [S0])).detach()), x
+
+
+def test_inference_runs_as_a_region_and_a_copied_model_verifies_its_own():
+    torch.manual_seed(0)
+    ref = Net().eval()
+    for outs, root, twin_out, x in run_dist(_inference, 4):
+        expect = ref(x).detach()
+        assert root == [True]
+        for out in outs + [twin_out]:
+            torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
