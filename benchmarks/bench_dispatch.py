@@ -11,8 +11,10 @@ Placements (mesh = all ranks, 1-D):
         output Shard(0), no communication in either library
 Impls, interleaved per repetition: `plain` (the full 64x64 op on torch tensors),
 `plain_local` (the same op on this rank's local pieces: what the distributed op computes),
-`autopar`, `dtensor`, and `autopar_static`: the same loop of ops as a `dist.to_static`
-program (captured once, then replayed in predict mode; one call runs all `--inner` ops).
+`autopar`, `dtensor`, `autopar_module`: the same loop of ops as the forward of a module
+given to `dist.shard_layer` (after its first call, a verified local region: the ops run on
+the local pieces as plain torch ops; one call runs all `--inner` ops), and `autopar_static`:
+the same loop as a `dist.to_static` program (captured once, then replayed in predict mode).
 Each repetition is `--inner` ops in a loop; us/op = time / inner.
 
 Also checks: results equal the plain op; no communication; and the "second call does no
@@ -119,17 +121,22 @@ def main():
 
             static = dist.to_static(_Loop(op, args.inner)).predict()
             C.assert_close(static(A, B).full_value(), want, f"{op_name}/{pl_name} autopar static result")
+            module = dist.shard_layer(_Loop(op, args.inner), mesh)
+            C.assert_close(module(A, B).full_value(), want, f"{op_name}/{pl_name} autopar module result")
+            C.check(list(module.forward.regions.values()) != [None],
+                    f"{op_name}/{pl_name}: the module did not become a local region")
             fns = {
                 "plain": lambda: op(a, b),
                 "plain_local": lambda: op(la, lb),
                 "autopar": lambda: op(A, B),
                 "dtensor": lambda: op(DA, DB),
+                "autopar_module": lambda: module(A, B),
                 "autopar_static": lambda: static(A, B),
             }
             before = DECIDE_CALLS[0]
             cpu: dict = {}
             times = C.interleaved(fns, reps=args.reps, warmup=args.warmup, inner=args.inner, cpu=cpu,
-                                  whole=frozenset({"autopar_static"}))
+                                  whole=frozenset({"autopar_module", "autopar_static"}))
             timed_decides = DECIDE_CALLS[0] - before
             C.check(timed_decides == 0, f"{op_name}/{pl_name}: {timed_decides} decide calls inside the timed loops")
 
@@ -137,7 +144,7 @@ def main():
             us = {k: s["median_ms"] * 1e3 for k, s in st.items()}
             cus = {k: s["cpu_median_ms"] * 1e3 for k, s in st.items()}
             bench = f"dispatch_{op_name}_{args.n}x{args.n}_{pl_name}"
-            for impl in ("plain", "plain_local", "autopar", "dtensor", "autopar_static"):
+            for impl in ("plain", "plain_local", "autopar", "dtensor", "autopar_module", "autopar_static"):
                 rec = {
                     "bench": bench,
                     "impl": "plain" if impl.startswith("plain") else impl,
@@ -149,7 +156,7 @@ def main():
                     "bytes_sent_per_rank": 0,
                     "inner": args.inner,
                 }
-                if impl in ("autopar", "dtensor", "autopar_static"):
+                if impl in ("autopar", "dtensor", "autopar_module", "autopar_static"):
                     rec["overhead_us_vs_plain"] = round(us[impl] - us["plain"], 3)
                     rec["overhead_us_vs_plain_local"] = round(us[impl] - us["plain_local"], 3)
                     rec["ratio_vs_plain"] = round(us[impl] / us["plain"], 3)
@@ -157,7 +164,7 @@ def main():
                     rec["cpu_overhead_us_vs_plain_local"] = round(cus[impl] - cus["plain_local"], 3)
                     rec["cpu_ratio_vs_plain"] = round(cus[impl] / cus["plain"], 3)
                     rec["out_placements"] = dt_out_pl if impl == "dtensor" else ap_out_pl
-                if impl in ("autopar", "autopar_static"):
+                if impl in ("autopar", "autopar_module", "autopar_static"):
                     rec["ratio_vs_dtensor"] = round(us[impl] / us["dtensor"], 3)
                     rec["cpu_ratio_vs_dtensor"] = round(cus[impl] / cus["dtensor"], 3)
                     rec["overhead_ratio_vs_dtensor"] = round((us[impl] - us["plain"]) / (us["dtensor"] - us["plain"]), 3)
