@@ -27,7 +27,10 @@ ELEMENTWISE = (
 
 
 def _placed_like(t, p: DistTensor) -> bool:
-    return type(t) is DistTensor and t._spec.mesh == p._spec.mesh and t._spec.placements == p._spec.placements
+    if type(t) is not DistTensor:
+        return False
+    a, b = t._spec, p._spec
+    return a is b or (a.mesh == b.mesh and a.placements == b.placements)
 
 
 def _qualifies(p, state: dict) -> bool:
