@@ -321,9 +321,11 @@ def _llama_reference(args=LLAMA):
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
-def _parallel_llama(mesh_ids, dim_names, drop=(), sharding_level=1, args=LLAMA):
+def _parallel_llama(mesh_ids, dim_names, drop=(), sharding_level=1, mlp_transpose=True, args=LLAMA):
     mesh = dist.ProcessMesh(mesh_ids, dim_names=dim_names)
     config = {k: v for k, v in llama.parallel_config(sharding_level).items() if k not in drop}
+    plan = config["mp_config"]["parallelize_plan"]
+    plan["llama.layers.*.mlp"] = dist.SequenceParallelDisable(need_transpose=mlp_transpose)
     model, losses = llama.train(args, mesh, config)
     x = next(llama.batches(args))[0]
     with dist.comm_log() as log:
@@ -356,7 +358,8 @@ def test_tensor_and_sequence_parallel_llama_on_dp_x_mp():
 
 
 def test_pipeline_tensor_and_sequence_parallel_llama_on_pp_x_mp():
-    results = run_dist(_parallel_llama, 4, [[0, 1], [2, 3]], ["pp", "mp"], ("dp_config",))
+    # the seed's MLP plan: need_transpose=False, the MLP runs on [s, b, h]
+    results = run_dist(_parallel_llama, 4, [[0, 1], [2, 3]], ["pp", "mp"], ("dp_config",), 1, False)
     _check_llama(results)
     for rank, (_, _, ops, local) in enumerate(results):
         assert ops.count("send") + ops.count("recv") >= 1  # the activation crosses from stage 0 to stage 1
