@@ -76,12 +76,13 @@ class RegionForward:
         if key is None:
             return self.inner(*args, **kwargs)
         region = self.regions.get(key, _UNSEEN)
+        if region is not None and region is not _UNSEEN and not region.still_valid():
+            region = _UNSEEN  # a parameter or a setting changed since: verify again
         if region is _UNSEEN:
-            region = self.regions[key] = None  # re-entrant calls during verification go op by op
-            out, region = _verify(self.module, self.inner, args, kwargs)
-            self.regions[key] = region
+            self.regions[key] = None  # re-entrant calls during verification go op by op
+            out, self.regions[key] = _verify(self.module, self.inner, args, kwargs)
             return out
-        if region is None or not region.params_unchanged():
+        if region is None:
             return self.inner(*args, **kwargs)
         return region.run(self.inner, args, kwargs)
 
@@ -121,10 +122,23 @@ def _call_key(module, args, kwargs) -> Optional[tuple]:
 
 # -- verification ---------------------------------------------------------------------------
 class _Watch:
-    """Sees every dispatched op of a module's first call: is each one local as it is?"""
+    """Sees every dispatched op and every transfer of a module's first call (as a dispatch
+    watcher and a capture hook): is each op local as it is, and does nothing move?"""
 
     def __init__(self, mesh, protected: set):
         self.mesh, self.protected, self.ops, self.local = mesh, protected, 0, True
+
+    def enter_wire(self) -> None:  # an explicit reshard in the forward
+        self.local = False
+
+    def exit_wire(self) -> None:
+        pass
+
+    def wire(self, wire, tensors) -> None:
+        pass
+
+    def value_read(self, what) -> None:
+        self.local = False
 
     def see(self, func, dec, flat) -> None:
         self.ops += 1
@@ -165,6 +179,15 @@ class _TrialFailed(RuntimeError):
     pass
 
 
+def _settings(module) -> list:
+    """Every plain setting of the module and its sublayers (`p` of a dropout, a flag...):
+    the forward may branch on them, so a region holds only while they keep their values."""
+    return [
+        (sub.__dict__, k, v) for sub in module.modules() for k, v in sub.__dict__.items()
+        if isinstance(v, (bool, int, float, str, type(None))) and not k.startswith("_")
+    ]
+
+
 def _tensors(module) -> tuple[list, list]:
     """Every (sublayer, name, tensor) slot of the parameters and buffers, and the distinct params."""
     slots, params = [], {}
@@ -195,17 +218,19 @@ def _verify(module, inner, args, kwargs):
     trial = _trial(inner, slots, args, kwargs)
     watch = _Watch(mesh, {id(t) for t in flat_in} | {id(t) for _, _, t in slots})
     dispatch.WATCHERS.append(watch)
+    collectives.CAPTURE_HOOKS.append(watch)  # (sublayers meanwhile run op by op, unverified)
     try:
         out = inner(*args, **kwargs)
     finally:
         dispatch.WATCHERS.remove(watch)
+        collectives.CAPTURE_HOOKS.remove(watch)
     if watch.ops < MIN_OPS:
         return out, None
     # every rank of the mesh must reach the same verdict (the trial compares this rank's data)
     verdict = torch.tensor([int(watch.local and _agrees(out, trial))])
     if not collectives.all_reduce(verdict, tuple(mesh.process_ids), ReduceType.MIN).item():
         return out, None
-    return out, Region.build(mesh, args, kwargs, slots, params, out)
+    return out, Region.build(mesh, module, args, kwargs, slots, params, out)
 
 
 def _agrees(out, trial: Optional[list]) -> bool:
@@ -271,14 +296,14 @@ def _grad_spec(spec: DistSpec, placements) -> DistSpec:
 class Region:
     """A verified local region: the specs to wrap outputs with and to place gradients at."""
 
-    def __init__(self, slots, params, in_grad_specs, param_grad_specs, out_specs, out_grad_specs, single):
-        self.slots, self.params = slots, params
+    def __init__(self, settings, slots, params, in_grad_specs, param_grad_specs, out_specs, out_grad_specs, single):
+        self.settings, self.slots, self.params = settings, slots, params
         self.slot_specs = [t._spec if type(t) is DistTensor else None for _, _, t in slots]
         self.in_grad_specs, self.param_grad_specs = in_grad_specs, param_grad_specs
         self.out_specs, self.out_grad_specs, self.single = out_specs, out_grad_specs, single
 
     @staticmethod
-    def build(mesh, args, kwargs, slots, params, out) -> Optional["Region"]:
+    def build(mesh, module, args, kwargs, slots, params, out) -> Optional["Region"]:
         inputs = [a for a in list(args) + list(kwargs.values()) if type(a) is DistTensor]
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         specs = [t._spec for t in inputs] + [p._spec for p in params] + [o._spec for o in outs]
@@ -292,7 +317,7 @@ class Region:
                         return None  # its gradient would mix Replicate and Partial on that dim
         shape = mesh.shape
         return Region(
-            slots, params,
+            _settings(module), slots, params,
             [_grad_spec(t._spec, _dual(t._spec.placements, shape, all_rep)) for t in inputs],
             [_grad_spec(p._spec, _dual(p._spec.placements, shape, all_rep)) for p in params],
             [o._spec for o in outs],
@@ -300,10 +325,15 @@ class Region:
             not isinstance(out, (tuple, list)),
         )
 
-    def params_unchanged(self) -> bool:
-        """The module still holds the verified parameters and buffers, placed as verified."""
+    def still_valid(self) -> bool:
+        """The module still holds the verified parameters and buffers, placed as verified,
+        and its settings have the verified values."""
         for (where, name, t), spec in zip(self.slots, self.slot_specs):
             if where.get(name) is not t or (spec is not None and t._spec is not spec):
+                return False
+        for where, name, v in self.settings:
+            w = where.get(name)
+            if w is not v and w != v:
                 return False
         return True
 

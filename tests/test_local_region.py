@@ -220,3 +220,57 @@ def test_inference_runs_as_a_region_and_a_copied_model_verifies_its_own():
         assert root == [True]
         for out in outs + [twin_out]:
             torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
+
+
+class Gathering(Mlp):
+    """Gathers and re-splits its activation with explicit reshards (transfers, not dispatched ops)."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        mesh = y.process_mesh
+        return dist.reshard(dist.reshard(y, mesh, [R]), mesh, [S0])
+
+
+def _explicit_reshard():
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Gathering(), mesh)
+    x = torch.randn(8, 8)
+    outs = [dist.unshard_dtensor(model(dist.shard_tensor(x, mesh, [S0])).detach()) for _ in range(2)]
+    return outs, _regions(model), x
+
+
+def test_a_forward_that_transfers_is_not_a_region():
+    torch.manual_seed(0)
+    ref = Mlp()
+    for outs, regions, x in run_dist(_explicit_reshard, 4):
+        assert regions == [False]
+        for out in outs:
+            torch.testing.assert_close(out, ref(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+def _changed_setting(mesh_size):
+    """Step 0 verifies the model as a region (no dropout); then dropout is switched on: the
+    region must be verified again (and refused: dropout draws random numbers)."""
+    mesh = dist.ProcessMesh(list(range(mesh_size)), dim_names=["dp"]) if mesh_size else None
+    torch.manual_seed(0)
+    model = Net()
+    if mesh is not None:
+        model = dist.shard_layer(model, mesh)
+    regions, losses = [], []
+    for step, (x, y) in enumerate(_batches()):
+        if step == 1:
+            model.mlp.dropout = 0.5
+        if mesh is not None:
+            x, y = (dist.shard_tensor(t, mesh, [S0]) for t in (x, y))
+        losses.append(torch.nn.functional.mse_loss(model(x), y).item())
+        if mesh is not None:
+            regions.append(_regions(model))
+    return losses, regions
+
+
+def test_a_changed_setting_is_verified_again():
+    ref_losses, _ = _changed_setting(0)
+    for losses, regions in run_dist(_changed_setting, 4, 4):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert regions == [[True], [False], [False]]
