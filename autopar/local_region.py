@@ -24,6 +24,7 @@ import contextlib
 from typing import Any, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import dispatch
 from .comm import collectives
@@ -380,6 +381,7 @@ class _Enter(torch.autograd.Function):
         return tuple(out)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         specs = ctx.region.in_grad_specs + ctx.region.param_grad_specs
         return (None,) + tuple(
@@ -398,6 +400,7 @@ class _Exit(torch.autograd.Function):
         return tuple(wrapped)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         return (None,) + tuple(_placed_grad(g, s) for g, s in zip(grads, ctx.region.out_grad_specs))
 
