@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map_only
 
+from .. import local_region
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Shard
@@ -387,6 +388,7 @@ def parallelize(
     if "dp_config" in config:
         first_stage = mesh.get_mesh_with_dim("pp", 0) if pp else mesh
         model.register_forward_pre_hook(_shard_batch(first_stage), with_kwargs=True)
+    local_region.install(model)  # as shard_layer: layers that turn out not to communicate run as plain torch
     if optimizer is not None:
         level = config["dp_config"].get("sharding_level", 0) if "dp_config" in config else 0
         optimizer = _parallel_optimizer(optimizer, replaced, level, mesh)
