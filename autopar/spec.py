@@ -52,6 +52,12 @@ class TensorMeta:
     def nbytes(self) -> int:
         return self.numel * _itemsize(self.dtype)
 
+    def dim_order(self) -> tuple[int, ...] | None:
+        """Dims from outermost to innermost in memory (None: the plain row-major order)."""
+        if self.stride == contiguous_strides(self.shape):
+            return None
+        return tuple(sorted(range(len(self.shape)), key=lambda d: (-self.stride[d], -self.shape[d])))
+
     def __eq__(self, other):
         return (
             isinstance(other, TensorMeta)

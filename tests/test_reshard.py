@@ -133,3 +133,21 @@ def test_reshard_is_differentiable_within_and_across_meshes():
     for grad, placements in run_dist(_grad_through_reshard, 4):
         assert torch.allclose(grad, torch.arange(12.0).reshape(4, 3) / 10)
         assert placements == [S0]
+
+
+def _layout_after_reshard():
+    """A reshard is a no-op on the value: views valid on the global tensor stay valid."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    full = torch.randn(4, 8, 6)
+    x = dist.shard_tensor(full, mesh, [Replicate()])
+    y = dist.reshard(x.transpose(0, 1), mesh, [Shard(0)])  # gathered below into a fresh buffer
+    v = dist.reshard(y, mesh, [Replicate()]).transpose(0, 1)  # the global tensor is contiguous again
+    z = dist.reshard(dist.shard_tensor(full, mesh, [Replicate()]), mesh, [Shard(1)])
+    return (
+        torch.equal(dist.unshard_dtensor(v.view(32, 6)), full.view(32, 6)),
+        z.local_value().is_contiguous(),  # a column piece of a row-major tensor is dense too
+    )
+
+
+def test_a_reshard_keeps_the_layout_a_view_relies_on():
+    assert run_dist(_layout_after_reshard, 2) == [(True, True)] * 2

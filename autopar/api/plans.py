@@ -77,9 +77,8 @@ def _map_first(value, fn: Callable, what: str):
 
 
 def _swap_01(t: torch.Tensor) -> torch.Tensor:
-    """[b, s, h] <-> [s, b, h], laid out contiguously as the layers after it expect (and as
-    a reshard lays out its pieces: a strided global layout over contiguous pieces would let
-    a later view pass on the global tensor and fail on the pieces)."""
+    """[b, s, h] <-> [s, b, h], laid out contiguously as the layers after it expect (a `view`
+    in them needs it; Paddle's transpose copies too)."""
     return t.transpose(0, 1).contiguous()
 
 

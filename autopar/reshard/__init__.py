@@ -41,7 +41,10 @@ def _same_mesh(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tenso
 
 
 def redistribute_local(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tensor:
-    """This rank's piece of `dst`, given its piece of `src` (collective over the meshes' ranks)."""
+    """This rank's piece of `dst`, given its piece of `src` (collective over the meshes' ranks).
+
+    The piece comes out dense in the global tensor's dim order (its meta strides), as a view
+    of the global tensor expects: a reshard never changes what a view may do."""
     if src.shape != dst.shape or src.meta.dtype != dst.meta.dtype:
         raise ValueError(f"reshard cannot change shape or dtype: {src} -> {dst}")
     rank = get_rank()
@@ -50,7 +53,22 @@ def redistribute_local(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> tor
             return local
         if src.placements == dst.placements:
             return local
-        return _same_mesh(local, src, dst)
+        return _laid_out(_same_mesh(local, src, dst), dst)
     if rank not in src.mesh and rank not in dst.mesh:
         return torch.empty(0, dtype=src.meta.dtype, device=local.device)
-    return cross_mesh(local, src, dst, rank, _same_mesh)
+    out = cross_mesh(local, src, dst, rank, _same_mesh)
+    return _laid_out(out, dst) if rank in dst.mesh else out
+
+
+def _laid_out(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
+    """`local` dense in the dim order of `spec`'s strides (a copy only when it is not)."""
+    order = spec.meta.dim_order()
+    dense = local.permute(order) if order is not None else local
+    if dense.is_contiguous():
+        return local
+    if order is None:
+        return local.contiguous()
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return dense.contiguous().permute(inverse)
