@@ -24,5 +24,5 @@ def test_docstring_examples_run():
     failed, attempted = run_dist(_doctest_all, 1)[0]
     assert not failed, failed
     for name in ("autopar", "autopar.api.tensor", "autopar.api.optimizer", "autopar.static.dist_model",
-                 "autopar.comm.log"):
+                 "autopar.comm.log", "autopar.api.parallelize", "autopar.api.plans", "autopar.local_region"):
         assert attempted[name] > 0, (name, attempted)
