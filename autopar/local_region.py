@@ -68,6 +68,7 @@ class RegionForward:
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self.inner = module.__dict__.get("forward") or type(module).forward.__get__(module)
+        self.__wrapped__ = self.inner  # inspect.signature(module.forward) still sees the forward's
         self.regions: dict = {}
 
     def __call__(self, *args, **kwargs):
@@ -88,7 +89,7 @@ class RegionForward:
         return region.run(self.inner, args, kwargs)
 
     def __getstate__(self):
-        return {"module": self.module}
+        return {"module": self.module}  # verified regions are not carried over: a copy verifies its own
 
     def __setstate__(self, state):
         self.__init__(state["module"])
