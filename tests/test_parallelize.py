@@ -260,13 +260,18 @@ def _parallel_mlp(mesh_ids, dim_names, config):
     return losses, params, local, _local_bytes(model.parameters())
 
 
-def _check_mlp(results):
-    ref_losses, ref_params = _mlp_reference()
+def _check_against(reference, results):
+    """Every rank's losses and unsharded parameters match the single process (rtol 1e-5)."""
+    ref_losses, ref_params = reference()
     for losses, params, *_ in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         for k, v in params.items():
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
     return ref_params
+
+
+def _check_mlp(results):
+    return _check_against(_mlp_reference, results)
 
 
 def test_column_row_mlp_on_dp_x_mp_each_rank_holds_its_slice():
@@ -337,11 +342,7 @@ def _parallel_llama(mesh_ids, dim_names, drop=(), sharding_level=1, mlp_transpos
 
 
 def _check_llama(results):
-    ref_losses, ref_params = _llama_reference()
-    for losses, params, *_ in results:
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        for k, v in params.items():
-            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    _check_against(_llama_reference, results)
 
 
 def test_tensor_and_sequence_parallel_llama_on_dp_x_mp():
