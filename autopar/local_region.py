@@ -191,16 +191,17 @@ def _settings(module) -> list:
 
 
 def _tensors(module) -> tuple[list, list]:
-    """Every (sublayer, name, tensor) slot of the parameters and buffers, and the distinct params."""
+    """Every (holder dict, name, tensor, is a buffer) slot of the parameters and buffers of the
+    module and its sublayers, and the distinct parameters."""
     slots, params = [], {}
     for sub in module.modules():
         for name, p in sub._parameters.items():
             if p is not None:
-                slots.append((sub._parameters, name, p))
+                slots.append((sub._parameters, name, p, False))
                 params[id(p)] = p
         for name, b in sub._buffers.items():
             if b is not None:
-                slots.append((sub._buffers, name, b))
+                slots.append((sub._buffers, name, b, True))
     return slots, list(params.values())
 
 
@@ -212,13 +213,13 @@ def _verify(module, inner, args, kwargs):
     suitable = (
         dispatch._rank() in mesh
         and all(t._spec.mesh == mesh for t in flat_in if type(t) is DistTensor)
-        and all(type(t) is DistTensor and t._spec.mesh == mesh for _, _, t in slots if t.is_floating_point())
+        and all(type(t) is DistTensor and t._spec.mesh == mesh for _, _, t, _ in slots if t.is_floating_point())
         and all(type(t) is DistTensor for t in params)
     )
     if not suitable:
         return inner(*args, **kwargs), None
-    trial = _trial(inner, slots, args, kwargs)
-    watch = _Watch(mesh, {id(t) for t in flat_in} | {id(t) for _, _, t in slots})
+    trial = _trial(module, inner, slots, args, kwargs)
+    watch = _Watch(mesh, {id(t) for t in flat_in} | {id(t) for _, _, t, _ in slots})
     dispatch.WATCHERS.append(watch)
     collectives.CAPTURE_HOOKS.append(watch)  # (sublayers meanwhile run op by op, unverified)
     try:
@@ -247,11 +248,22 @@ def _agrees(out, trial: Optional[list]) -> bool:
     )
 
 
-def _trial(inner, slots, args, kwargs) -> Optional[list]:
-    """The module run once on the bare local pieces (no grad, random state restored)."""
-    largs = [a._local if type(a) is DistTensor else a for a in args]
-    lkwargs = {k: (v._local if type(v) is DistTensor else v) for k, v in kwargs.items()}
-    saved = _swap(slots, [t._local if type(t) is DistTensor else t for _, _, t in slots])
+def _trial(module, inner, slots, args, kwargs) -> Optional[list]:
+    """The module run once more on the bare local pieces (no grad, random state restored).
+
+    A forward may write what it is given (running statistics, a counter, its input): the trial
+    gets copies of the inputs and buffers and the settings are put back after it, so nothing
+    happens twice.  Parameters are not copied (a whole model's worth of memory); a forward
+    that writes one in place is an error here, as the write cannot be undone (a write through
+    `.data` bumps no version counter and goes unseen: it would happen twice)."""
+    copy = lambda v: (v._local if type(v) is DistTensor else v).clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    largs = [copy(a) for a in args]
+    lkwargs = {k: copy(v) for k, v in kwargs.items()}
+    params = [t._local if type(t) is DistTensor else t for _, _, t, buffer in slots if not buffer]
+    versions = [t._version for t in params]
+    settings = _settings(module)
+    saved = _swap(slots, [copy(t) if buffer else t._local if type(t) is DistTensor else t
+                          for _, _, t, buffer in slots])
     guard = _Refuse()
     collectives.CAPTURE_HOOKS.append(guard)
     _STATE["inside"] += 1
@@ -264,12 +276,19 @@ def _trial(inner, slots, args, kwargs) -> Optional[list]:
         _STATE["inside"] -= 1
         collectives.CAPTURE_HOOKS.remove(guard)
         _swap(slots, saved)
+        for where, name, value in settings:
+            where[name] = value
+    if any(t._version != v for t, v in zip(params, versions)):
+        raise RuntimeError(
+            f"autopar local regions: {type(module).__name__}.forward writes a parameter in place; such a module "
+            f"cannot be verified as a local region. Run it with autopar.local_region.local_regions(False)."
+        )
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def _swap(slots, values) -> list:
     old = []
-    for (where, name, _), v in zip(slots, values):
+    for (where, name, *_), v in zip(slots, values):
         old.append(where[name])
         where[name] = v
     return old
@@ -300,7 +319,7 @@ class Region:
 
     def __init__(self, settings, slots, params, in_grad_specs, param_grad_specs, out_specs, out_grad_specs, single):
         self.settings, self.slots, self.params = settings, slots, params
-        self.slot_specs = [t._spec if type(t) is DistTensor else None for _, _, t in slots]
+        self.slot_specs = [t._spec if type(t) is DistTensor else None for _, _, t, _ in slots]
         self.in_grad_specs, self.param_grad_specs = in_grad_specs, param_grad_specs
         self.out_specs, self.out_grad_specs, self.single = out_specs, out_grad_specs, single
 
@@ -330,7 +349,7 @@ class Region:
     def still_valid(self) -> bool:
         """The module still holds the verified parameters and buffers, placed as verified,
         and its settings have the verified values."""
-        for (where, name, t), spec in zip(self.slots, self.slot_specs):
+        for (where, name, t, _), spec in zip(self.slots, self.slot_specs):
             if where.get(name) is not t or (spec is not None and t._spec is not spec):
                 return False
         for where, name, v in self.settings:
@@ -353,7 +372,7 @@ class Region:
         largs = [by_id[id(a)] if type(a) is DistTensor else a for a in args]
         lkwargs = {k: (by_id[id(v)] if type(v) is DistTensor else v) for k, v in kwargs.items()}
         saved = _swap(self.slots, [by_id.get(id(t), t._local if type(t) is DistTensor else t)
-                                   for _, _, t in self.slots])
+                                   for _, _, t, _ in self.slots])
         _STATE["inside"] += 1
         try:
             out = inner(*largs, **lkwargs)

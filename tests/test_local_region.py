@@ -274,3 +274,49 @@ def test_a_changed_setting_is_verified_again():
     for losses, regions in run_dist(_changed_setting, 4, 4):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         assert regions == [[True], [False], [False]]
+
+
+class Counting(Mlp):
+    """A forward with side effects: a buffer and a Python attribute counted up in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+        self.calls = 0
+
+    def forward(self, x):
+        self.seen += 1
+        self.calls += 1
+        return super().forward(x)
+
+
+class Clamping(Mlp):
+    def forward(self, x):
+        with torch.no_grad():
+            self.fc1.weight.clamp_(-10, 10)  # writes a parameter in place
+        return super().forward(x)
+
+
+def _side_effects():
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Counting(), mesh)
+    x = dist.shard_tensor(torch.randn(8, 8), mesh, [S0])
+    counts = []
+    for _ in range(2):
+        model(x)
+        counts.append((model.seen.full_value().item(), model.calls))
+    clamping = dist.shard_layer(Clamping(), mesh)
+    try:
+        clamping(x)
+        error = ""
+    except RuntimeError as e:
+        error = str(e)
+    return counts, _regions(model), error
+
+
+def test_a_forward_with_side_effects_has_them_once_and_a_parameter_write_is_refused():
+    for counts, regions, error in run_dist(_side_effects, 4):
+        assert counts == [(1.0, 1), (2.0, 2)]  # the trial ran on copies, its settings were put back
+        assert regions == [False]  # writing its own buffer: not a region
+        assert "Clamping.forward writes a parameter in place" in error and "local_regions(False)" in error
