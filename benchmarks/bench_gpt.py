@@ -5,7 +5,9 @@
 Model and data: train_gpt.GPT / train_gpt.batches with train_gpt's defaults (vocab 64, dim
 64, 4 heads, 2 layers, seq 32, global batch 8, AdamW lr 3e-3); one step = forward,
 cross-entropy, backward, optimizer step, zero_grad, loss.item().
-  autopar_dp   : train_gpt.build on a 4x1 (dp, mp) mesh (mp=1: pure data parallel).
+  autopar_dp   : train_gpt.build on a 4x1 (dp, mp) mesh (mp=1: pure data parallel); the model
+                 is one local region (verified on the first step, then plain torch ops).
+  autopar_dp_op_by_op : the same with local regions off (every op through the dispatch).
   ddp          : torch DistributedDataParallel, each rank feeds its 2-sequence batch slice.
   autopar_dptp : train_gpt.build on a 2x2 (dp, mp) mesh (Megatron plan, incl. vocab-sharded
                  tok embedding and head).
@@ -41,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import autopar as dist  # noqa: E402
 import train_gpt as G  # noqa: E402
+from autopar.local_region import local_regions  # noqa: E402
 
 
 def local_heads_attention(tp):
@@ -74,13 +77,18 @@ class StaticRunner:
 
 
 class Runner:
-    def __init__(self, name, model, opt, data, vocab, after_backward=None, loss_fn=None):
+    def __init__(self, name, model, opt, data, vocab, after_backward=None, loss_fn=None, regions=True):
         self.name, self.model, self.opt, self.data, self.vocab = name, model, opt, data, vocab
         self.after_backward = after_backward
         self.loss_fn = loss_fn or (lambda loss: float(loss.item()))
+        self.regions = regions
         self.losses: list[float] = []
 
     def step(self):
+        with local_regions(self.regions):
+            self._step()
+
+    def _step(self):
         x, y = self.data[len(self.losses) % len(self.data)]
         logits = self.model(x)
         loss = F.cross_entropy(logits.reshape(-1, self.vocab), y.reshape(-1))
@@ -113,6 +121,10 @@ def main():
     m, o = G.build(args, mesh_dp)
     sh = lambda t, mesh: dist.shard_tensor(t, mesh, [dist.Shard(0), dist.Replicate()])  # noqa: E731
     runners["autopar_dp"] = Runner("autopar_dp", m, o, [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data], args.vocab)
+    m, o = G.build(args, mesh_dp)
+    runners["autopar_dp_op_by_op"] = Runner("autopar_dp_op_by_op", m, o,
+                                            [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data], args.vocab,
+                                            regions=False)
     m, o = G.build(args, mesh_dp)
     runners["autopar_dp_static"] = StaticRunner("autopar_dp_static", m, o,
                                                 [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data], args.vocab)
@@ -191,7 +203,7 @@ def main():
         if n != "plain":
             tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
         pbytes[n] = t.tolist()
-    peer = {"autopar_dp": "ddp", "autopar_dptp": "dtensor_dptp", "autopar_dp_static": "ddp",
+    peer = {"autopar_dp": "ddp", "autopar_dp_op_by_op": "ddp", "autopar_dptp": "dtensor_dptp", "autopar_dp_static": "ddp",
             "autopar_dptp_static": "dtensor_dptp"}
     for n in runners:
         rec = {"bench": "gpt_step", "impl": n, "ranks": 1 if n == "plain" else k, "world": k, **st[n],
