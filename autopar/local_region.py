@@ -101,7 +101,10 @@ _UNSEEN = object()
 def _call_key(module, args, kwargs) -> Optional[tuple]:
     """What a verified region depends on, or None when the call cannot be a region (no
     distributed input, or an argument that is not a tensor or a hashable value)."""
-    key: list = [module.training, torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()]
+    key: list = [module.training, torch.is_grad_enabled()]
+    for device in ("cpu", "cuda"):  # autocast decides the outputs' dtypes
+        if torch.is_autocast_enabled(device):
+            key.append((device, torch.get_autocast_dtype(device)))
     found = False
     for a in list(args) + list(kwargs.values()):
         if type(a) is DistTensor:
@@ -395,7 +398,6 @@ class _Enter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region, *tensors):
         ctx.region = region
-        ctx.n_in = len(tensors) - len(region.params)
         out = [t._local.detach() for t in tensors]
         ctx.mark_non_differentiable(*[o for o in out if not o.is_floating_point()])
         return tuple(out)
