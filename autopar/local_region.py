@@ -17,6 +17,10 @@ Partial(sum) -> Replicate), because the local ops compute, on every rank, the lo
 of the global function.  A mesh dim on which everything is Replicate computes the same on
 every rank and keeps gradients Replicate.  Gradients reaching the region's outputs are
 resharded to the dual of the output placements once, at the boundary.
+
+A region holds while the module keeps the verified parameters (same objects, same specs)
+and settings (its plain attributes); a change makes the next call verify again.  State
+outside the module tree that the forward branches on (a global flag) is not seen.
 """
 from __future__ import annotations
 
