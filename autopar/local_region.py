@@ -5,7 +5,7 @@ the local pieces as they are: no input moves, no collective, no special kernel. 
 each of those ops through the distributed dispatch (a Python call per op, forward and
 backward) is pure overhead.  So the first call of a module with given input specs is
 *verified*: it runs through the dispatch as usual while every dispatched op is watched,
-and once more on the bare local pieces (no grad, same random state); if no op moved an
+then once more on the bare local pieces (no grad, same random state); if no op moved an
 input, drew random numbers or ran a special kernel, and the two runs agree bit for bit,
 the module is a local region for those specs.  Later calls unwrap the inputs and
 parameters to their local pieces, run the module's own forward on them (torch's C++
@@ -134,8 +134,11 @@ class _Watch:
     """Sees every dispatched op and every transfer of a module's first call (as a dispatch
     watcher and a capture hook): is each op local as it is, and does nothing move?"""
 
-    def __init__(self, mesh, protected: set):
-        self.mesh, self.protected, self.ops, self.local = mesh, protected, 0, True
+    def __init__(self, mesh, protected: list):
+        # the storages of the inputs, parameters and buffers: a write into one (also through
+        # an alias such as `.data`) is a side effect the region must not repeat
+        self.mesh, self.ops, self.local = mesh, 0, True
+        self.protected = {(t._local if type(t) is DistTensor else t).untyped_storage().data_ptr() for t in protected}
 
     def enter_wire(self) -> None:  # an explicit reshard in the forward
         self.local = False
@@ -166,7 +169,8 @@ class _Watch:
             elif not spec.is_replicated() or t.requires_grad:
                 self.local = False
         for i in dec.mutated:
-            if id(flat[i]) in self.protected:
+            t = flat[i]
+            if (t._local if type(t) is DistTensor else t).untyped_storage().data_ptr() in self.protected:
                 self.local = False
 
 
@@ -225,8 +229,7 @@ def _verify(module, inner, args, kwargs):
     )
     if not suitable:
         return inner(*args, **kwargs), None
-    trial = _trial(module, inner, slots, args, kwargs)
-    watch = _Watch(mesh, {id(t) for t in flat_in} | {id(t) for _, _, t, _ in slots})
+    watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots])
     dispatch.WATCHERS.append(watch)
     collectives.CAPTURE_HOOKS.append(watch)  # (sublayers meanwhile run op by op, unverified)
     try:
@@ -236,6 +239,9 @@ def _verify(module, inner, args, kwargs):
         collectives.CAPTURE_HOOKS.remove(watch)
     if watch.ops < MIN_OPS:
         return out, None
+    # the trial runs after the real call: a write the call made (a running statistic, its
+    # input) can only make the trial disagree, which refuses the region
+    trial = _trial(module, inner, slots, args, kwargs) if watch.local else None
     # every rank of the mesh must reach the same verdict (the trial compares this rank's data)
     verdict = torch.tensor([int(watch.local and _agrees(out, trial))])
     if not collectives.all_reduce(verdict, tuple(mesh.process_ids), ReduceType.MIN).item():
@@ -260,9 +266,10 @@ def _trial(module, inner, slots, args, kwargs) -> Optional[list]:
 
     A forward may write what it is given (running statistics, a counter, its input): the trial
     gets copies of the inputs and buffers and the settings are put back after it, so nothing
-    happens twice.  Parameters are not copied (a whole model's worth of memory); a forward
-    that writes one in place is an error here, as the write cannot be undone (a write through
-    `.data` bumps no version counter and goes unseen: it would happen twice)."""
+    happens twice.  It runs only after a call that wrote none of its inputs, parameters or
+    buffers (the watch checks their storages).  Parameters are not copied (a whole model's
+    worth of memory): a trial that writes one anyway (a data-dependent write) is an error, as
+    the write cannot be undone."""
     copy = lambda v: (v._local if type(v) is DistTensor else v).clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
     largs = [copy(a) for a in args]
     lkwargs = {k: copy(v) for k, v in kwargs.items()}
