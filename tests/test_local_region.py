@@ -64,8 +64,7 @@ def _train(model, mesh=None, placements=None):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    params = {k: dist.unshard_dtensor(v.detach()) if dist.is_dist_tensor(v) else v.detach()
-              for k, v in model.state_dict().items()}
+    params = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
     return losses, params
 
 
@@ -322,3 +321,38 @@ def test_a_forward_with_side_effects_has_them_once():
         assert regions == [False] and shrinking_regions == [False]  # they write their own tensors
         for out, want in zip(outs, expect):
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+def _accumulate(mesh_size):
+    """Two micro-batches per step (gradients accumulate before one reduction), fc1 frozen."""
+    torch.manual_seed(0)
+    model = Net()
+    model.mlp.fc1.requires_grad_(False)
+    mesh = dist.ProcessMesh(list(range(mesh_size)), dim_names=["dp"]) if mesh_size else None
+    if mesh is not None:
+        model = dist.shard_layer(model, mesh)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    if mesh is not None:
+        opt = dist.shard_optimizer(opt)
+    losses = []
+    for x, y in _batches(4):
+        for half in (slice(0, 4), slice(4, 8)):
+            xs, ys = x[half], y[half]
+            if mesh is not None:
+                xs, ys = (dist.shard_tensor(t, mesh, [S0]) for t in (xs, ys))
+            loss = torch.nn.functional.mse_loss(model(xs), ys) / 2
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    params = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return losses, params, _regions(model) if mesh is not None else None
+
+
+def test_accumulated_gradients_and_frozen_parameters():
+    ref_losses, ref_params, _ = _accumulate(0)
+    for losses, params, regions in run_dist(_accumulate, 4, 4):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+        assert regions == [True]
