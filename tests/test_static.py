@@ -80,8 +80,7 @@ def _train(strategy, static, p_drop=0.0):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    params = {k: dist.unshard_dtensor(v.detach()) if dist.is_dist_tensor(v) else v.detach()
-              for k, v in model.state_dict().items()}
+    params = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
     if static:
         assert len(step._programs) == 1  # captured once, replayed for every later step
     return losses, params, step.dist_main_program() if static else None
