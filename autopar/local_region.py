@@ -229,6 +229,7 @@ def _verify(module, inner, args, kwargs):
     )
     if not suitable:
         return inner(*args, **kwargs), None
+    settings = _settings(module)
     watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots])
     dispatch.WATCHERS.append(watch)
     collectives.CAPTURE_HOOKS.append(watch)  # (sublayers meanwhile run op by op, unverified)
@@ -237,16 +238,16 @@ def _verify(module, inner, args, kwargs):
     finally:
         dispatch.WATCHERS.remove(watch)
         collectives.CAPTURE_HOOKS.remove(watch)
-    if watch.ops < MIN_OPS:
-        return out, None
+    if watch.ops < MIN_OPS or [(k, v) for _, k, v in _settings(module)] != [(k, v) for _, k, v in settings]:
+        return out, None  # (a forward that changes its settings would verify again every call)
     # the trial runs after the real call: a write the call made (a running statistic, its
     # input) can only make the trial disagree, which refuses the region
-    trial = _trial(module, inner, slots, args, kwargs) if watch.local else None
+    trial = _trial(module, inner, slots, settings, args, kwargs) if watch.local else None
     # every rank of the mesh must reach the same verdict (the trial compares this rank's data)
     verdict = torch.tensor([int(watch.local and _agrees(out, trial))])
     if not collectives.all_reduce(verdict, tuple(mesh.process_ids), ReduceType.MIN).item():
         return out, None
-    return out, Region.build(mesh, module, args, kwargs, slots, params, out)
+    return out, Region.build(mesh, settings, args, kwargs, slots, params, out)
 
 
 def _agrees(out, trial: Optional[list]) -> bool:
@@ -261,7 +262,7 @@ def _agrees(out, trial: Optional[list]) -> bool:
     )
 
 
-def _trial(module, inner, slots, args, kwargs) -> Optional[list]:
+def _trial(module, inner, slots, settings, args, kwargs) -> Optional[list]:
     """The module run once more on the bare local pieces (no grad, random state restored).
 
     A forward may write what it is given (running statistics, a counter, its input): the trial
@@ -275,7 +276,6 @@ def _trial(module, inner, slots, args, kwargs) -> Optional[list]:
     lkwargs = {k: copy(v) for k, v in kwargs.items()}
     params = [t._local if type(t) is DistTensor else t for _, _, t, buffer in slots if not buffer]
     versions = [t._version for t in params]
-    settings = _settings(module)
     saved = _swap(slots, [copy(t) if buffer else t._local if type(t) is DistTensor else t
                           for _, _, t, buffer in slots])
     guard = _Refuse()
@@ -338,7 +338,7 @@ class Region:
         self.out_specs, self.out_grad_specs, self.single = out_specs, out_grad_specs, single
 
     @staticmethod
-    def build(mesh, module, args, kwargs, slots, params, out) -> Optional["Region"]:
+    def build(mesh, settings, args, kwargs, slots, params, out) -> Optional["Region"]:
         inputs = [a for a in list(args) + list(kwargs.values()) if type(a) is DistTensor]
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         specs = [t._spec for t in inputs] + [p._spec for p in params] + [o._spec for o in outs]
@@ -352,7 +352,7 @@ class Region:
                         return None  # its gradient would mix Replicate and Partial on that dim
         shape = mesh.shape
         return Region(
-            _settings(module), slots, params,
+            settings, slots, params,
             [_grad_spec(t._spec, _dual(t._spec.placements, shape, all_rep)) for t in inputs],
             [_grad_spec(p._spec, _dual(p._spec.placements, shape, all_rep)) for p in params],
             [o._spec for o in outs],
@@ -443,6 +443,4 @@ def _placed_grad(g: Any, spec: DistSpec):
         return g
     if type(g) is not DistTensor:  # a plain gradient is the replicated global value
         return piece_of_replicated(g, spec, dispatch._rank())
-    if g._spec is spec:
-        return g._local
     return redistribute_local(g._local, g._spec, spec)

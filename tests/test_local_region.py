@@ -356,3 +356,33 @@ def test_accumulated_gradients_and_frozen_parameters():
         for k, v in params.items():
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
         assert regions == [True]
+
+
+class Stepping(Mlp):
+    """A forward that counts its calls in a plain attribute (a setting it changes itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def _stepping():
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Stepping(), mesh)
+    x = dist.shard_tensor(torch.randn(8, 8), mesh, [S0])
+    calls = []
+    for _ in range(3):
+        model(x)
+        calls.append(model.calls)
+    return calls, _regions(model)
+
+
+def test_a_forward_that_changes_its_settings_counts_once_and_is_not_verified_every_call():
+    for calls, regions in run_dist(_stepping, 4):
+        assert calls == [1, 2, 3]
+        assert regions == [False]  # refused once, not verified again at every call
