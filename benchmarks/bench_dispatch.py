@@ -15,6 +15,10 @@ Impls, interleaved per repetition: `plain` (the full 64x64 op on torch tensors),
 given to `dist.shard_layer` (after its first call, a verified local region: the ops run on
 the local pieces as plain torch ops; one call runs all `--inner` ops), and `autopar_static`:
 the same loop as a `dist.to_static` program (captured once, then replayed in predict mode).
+`dispatch_floor` is no library: a tensor subclass whose `__torch_dispatch__` only unwraps
+its operands, runs the C++ op and wraps the result (no spec, no cache, no rule).  It is the
+least any `__torch_dispatch__` subclass (autopar's dynamic mode, DTensor) pays per op: the
+C++ -> Python entry and one wrapper allocation.
 Each repetition is `--inner` ops in a loop; us/op = time / inner.
 
 Also checks: results equal the plain op; no communication; and the "second call does no
@@ -48,6 +52,22 @@ def _counting_decide(*args, **kwargs):
 
 
 ap_dispatch.decide = _counting_decide  # dispatch() looks `decide` up in its module globals
+
+
+class _Floor(torch.Tensor):
+    """The cheapest possible `__torch_dispatch__` wrapper: unwrap, run the op, wrap."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, local):
+        r = torch.Tensor._make_wrapper_subclass(cls, local.shape, dtype=local.dtype, device=local.device)
+        r._local = local
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _Floor(func._op(*[a._local if type(a) is _Floor else a for a in args]))
 
 
 class _Loop(torch.nn.Module):
@@ -95,6 +115,7 @@ def main():
             DA = distribute_tensor(a, dmesh, dt_pl[0])
             DB = distribute_tensor(b, dmesh, dt_pl[1])
             la, lb = A.local_value(), B.local_value()
+            FA, FB = _Floor(la), _Floor(lb)
             C.check(torch.equal(la, DA.to_local()) and torch.equal(lb, DB.to_local()),
                     f"{op_name}/{pl_name}: autopar and DTensor local pieces differ")
 
@@ -118,6 +139,7 @@ def main():
             C.check(not counter.records, f"{op_name}/{pl_name}: DTensor communicated: {counter.records}")
             dt_out_pl = [str(x) for x in dout.placements]
             C.assert_close(dout.full_tensor(), want, f"{op_name}/{pl_name} DTensor result")
+            C.assert_close(op(FA, FB)._local, op(la, lb), f"{op_name}/{pl_name} dispatch floor result")
 
             static = dist.to_static(_Loop(op, args.inner)).predict()
             C.assert_close(static(A, B).full_value(), want, f"{op_name}/{pl_name} autopar static result")
@@ -132,6 +154,7 @@ def main():
                 "dtensor": lambda: op(DA, DB),
                 "autopar_module": lambda: module(A, B),
                 "autopar_static": lambda: static(A, B),
+                "dispatch_floor": lambda: op(FA, FB),
             }
             before = DECIDE_CALLS[0]
             cpu: dict = {}
@@ -144,7 +167,8 @@ def main():
             us = {k: s["median_ms"] * 1e3 for k, s in st.items()}
             cus = {k: s["cpu_median_ms"] * 1e3 for k, s in st.items()}
             bench = f"dispatch_{op_name}_{args.n}x{args.n}_{pl_name}"
-            for impl in ("plain", "plain_local", "autopar", "dtensor", "autopar_module", "autopar_static"):
+            for impl in ("plain", "plain_local", "autopar", "dtensor", "autopar_module", "autopar_static",
+                         "dispatch_floor"):
                 rec = {
                     "bench": bench,
                     "impl": "plain" if impl.startswith("plain") else impl,
@@ -156,7 +180,7 @@ def main():
                     "bytes_sent_per_rank": 0,
                     "inner": args.inner,
                 }
-                if impl in ("autopar", "dtensor", "autopar_module", "autopar_static"):
+                if impl in ("autopar", "dtensor", "autopar_module", "autopar_static", "dispatch_floor"):
                     rec["overhead_us_vs_plain"] = round(us[impl] - us["plain"], 3)
                     rec["overhead_us_vs_plain_local"] = round(us[impl] - us["plain_local"], 3)
                     rec["ratio_vs_plain"] = round(us[impl] / us["plain"], 3)
@@ -164,7 +188,7 @@ def main():
                     rec["cpu_overhead_us_vs_plain_local"] = round(cus[impl] - cus["plain_local"], 3)
                     rec["cpu_ratio_vs_plain"] = round(cus[impl] / cus["plain"], 3)
                     rec["out_placements"] = dt_out_pl if impl == "dtensor" else ap_out_pl
-                if impl in ("autopar", "autopar_module", "autopar_static"):
+                if impl in ("autopar", "autopar_module", "autopar_static", "dispatch_floor"):
                     rec["ratio_vs_dtensor"] = round(us[impl] / us["dtensor"], 3)
                     rec["cpu_ratio_vs_dtensor"] = round(cus[impl] / cus["dtensor"], 3)
                     rec["overhead_ratio_vs_dtensor"] = round((us[impl] - us["plain"]) / (us["dtensor"] - us["plain"]), 3)

@@ -215,6 +215,9 @@ def _optimizer_step_dispatches(opt_name):
         sub, "weight", dist.shard_tensor(sub.weight, mesh, [R, S0])) if name == "0" else None)
     make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01), "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)}
     opt = dist.shard_optimizer(make[opt_name](model.parameters()))
+    foreach = []  # the group's foreach during the local step, then after it
+    opt.register_step_pre_hook(lambda o, a, k: foreach.append(o.param_groups[0]["foreach"]))
+    opt.register_step_post_hook(lambda o, a, k: foreach.append(o.param_groups[0]["foreach"]))
     calls, orig = [0], D.dispatch
 
     def counting(func, args, kwargs):
@@ -234,7 +237,7 @@ def _optimizer_step_dispatches(opt_name):
         per_step.append(calls[0])
         opt.zero_grad()
     states = [type(v).__name__ for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
-    return per_step, states, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return per_step, states, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, foreach
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
@@ -243,8 +246,11 @@ def test_elementwise_optimizers_step_local_pieces_without_dispatch(opt_name):
     cls = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01), "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)}
     opt = cls[opt_name](model.parameters())
     _train(model, opt)
-    for per_step, states, params in run_dist(_optimizer_step_dispatches, 4, opt_name):
+    for per_step, states, params, foreach in run_dist(_optimizer_step_dispatches, 4, opt_name):
         assert per_step == [0] * len(per_step), per_step  # plain tensors all the way
+        # the local step keeps the user's foreach (None: torch's choice for the local tensors,
+        # as on one device); foreach is forced only for steps through the dispatch
+        assert foreach == [None, True] * len(per_step), foreach
         assert states and set(states) == {"DistTensor"}  # states stay distributed, placed like params
         for k, v in model.state_dict().items():
             torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5)

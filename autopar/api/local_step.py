@@ -7,7 +7,10 @@ on the local pieces *is* the step on the global tensors, so the torch optimizer 
 plain tensors, as fast as on one device, instead of sending every foreach op through the
 dispatch (a decision lookup and a wrapper per op and group).  `swap` puts the local pieces
 into the optimizer for one step; `restore` puts the parameters back and wraps the states the
-step created as distributed tensors placed like their parameters.  A group that does not
+step created as distributed tensors placed like their parameters.  The local step runs with
+the group's own `foreach` choice (`shard_optimizer` turns foreach on only for steps through
+the dispatch), so torch picks its implementation from the local tensors as on one device:
+its for-loop on CPU is faster than foreach for large tensors, foreach on GPUs.  A group that does not
 qualify (a Partial gradient left, a state placed differently, an optimizer that reduces over
 a tensor) steps through the dispatch as before.
 """
@@ -47,8 +50,9 @@ def _qualifies(p, state: dict) -> bool:
 class LocalStep:
     """Swaps an optimizer's distributed parameters for their local pieces around a step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, dispatch_foreach: tuple = ()):
         self.optimizer = optimizer
+        self.dispatch_foreach = dispatch_foreach  # groups whose foreach is on for dispatched steps only
         self.swapped: list = []  # (group, its params, their local stand-ins)
 
     def swap(self) -> None:
@@ -71,12 +75,16 @@ class LocalStep:
                     state[local] = {k: v._local if type(v) is DistTensor else v for k, v in state[p].items()}
                 stand_ins.append(local)
             group["params"] = stand_ins
+            if any(g is group for g in self.dispatch_foreach):
+                group["foreach"] = None
             self.swapped.append((group, params, stand_ins))
 
     def restore(self) -> None:
         state = self.optimizer.state
         for group, params, stand_ins in self.swapped:
             group["params"] = params
+            if any(g is group for g in self.dispatch_foreach):
+                group["foreach"] = True
             for p, local in zip(params, stand_ins):
                 if local is p:
                     continue

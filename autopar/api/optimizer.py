@@ -142,14 +142,14 @@ def _cut(full: torch.Tensor, spec: DistSpec) -> torch.Tensor:
 
 
 class _OptimizerSharding:
-    def __init__(self, optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable]):
+    def __init__(self, optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], dispatch_foreach: tuple = ()):
         from ..comm import get_rank
 
         self.optimizer = optimizer
         self.shard_fn = shard_fn
         self.stage = getattr(shard_fn, "stage", None)
         self.zero12: list[_Zero12] = []
-        self.local_step = LocalStep(optimizer)
+        self.local_step = LocalStep(optimizer, dispatch_foreach)
         self.states_sharded = False
         rank = get_rank()
         if self.stage in (1, 2, 3):
@@ -281,13 +281,15 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callabl
         raise TypeError(f"shard_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if getattr(optimizer, "_autopar_sharding", None) is not None:
         raise ValueError("shard_optimizer was already applied to this optimizer")
+    dispatch_foreach = []
     for group in optimizer.param_groups:
-        # foreach ops dispatch once per group of equally placed tensors instead of once per
-        # parameter: a distributed optimizer step costs a few dispatches, not hundreds
+        # a step through the dispatch (a group the local step cannot take) runs foreach ops:
+        # one dispatch per group of equally placed tensors instead of one per parameter
         distributed = any(isinstance(p, DistTensor) for p in group["params"])
         if distributed and "foreach" in group and group["foreach"] is None and not group.get("fused"):
             group["foreach"] = True
-    sharding = _OptimizerSharding(optimizer, shard_fn)
+            dispatch_foreach.append(group)
+    sharding = _OptimizerSharding(optimizer, shard_fn, tuple(dispatch_foreach))
     optimizer._autopar_sharding = sharding
     optimizer.register_step_pre_hook(sharding.pre_step)
     optimizer.register_step_post_hook(sharding.post_step)
