@@ -36,15 +36,18 @@ def _placed_like(t, p: DistTensor) -> bool:
     return a is b or (a.mesh == b.mesh and a.placements == b.placements)
 
 
-def _qualifies(p, state: dict) -> bool:
+def _qualifies(p, grad, state: dict) -> bool:
     """p, its gradient and its tensor states are distributed alike (or all plain)."""
     if type(p) is not DistTensor:
-        return not isinstance(p.grad, DistTensor) and not any(type(v) is DistTensor for v in state.values())
+        return not isinstance(grad, DistTensor) and not any(type(v) is DistTensor for v in state.values())
     if any(type(pl) is Partial for pl in p._spec.placements):
         return False
-    if p.grad is not None and not (_placed_like(p.grad, p) and p.grad.shape == p.shape):
+    if grad is not None and not (_placed_like(grad, p) and grad.shape == p.shape):
         return False
     return all(_placed_like(v, p) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+_NO_STATE: dict = {}
 
 
 class LocalStep:
@@ -62,17 +65,18 @@ class LocalStep:
         state = self.optimizer.state
         for group in self.optimizer.param_groups:
             params = group["params"]
-            if not all(_qualifies(p, state.get(p, {})) for p in params):
+            entries = [(p, p.grad, state.get(p, _NO_STATE)) for p in params]
+            if not all(_qualifies(*e) for e in entries):
                 continue
             stand_ins = []
-            for p in params:
+            for p, grad, st in entries:
                 if type(p) is not DistTensor:
                     stand_ins.append(p)
                     continue
                 local = p._local
-                local.grad = p.grad._local if p.grad is not None else None
-                if p in state:
-                    state[local] = {k: v._local if type(v) is DistTensor else v for k, v in state[p].items()}
+                local.grad = None if grad is None else grad._local
+                if st is not _NO_STATE:
+                    state[local] = {k: v._local if type(v) is DistTensor else v for k, v in st.items()}
                 stand_ins.append(local)
             group["params"] = stand_ins
             if any(g is group for g in self.dispatch_foreach):
@@ -91,7 +95,8 @@ class LocalStep:
                 local.grad = None
                 new = state.pop(local, None)
                 if new is not None:
-                    state[p] = {k: _as_state(v, p, state.get(p, {}).get(k)) for k, v in new.items()}
+                    old = state.get(p, _NO_STATE)
+                    state[p] = {k: _as_state(v, p, old.get(k)) for k, v in new.items()}
         self.swapped = []
 
 

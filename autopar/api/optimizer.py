@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..dtensor import DistTensor
+from ..dtensor import DistTensor, new_dist
 from ..mesh import ProcessMesh
 from ..placement import Partial, Replicate, Shard
 from ..reshard import redistribute_local
@@ -201,9 +201,10 @@ class _OptimizerSharding:
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if isinstance(g, DistTensor) and isinstance(p, DistTensor) and g._spec is not p._spec:
-                    if any(type(pl) is Partial for pl in g._spec.placements) or g._spec.mesh != p._spec.mesh:
-                        pending.append(p)
+                if type(g) is DistTensor and type(p) is DistTensor and g._spec is not p._spec:
+                    plan = _grad_plan(g._spec, p._spec)
+                    if plan[0]:
+                        pending.append((p, plan))
         reduce_grads(pending)
 
     def post_step(self, optimizer, args, kwargs) -> None:
@@ -237,30 +238,45 @@ def _reductions(src: DistSpec, dst: DistSpec):
     return tuple(dims), op
 
 
-def reduce_grads(params: list) -> None:
-    """Bring each parameter's gradient to the parameter's placements.  Gradients that only
-    need an all-reduce (data parallel, and Partial left over from tensor parallel) share
-    one flat buffer per (mesh, reduced mesh dims, reduce op, dtype) and one all-reduce over
-    the ranks spanning those dims, as DDP's buckets do, instead of one per parameter."""
+_GRAD_PLANS: dict = {}
+
+
+def _grad_plan(grad: DistSpec, param: DistSpec) -> tuple:
+    """(whether the gradient must move, the all-reduce that moves it or None for a general
+    reshard, its spec once placed like the parameter); specs are interned, so the plan of a
+    (gradient, parameter) spec pair is worked out once."""
+    plan = _GRAD_PLANS.get((grad, param))
+    if plan is None:
+        moves = grad.mesh != param.mesh or any(type(pl) is Partial for pl in grad.placements)
+        plan = (moves, _reductions(grad, param), DistSpec(param.mesh, param.placements, grad.meta))
+        _GRAD_PLANS[(grad, param)] = plan
+    return plan
+
+
+def reduce_grads(pending: list) -> None:
+    """Bring each parameter's gradient to the parameter's placements, given (parameter, its
+    `_grad_plan`) pairs.  Gradients that only need an all-reduce (data parallel, and Partial
+    left over from tensor parallel) share one flat buffer per (mesh, reduced mesh dims,
+    reduce op, dtype) and one all-reduce over the ranks spanning those dims, as DDP's
+    buckets do, instead of one per parameter."""
     from ..comm import all_reduce, get_rank
 
     buckets: dict = {}
-    for p in params:
+    for p, (_, how, placed) in pending:
         g = p.grad
-        how = _reductions(g._spec, p._spec)
         if how is None:
             p.grad = reshard(g.detach(), p._spec.mesh, p._spec.placements)
         else:
-            buckets.setdefault((p._spec.mesh, how, g.dtype), []).append(p)
+            buckets.setdefault((p._spec.mesh, how, g.dtype), []).append((p, g._local, placed))
     rank = get_rank()
-    for (mesh, (dims, op), _), ps in buckets.items():
-        locals_ = [p.grad._local for p in ps]
+    for (mesh, (dims, op), _), entries in buckets.items():
+        locals_ = [local for _, local, _ in entries]
         if dims and rank in mesh and sum(t.numel() for t in locals_):
             flat = torch.cat([t.reshape(-1) for t in locals_])
             flat = all_reduce(flat, mesh.group_of(rank, dims), op, inplace=True)
             locals_ = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in locals_]), locals_)]
-        for p, local in zip(ps, locals_):
-            p.grad = DistTensor(local, DistSpec(mesh, p._spec.placements, p.grad._spec.meta))
+        for (p, _, placed), local in zip(entries, locals_):
+            p.grad = new_dist(local, placed)
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable] = None) -> torch.optim.Optimizer:
