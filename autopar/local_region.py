@@ -33,6 +33,8 @@ from torch.autograd.function import once_differentiable
 from . import dispatch
 from .comm import collectives
 from .dtensor import DistTensor, new_dist
+from . import grad_reduce
+from .grad_reduce import BackwardReduction, BucketPlan
 from .placement import Partial, ReduceType, Replicate, Shard
 from .reshard import piece_of_replicated, redistribute_local
 from .spec import DistSpec, TensorMeta
@@ -336,6 +338,8 @@ class Region:
         self.slot_specs = [t._spec if type(t) is DistTensor else None for _, _, t, _ in slots]
         self.in_grad_specs, self.param_grad_specs = in_grad_specs, param_grad_specs
         self.out_specs, self.out_grad_specs, self.single = out_specs, out_grad_specs, single
+        self.buckets: Optional[BucketPlan] = None  # parameter gradients all-reduced during backward
+        self.buckets_generation = -1
 
     @staticmethod
     def build(mesh, settings, args, kwargs, slots, params, out) -> Optional["Region"]:
@@ -378,7 +382,12 @@ class Region:
             any(t.requires_grad for t in dist_in) or any(p.requires_grad for p in self.params)
         )
         if grad:
-            locals_ = _Enter.apply(self, *dist_in, *self.params)
+            reduction = self._backward_reduction()
+            locals_ = _Enter.apply(self, reduction, *dist_in, *self.params)
+            if reduction is not None:
+                locals_, n = list(locals_), len(dist_in)
+                for i in reduction.plan.placed:
+                    locals_[n + i] = reduction.watch(i, locals_[n + i])
         else:
             locals_ = [t._local for t in dist_in] + [p._local for p in self.params]
         by_id = {id(t): loc for t, loc in zip(dist_in, locals_)}
@@ -403,12 +412,21 @@ class Region:
         return type(out)(wrapped)
 
 
+    def _backward_reduction(self) -> Optional[BackwardReduction]:
+        if self.buckets_generation != grad_reduce.generation():  # a shard_optimizer since
+            self.buckets = BucketPlan.build(self.params, self.param_grad_specs)
+            self.buckets_generation = grad_reduce.generation()
+        return BackwardReduction(self.buckets) if self.buckets is not None else None
+
+
 class _Enter(torch.autograd.Function):
-    """Distributed inputs and parameters -> their local pieces; gradients come back dual-placed."""
+    """Distributed inputs and parameters -> their local pieces; gradients come back dual-placed
+    (or, for parameters whose gradients a BackwardReduction all-reduced, placed like them)."""
 
     @staticmethod
-    def forward(ctx, region, *tensors):
-        ctx.region = region
+    def forward(ctx, region, reduction, *tensors):
+        ctx.region, ctx.reduction = region, reduction
+        ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, not zeros
         out = [t._local.detach() for t in tensors]
         ctx.mark_non_differentiable(*[o for o in out if not o.is_floating_point()])
         return tuple(out)
@@ -417,8 +435,11 @@ class _Enter(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads):
         specs = ctx.region.in_grad_specs + ctx.region.param_grad_specs
-        return (None,) + tuple(
-            None if g is None else new_dist(g.contiguous(), spec) for g, spec in zip(grads, specs)
+        n = len(ctx.region.in_grad_specs)
+        reduced = ctx.reduction.finish(grads[n:]) if ctx.reduction is not None else {}
+        return (None, None) + tuple(
+            reduced[i - n] if i - n in reduced else None if g is None else new_dist(g.contiguous(), spec)
+            for i, (g, spec) in enumerate(zip(grads, specs))
         )
 
 
@@ -428,6 +449,7 @@ class _Exit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region, *outs):
         ctx.region = region
+        ctx.set_materialize_grads(False)
         wrapped = [new_dist(o.detach(), s) for o, s in zip(outs, region.out_specs)]
         ctx.mark_non_differentiable(*[w for w in wrapped if not w.is_floating_point()])
         return tuple(wrapped)

@@ -20,7 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..dtensor import DistTensor, new_dist
+from ..dtensor import DistTensor
+from ..grad_reduce import grad_plan, reduce_grads, reduce_in_backward
 from ..mesh import ProcessMesh
 from ..placement import Partial, Replicate, Shard
 from ..reshard import redistribute_local
@@ -152,6 +153,8 @@ class _OptimizerSharding:
         self.local_step = LocalStep(optimizer, dispatch_foreach)
         self.states_sharded = False
         rank = get_rank()
+        if self.stage is None:  # gradients go to the parameters' placements whole: reduce them in backward
+            reduce_in_backward([p for group in optimizer.param_groups for p in group["params"]])
         if self.stage in (1, 2, 3):
             for group in optimizer.param_groups:
                 for i, p in enumerate(group["params"]):
@@ -202,7 +205,7 @@ class _OptimizerSharding:
             for p in group["params"]:
                 g = p.grad
                 if type(g) is DistTensor and type(p) is DistTensor and g._spec is not p._spec:
-                    plan = _grad_plan(g._spec, p._spec)
+                    plan = grad_plan(g._spec, p._spec)
                     if plan[0]:
                         pending.append((p, plan))
         reduce_grads(pending)
@@ -219,64 +222,6 @@ class _OptimizerSharding:
                     for key, value in list(state.items()):
                         if isinstance(value, torch.Tensor) and value.dim() > 0:
                             state[key] = self.shard_fn(key, p, value)
-
-
-def _reductions(src: DistSpec, dst: DistSpec):
-    """The (mesh dims, reduce op) of an all-reduce that alone takes src to dst's local
-    pieces, or None when src -> dst needs more than that.  Mesh dims of size 1 hold the
-    whole tensor whatever their placement, so they never differ."""
-    if src.mesh != dst.mesh:
-        return None
-    dims, op = [], None
-    for m, (a, b) in enumerate(zip(src.placements, dst.placements)):
-        if a == b or src.mesh.shape[m] == 1:
-            continue
-        if type(a) is not Partial or type(b) is not Replicate or op not in (None, a.reduce_type):
-            return None
-        dims.append(m)
-        op = a.reduce_type
-    return tuple(dims), op
-
-
-_GRAD_PLANS: dict = {}
-
-
-def _grad_plan(grad: DistSpec, param: DistSpec) -> tuple:
-    """(whether the gradient must move, the all-reduce that moves it or None for a general
-    reshard, its spec once placed like the parameter); specs are interned, so the plan of a
-    (gradient, parameter) spec pair is worked out once."""
-    plan = _GRAD_PLANS.get((grad, param))
-    if plan is None:
-        moves = grad.mesh != param.mesh or any(type(pl) is Partial for pl in grad.placements)
-        plan = (moves, _reductions(grad, param), DistSpec(param.mesh, param.placements, grad.meta))
-        _GRAD_PLANS[(grad, param)] = plan
-    return plan
-
-
-def reduce_grads(pending: list) -> None:
-    """Bring each parameter's gradient to the parameter's placements, given (parameter, its
-    `_grad_plan`) pairs.  Gradients that only need an all-reduce (data parallel, and Partial
-    left over from tensor parallel) share one flat buffer per (mesh, reduced mesh dims,
-    reduce op, dtype) and one all-reduce over the ranks spanning those dims, as DDP's
-    buckets do, instead of one per parameter."""
-    from ..comm import all_reduce, get_rank
-
-    buckets: dict = {}
-    for p, (_, how, placed) in pending:
-        g = p.grad
-        if how is None:
-            p.grad = reshard(g.detach(), p._spec.mesh, p._spec.placements)
-        else:
-            buckets.setdefault((p._spec.mesh, how, g.dtype), []).append((p, g._local, placed))
-    rank = get_rank()
-    for (mesh, (dims, op), _), entries in buckets.items():
-        locals_ = [local for _, local, _ in entries]
-        if dims and rank in mesh and sum(t.numel() for t in locals_):
-            flat = torch.cat([t.reshape(-1) for t in locals_])
-            flat = all_reduce(flat, mesh.group_of(rank, dims), op, inplace=True)
-            locals_ = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in locals_]), locals_)]
-        for (p, _, placed), local in zip(entries, locals_):
-            p.grad = new_dist(local, placed)
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable] = None) -> torch.optim.Optimizer:

@@ -124,6 +124,44 @@ def all_reduce(
     return out
 
 
+class PendingAllReduce:
+    """An all-reduce in flight (`all_reduce_start`): `wait()` returns the reduced tensor."""
+
+    __slots__ = ("out", "work", "ranks", "reduce_type")
+
+    def __init__(self, out: torch.Tensor, work, ranks: tuple, reduce_type: ReduceType):
+        self.out, self.work, self.ranks, self.reduce_type = out, work, ranks, reduce_type
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            work, self.work = self.work, None
+            try:
+                work.wait()
+            except RuntimeError as e:
+                _fail("all_reduce", self.ranks, e)
+            k = len(self.ranks)
+            moved = 2 * (k - 1) * _nbytes(self.out) // k
+            record("all_reduce", self.ranks, moved, moved, tuple(self.out.shape))
+            if self.reduce_type is ReduceType.AVG:
+                self.out.div_(k)
+        return self.out
+
+
+def all_reduce_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> PendingAllReduce:
+    """Start reducing `t` (contiguous and the caller's: reduced in place) over the members and
+    return at once, so that computation goes on while the bytes move.  Under a graph capture
+    (which replays transfers one by one) the reduction happens right away."""
+    if len(ranks) == 1 or CAPTURE_HOOKS or not t.is_contiguous():
+        return PendingAllReduce(all_reduce(t, ranks, reduce_type, inplace=True), None, tuple(ranks), reduce_type)
+    opts = AllreduceOptions()
+    opts.reduceOp = _TORCH_OP[reduce_type]
+    try:
+        work = group_for(ranks).allreduce([t], opts)
+    except RuntimeError as e:
+        _fail("all_reduce", ranks, e)
+    return PendingAllReduce(t, work, tuple(ranks), reduce_type)
+
+
 def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> torch.Tensor:
     """Reduce `t` over the members and return piece i (dim 0 cut in k equal pieces) to member i."""
     k = len(ranks)

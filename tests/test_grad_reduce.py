@@ -1,0 +1,127 @@
+"""Data-parallel gradients all-reduced in buckets during backward (local regions, ZeRO-less
+shard_optimizer): the numbers of one process, buckets started before backward ends, nothing
+left for the optimizer to reduce; gradient accumulation, frozen and unused parameters."""
+import numpy as np
+import pytest
+import torch
+
+import autopar as dist
+from autopar import grad_reduce
+from autopar.placement import Partial, Replicate, Shard
+from distpool import run_dist
+
+R, S0 = Replicate(), Shard(0)
+
+
+class Deep(torch.nn.Module):
+    """Four linears (8 parameters, 2-8 KiB each): several buckets under small caps."""
+
+    def __init__(self, frozen=False, unused=False):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.spare = torch.nn.Linear(16, 16)  # never called when `unused`
+        if frozen:
+            self.layers[1].requires_grad_(False)
+        self.unused = unused
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return x if self.unused else self.spare(x)
+
+
+def _batches(n=3, micro=1):
+    g = torch.Generator().manual_seed(3)
+    return [[(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(micro)]
+            for _ in range(n)]
+
+
+def _train(model, mesh=None, micro=1, stage=None):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    if mesh is not None:
+        opt = dist.shard_optimizer(opt, stage)
+    losses, grads_after_backward, step_comm = [], [], []
+    for batch in _batches(micro=micro):
+        for x, y in batch:
+            if mesh is not None:
+                x, y = dist.shard_tensor(x, mesh, [S0]), dist.shard_tensor(y, mesh, [S0])
+            loss = torch.nn.functional.mse_loss(model(x), y) / micro
+            loss.backward()
+            losses.append(loss.item())
+        if mesh is not None:
+            grads_after_backward.append(sorted({str(p.grad.placements) for p in model.parameters()
+                                                if p.grad is not None}))
+            with dist.comm_log() as log:
+                opt.step()
+            step_comm.append([r.op for r in log])
+        else:
+            opt.step()
+        opt.zero_grad()
+    params = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return losses, params, grads_after_backward, step_comm
+
+
+def _dp(micro=1, stage=None, **net):
+    """Small bucket caps: the first bucket holds the last layer, the others about two layers."""
+    caps = grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES
+    grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = 1200, 2500
+    starts = []  # how many gradients of the region were ready when each bucket started
+    orig_start = grad_reduce.BackwardReduction._start
+
+    def start(self, bucket):
+        starts.append(len(self.grads))
+        return orig_start(self, bucket)
+
+    grad_reduce.BackwardReduction._start = start
+    try:
+        mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+        torch.manual_seed(0)
+        model = dist.shard_layer(Deep(**net), mesh)
+        stage = dist.ShardingStage1("dp") if stage == 1 else None
+        return _train(model, mesh, micro, stage) + (starts,)
+    finally:
+        grad_reduce.BackwardReduction._start = orig_start
+        grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = caps
+
+
+def _reference(micro=1, **net):
+    torch.manual_seed(0)
+    return _train(Deep(**net), micro=micro)[:2]
+
+
+def _check_numbers(got, ref):
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    for k, v in got[1].items():
+        torch.testing.assert_close(v, ref[1][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("net", [{}, {"frozen": True}, {"unused": True}], ids=["all", "frozen", "unused"])
+def test_buckets_reduce_during_backward_and_match_single_process(net):
+    ref = _reference(**net)
+    trainable = sum(p.requires_grad for p in Deep(**net).parameters()) - 2 * net.get("unused", False)
+    for got in run_dist(_dp, 4, **net):
+        _check_numbers(got, ref)
+        losses, _, placements, step_comm, starts = got
+        # step 1 verifies the region op by op: the optimizer reduces its gradients; then the
+        # region's backward does, and the optimizer has nothing left to reduce
+        assert placements == [["[Partial()]"]] + [["[Replicate()]"]] * 2
+        assert step_comm == [["all_reduce"]] + [[]] * 2
+        assert len(starts) == 2 * 3, starts  # three buckets per backward
+        # the first bucket (the last layer) started while backward still had layers to go
+        assert starts[0] < trainable, (starts, trainable)
+
+
+def test_gradient_accumulation_reduces_each_backward():
+    ref = _reference(micro=2)
+    for got in run_dist(_dp, 4, micro=2):
+        _check_numbers(got, ref)
+        assert got[2][1:] == [["[Replicate()]"]] * 2 and got[3][1:] == [[]] * 2
+
+
+def test_zero_stage_1_keeps_its_reduce_scatter():
+    """ZeRO reduce-scatters gradients onto shards: backward leaves them Partial."""
+    ref = _reference()
+    for got in run_dist(_dp, 4, stage=1):
+        _check_numbers(got, ref)
+        assert got[2] == [[str([Partial()])]] * 3
+        assert got[4] == []  # no bucket was reduced in backward
