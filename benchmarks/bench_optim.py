@@ -41,7 +41,9 @@ def main():
     cfg = argparse.Namespace(vocab=512, dim=args.dim, heads=4, layers=args.layers, seq=64, lr=1e-3, seed=0)
 
     mesh = dist.ProcessMesh([list(range(k))], dim_names=["dp", "mp"])
-    model, opt = G.build(cfg, mesh)
+    model, _ = G.build(cfg, mesh)
+    # foreach=True in every impl: the same AdamW implementation (torch's CPU default would be its for-loop)
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=True))
     torch.manual_seed(1)
     grads = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
