@@ -44,7 +44,7 @@ from .comm import CommError, comm_log, get_rank, get_world_size
 from .dtensor import DistTensor
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard
-from .static import CaptureError, DistModel, to_static
+from .static import CaptureError, DistModel, Strategy, to_static
 from . import auto_parallel  # noqa: F401  (dist.auto_parallel.set_mesh)
 from . import dispatch as _dispatch  # noqa: F401  (installs the op dispatcher)
 
@@ -61,6 +61,7 @@ __all__ = [
     "parallelize",
     "CaptureError",
     "DistModel",
+    "Strategy",
     "to_static",
     "CheckpointError",
     "CheckpointNotFoundError",

@@ -63,24 +63,30 @@ def _loss(logits, y):
     return F.cross_entropy(logits, y)
 
 
-def _train(strategy, static, p_drop=0.0):
-    model, opt, mesh = _setup(strategy, p_drop)
-    torch.manual_seed(5)  # the dropout stream
-    step = dist.to_static(model, None, _loss, opt) if static else None
+def run_steps(model, opt, step, place, autocast=False):
+    """Train on `_batches()` placed by `place`: through the DistModel `step`, else dynamically
+    (under bfloat16 autocast when asked).  Returns the losses and the global parameters."""
     losses = []
     for x, y in _batches():
-        if mesh is not None:
-            x = dist.shard_tensor(x, mesh, [S0] + [R] * (mesh.ndim - 1))
-            y = dist.shard_tensor(y, mesh, [S0] + [R] * (mesh.ndim - 1))
-        if static:
+        x, y = place(x), place(y)
+        if step is not None:
             losses.append(float(step(x, y)))
             continue
-        loss = _loss(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = _loss(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    params = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+
+
+def _train(strategy, static, p_drop=0.0):
+    model, opt, mesh = _setup(strategy, p_drop)
+    torch.manual_seed(5)  # the dropout stream
+    step = dist.to_static(model, None, _loss, opt) if static else None
+    placements = [S0] + [R] * (mesh.ndim - 1) if mesh is not None else None
+    losses, params = run_steps(model, opt, step, lambda t: t if mesh is None else dist.shard_tensor(t, mesh, placements))
     if static:
         assert len(step._programs) == 1  # captured once, replayed for every later step
     return losses, params, step.dist_main_program() if static else None

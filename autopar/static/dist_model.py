@@ -12,8 +12,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..dtensor import DistTensor
+from ..dtensor import DistTensor, new_dist
 from .program import CaptureError, Program, Recorder
+from .strategy import Strategy
 
 _MODES = ("train", "eval", "predict")
 
@@ -54,11 +55,19 @@ class DistModel:
 
     A captured step must not branch on tensor values, and tensors it reads without
     computing them (other than parameters, buffers and the batch) are taken as constants.
+    With a `Strategy`, a train step may be one micro-batch of a merged step (gradient merge)
+    and the forward runs under autocast (amp).
     """
 
     def __init__(self, layer: torch.nn.Module, loader=None, loss: Optional[Callable] = None,
-                 optimizer: Optional[torch.optim.Optimizer] = None):
-        self.layer, self.loader, self.loss_fn, self.optimizer = layer, loader, loss, optimizer
+                 optimizer: Optional[torch.optim.Optimizer] = None, strategy: Optional[Strategy] = None):
+        strategy = strategy or Strategy()
+        self.layer, self.loader, self.loss_fn = layer, loader, loss
+        self.optimizer = strategy.shard(layer, optimizer)
+        self.merge_steps, self.amp_dtype = strategy.merge_steps(), strategy.autocast_dtype()
+        self.merge_avg = bool(strategy.gradient_merge.avg)
+        self._merged: list = []  # gradients summed over the micro-batches of the current step
+        self._micro = 0
         self._programs: dict = {}
         self._last: Optional[Program] = None
         self._mode = "train" if loss is not None and optimizer is not None else ("eval" if loss is not None else "predict")
@@ -100,9 +109,30 @@ class DistModel:
         else:
             result = self._replay(captured, inputs, grad_holders)
         if self._mode == "train":
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.merge_steps > 1:
+                self._merge(grad_holders)
+            if self._micro == 0:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _merge(self, holders: list) -> None:
+        """Add this micro-batch's gradients to the step's; on the last micro-batch hand the
+        parameters the sum (or mean) for the optimizer."""
+        grads = [p.grad for p in holders]
+        if self._micro == 0:
+            self._merged = [None if g is None else _owned(g) for g in grads]
+        else:
+            self._merged = [_add(a, g) for a, g in zip(self._merged, grads)]
+        self._micro = (self._micro + 1) % self.merge_steps
+        for p, g in zip(holders, self._merged):
+            p.grad = None
+            if self._micro == 0 and g is not None:
+                if self.merge_avg:
+                    (g._local if type(g) is DistTensor else g).div_(self.merge_steps)
+                p.grad = g
+        if self._micro == 0:
+            self._merged = []
 
     def _optimizer_only_params(self, params: list) -> list:
         """Tensors the optimizer steps that are not the model's (ZeRO-1/2 shards): their grads too."""
@@ -112,6 +142,13 @@ class DistModel:
         return [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in seen]
 
     def _forward(self, batch):
+        if self.amp_dtype is not None:
+            device = next((_local(p).device.type for p in self.layer.parameters()), "cpu")
+            with torch.autocast(device, dtype=self.amp_dtype):
+                return self._forward_as_is(batch)
+        return self._forward_as_is(batch)
+
+    def _forward_as_is(self, batch):
         if self._mode == "predict" or self.loss_fn is None:
             return self.layer(*batch)
         if len(batch) > 1 and _takes_two(self.loss_fn):
@@ -165,6 +202,26 @@ class DistModel:
         return self.layer.state_dict(*args, **kwargs)
 
 
+def _owned(g: torch.Tensor) -> torch.Tensor:
+    """A copy of a gradient to accumulate into (the program's outputs are not ours to add to)."""
+    if type(g) is DistTensor:
+        return new_dist(g._local.clone(), g._spec)
+    return g.detach().clone()
+
+
+def _add(acc: Optional[torch.Tensor], g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if g is None:
+        return acc
+    if acc is None:
+        return _owned(g)
+    if type(acc) is DistTensor and type(g) is DistTensor and acc._spec is g._spec:
+        acc._local.add_(g._local)  # placed alike: the sum of the pieces is the piece of the sum
+        return acc
+    if type(acc) is not DistTensor and type(g) is not DistTensor:
+        return acc.add_(g)
+    return (acc + g).detach()  # placed unalike: the distributed add reshards
+
+
 def _takes_two(fn: Callable) -> bool:
     import inspect
 
@@ -214,7 +271,8 @@ def to_static(layer: torch.nn.Module, loader=None, loss: Optional[Callable] = No
     `loss(outputs[, label])` and `optimizer` (a `shard_optimizer`) make `train()` and
     `eval()` available; without them the model predicts.  `loader` is accepted for the
     seed's signature; it is not read: the program is captured from the first batch itself.
-    `strategy` must be None (there are no compiler passes to configure yet).
+    `strategy` (a `Strategy`) turns on ZeRO sharding of the optimizer, gradient merge over
+    micro-batches and bfloat16 autocast.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["dp"])
@@ -226,14 +284,11 @@ def to_static(layer: torch.nn.Module, loader=None, loss: Optional[Callable] = No
     >>> second < first
     True
     """
-    if strategy is not None:
-        raise NotImplementedError(
-            "to_static(strategy=...): no compiler passes exist yet; the captured program is the dynamic mode's "
-            "own (same placements and communication). Pass strategy=None."
-        )
     if not isinstance(layer, torch.nn.Module):
         raise TypeError(f"to_static needs a torch.nn.Module, got {type(layer).__name__}")
-    return DistModel(layer, loader, loss, optimizer)
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"to_static(strategy=...) needs an autopar.Strategy, got {type(strategy).__name__}")
+    return DistModel(layer, loader, loss, optimizer, strategy)
 
 
-__all__ = ["CaptureError", "DistModel", "to_static"]
+__all__ = ["CaptureError", "DistModel", "Strategy", "to_static"]
