@@ -13,6 +13,11 @@ summed over the data-parallel ranks before the optimizer step.  Two places do it
   earlier layers; the region's last backward step waits for them and hands the parameters
   gradients that are already placed like them, so the optimizer has nothing left to reduce.
   Every rank runs the same backward, so the buckets start in the same order everywhere.
+  Gradient accumulation (a backward while the parameters still hold gradients) switches a
+  region's plan to deferred reduction for good: the gradients it already reduced become
+  Partial again without communication, later backwards leave them Partial (summed locally),
+  and the optimizer reduces the sum once per step, where reducing every backward (DDP
+  without `no_sync`) would cost one all-reduce per micro-batch.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import Optional
 import torch
 
 from .comm import all_reduce, all_reduce_start, get_rank
+from .reshard import redistribute_local
 from .dtensor import DistTensor, new_dist
 from .placement import Partial, Replicate
 from .spec import DistSpec
@@ -126,6 +132,7 @@ class BucketPlan:
     def __init__(self, buckets: list, placed: dict):
         self.buckets, self.placed = buckets, placed
         self.bucket_of = {i: b for b in buckets for i in b.members}
+        self.deferred = False  # gradient accumulation seen: the optimizer reduces, once per step
 
     @staticmethod
     def build(params: list, grad_specs: list) -> Optional["BucketPlan"]:
@@ -153,6 +160,19 @@ class BucketPlan:
         if len(buckets) < 2:
             return None
         return BucketPlan(buckets, placed)
+
+    def reduction(self, params: list, grad_specs: list) -> Optional["BackwardReduction"]:
+        """The state for one forward's backward, or None once reduction is deferred.  A
+        parameter still holding a gradient means accumulation: defer from now on, and give
+        the gradients reduced so far back their Partial placement (a local step: one rank
+        keeps the value), so that the next gradients add to them without communication."""
+        if not self.deferred and any(params[i].grad is not None for i in self.placed):
+            self.deferred = True
+            for i, spec in self.placed.items():
+                g = params[i].grad
+                if type(g) is DistTensor and g._spec is spec:
+                    params[i].grad = new_dist(redistribute_local(g._local, spec, grad_specs[i]), grad_specs[i])
+        return None if self.deferred else BackwardReduction(self)
 
 
 class BackwardReduction:

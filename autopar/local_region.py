@@ -416,7 +416,7 @@ class Region:
         if self.buckets_generation != grad_reduce.generation():  # a shard_optimizer since
             self.buckets = BucketPlan.build(self.params, self.param_grad_specs)
             self.buckets_generation = grad_reduce.generation()
-        return BackwardReduction(self.buckets) if self.buckets is not None else None
+        return self.buckets.reduction(self.params, self.param_grad_specs) if self.buckets is not None else None
 
 
 class _Enter(torch.autograd.Function):

@@ -30,22 +30,22 @@ class Deep(torch.nn.Module):
         return x if self.unused else self.spare(x)
 
 
-def _batches(n=3, micro=1):
+def _batches(micro=(1, 1, 1)):
+    """Per optimizer step, `micro[step]` micro-batches."""
     g = torch.Generator().manual_seed(3)
-    return [[(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(micro)]
-            for _ in range(n)]
+    return [[(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(m)] for m in micro]
 
 
-def _train(model, mesh=None, micro=1, stage=None):
+def _train(model, mesh=None, micro=(1, 1, 1), stage=None):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
     if mesh is not None:
         opt = dist.shard_optimizer(opt, stage)
     losses, grads_after_backward, step_comm = [], [], []
-    for batch in _batches(micro=micro):
+    for batch in _batches(micro):
         for x, y in batch:
             if mesh is not None:
                 x, y = dist.shard_tensor(x, mesh, [S0]), dist.shard_tensor(y, mesh, [S0])
-            loss = torch.nn.functional.mse_loss(model(x), y) / micro
+            loss = torch.nn.functional.mse_loss(model(x), y) / len(batch)
             loss.backward()
             losses.append(loss.item())
         if mesh is not None:
@@ -61,7 +61,7 @@ def _train(model, mesh=None, micro=1, stage=None):
     return losses, params, grads_after_backward, step_comm
 
 
-def _dp(micro=1, stage=None, **net):
+def _dp(micro=(1, 1, 1), stage=None, **net):
     """Small bucket caps: the first bucket holds the last layer, the others about two layers."""
     caps = grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES
     grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = 1200, 2500
@@ -84,7 +84,7 @@ def _dp(micro=1, stage=None, **net):
         grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = caps
 
 
-def _reference(micro=1, **net):
+def _reference(micro=(1, 1, 1), **net):
     torch.manual_seed(0)
     return _train(Deep(**net), micro=micro)[:2]
 
@@ -111,11 +111,18 @@ def test_buckets_reduce_during_backward_and_match_single_process(net):
         assert starts[0] < trainable, (starts, trainable)
 
 
-def test_gradient_accumulation_reduces_each_backward():
-    ref = _reference(micro=2)
-    for got in run_dist(_dp, 4, micro=2):
+def test_gradient_accumulation_defers_reduction_to_one_per_step():
+    """Step 2's first backward reduces in buckets; its second finds gradients left (accumulation):
+    they turn Partial again without communication and from then on the optimizer reduces once
+    per step, however many micro-batches."""
+    micro = (1, 2, 3)
+    ref = _reference(micro)
+    for got in run_dist(_dp, 4, micro):
         _check_numbers(got, ref)
-        assert got[2][1:] == [["[Replicate()]"]] * 2 and got[3][1:] == [[]] * 2
+        losses, _, placements, step_comm, starts = got
+        assert placements == [["[Partial()]"]] * 3
+        assert step_comm == [["all_reduce"]] * 3  # one bucketed all-reduce per step
+        assert len(starts) == 3  # only step 2's first backward reduced (three buckets)
 
 
 def test_zero_stage_1_keeps_its_reduce_scatter():

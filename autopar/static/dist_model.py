@@ -163,7 +163,9 @@ class DistModel:
                 if self._mode == "train":
                     result.backward()
                     sharding = getattr(self.optimizer, "_autopar_sharding", None)
-                    if sharding is not None:  # gradient reduction is part of the program too
+                    # gradient reduction is part of the program too, unless gradients merge
+                    # over micro-batches: then they add up Partial and the step reduces once
+                    if sharding is not None and self.merge_steps == 1:
                         sharding.prepare_grads()
         finally:
             recorder.close()
