@@ -39,7 +39,7 @@ class Decision:
     tensors sit in the argument list, whether the result is one plain output)."""
 
     __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "out_alias", "kind",
-                 "member", "coord", "positions", "single", "out_local_shapes", "direct", "fast")
+                 "member", "coord", "positions", "single", "out_local_shapes", "direct", "fast", "moved")
 
     def __init__(self, mesh, in_specs, out_specs, kernel, local_args, mutated, out_alias, kind="op"):
         self.mesh = mesh
@@ -56,6 +56,7 @@ class Decision:
         self.positions = None
         self.direct = False
         self.fast = None
+        self.moved: tuple = ()  # inputs sent here from another mesh (they need no gradient)
         self.single = (
             out_alias is not None and out_alias[0] == "value" and isinstance(out_alias[1], torch.Tensor)
         )
@@ -136,19 +137,34 @@ def _rebuild_out(template, it):
 
 
 # -- planning ----------------------------------------------------------------------------
-def _mesh_of(func, flat) -> ProcessMesh:
-    mesh = None
-    for t in flat:
+def _mesh_of(func, flat) -> tuple:
+    """The mesh the op runs on, and the inputs to send there from other meshes.  Inputs on
+    several meshes (a pipeline's labels, masks or ids given to a later stage): those that need
+    no gradient go to the mesh of those that do, or with no gradient anywhere to the mesh
+    holding the most bytes.  A tensor that needs a gradient is never moved here (its gradient
+    would come back on the wrong mesh): the differentiable `reshard` moves it."""
+    on: dict = {}
+    for i, t in enumerate(flat):
         if type(t) is DistTensor:
-            m = t._spec.mesh
-            if mesh is None:
-                mesh = m
-            elif m != mesh:
-                raise ValueError(
-                    f"{func}: operands live on different meshes {mesh} and {m} "
-                    f"(shapes {[tuple(x.shape) for x in flat]}); reshard one of them first"
-                )
-    return mesh
+            on.setdefault(t._spec.mesh, []).append(i)
+    if len(on) <= 1:
+        return next(iter(on), None), ()
+    meshes = list(on)
+    graded = [m for m in meshes if any(flat[i].requires_grad for i in on[m])]
+    if len(graded) == 1:
+        target = graded[0]
+    else:
+        size = {m: sum(flat[i]._spec.meta.nbytes for i in on[m]) for m in meshes}
+        ranked = sorted(meshes, key=size.get, reverse=True)
+        if graded or size[ranked[0]] == size[ranked[1]]:
+            why = "each holds tensors that need gradients" if graded else "neither needs a gradient nor holds more bytes"
+            raise ValueError(
+                f"{func}: operands live on different meshes {meshes[0]} and {meshes[1]} "
+                f"(shapes {[tuple(x.shape) for x in flat]}) and {why}: move one with "
+                f"dist.reshard(t, mesh, placements) (differentiable) first"
+            )
+        target = ranked[0]
+    return target, tuple(i for m in meshes if m != target for i in on[m])
 
 
 def _to_meta(t: torch.Tensor) -> torch.Tensor:
@@ -186,8 +202,10 @@ def _substitute(args, kwargs, new_flat):
 
 
 def decide(func, args, kwargs, flat) -> Decision:
-    mesh = _mesh_of(func, flat)
+    mesh, moved = _mesh_of(func, flat)
     if func in GLOBAL_VALUE_OPS:
+        if moved:
+            raise ValueError(f"{func}: operands live on different meshes; reshard them onto one first")
         return Decision(mesh, None, None, None, None, [], None, kind="global")
     meta_out = None  # an op returning nothing (fused optimizer steps; some lack a meta kernel)
     if func._schema.returns:
@@ -202,8 +220,13 @@ def decide(func, args, kwargs, flat) -> Decision:
     out_metas = [TensorMeta.of(o) for o in _flatten_out(meta_out, [])]
     rule_args, rule_kwargs = _substitute(args, kwargs, in_metas)
     call = OpCall(func, tuple(rule_args), rule_kwargs, in_metas, out_metas)
-    current = [t._spec.placements if type(t) is DistTensor else (Replicate(),) * mesh.ndim for t in flat]
+    current = [
+        t._spec.placements if type(t) is DistTensor and t._spec.mesh.ndim == mesh.ndim else (Replicate(),) * mesh.ndim
+        for t in flat
+    ]
     mutated, alias = _mutated_inputs(func, args, kwargs)
+    if set(mutated) & set(moved):
+        raise ValueError(f"{func} writes an input that lives on another mesh than the op's {mesh}: reshard it first")
     in_pl, out_pl, kernel = engine.choose(call, mesh, current, inplace=0 in mutated)
     in_specs = [DistSpec(mesh, p, m) for p, m in zip(in_pl, in_metas)]
     out_specs = [DistSpec(mesh, p, m) for p, m in zip(out_pl, out_metas)]
@@ -211,6 +234,7 @@ def decide(func, args, kwargs, flat) -> Decision:
         mesh, in_specs, out_specs, kernel, LOCAL_ARGS.get(func), mutated,
         ("alias", alias) if alias is not None else ("value", meta_out),
     )
+    dec.moved = moved
     # the key holds each input's spec, so "no input moves" holds for every call with this key
     dec.direct = all(type(t) is DistTensor and t._spec is s for t, s in zip(flat, in_specs))
     if not kwargs or not any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values()):
@@ -327,6 +351,11 @@ def _local_of(a):
 
 def _inputs_in_place(dec: Decision, flat) -> list:
     """Each input's local piece where the decision wants it (resharding what must move)."""
+    if dec.moved and torch.is_grad_enabled() and any(flat[i].requires_grad for i in dec.moved):
+        raise ValueError(
+            f"an input on {flat[dec.moved[0]]._spec.mesh} needs a gradient but the op runs on {dec.mesh}: "
+            f"move it with dist.reshard(t, mesh, placements) (differentiable) first"
+        )
     locals_ = []
     for t, spec in zip(flat, dec.in_specs):
         if type(t) is DistTensor:

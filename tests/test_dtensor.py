@@ -3,6 +3,7 @@ import os
 import warnings
 
 import numpy as np
+import pytest
 import torch
 
 import autopar as dist
@@ -253,3 +254,39 @@ def test_an_op_with_no_rule_still_works_and_warns_once():
     assert len(msgs) == 1 and "aten.i0" in msgs[0]
     torch.testing.assert_close(a, torch.special.i0(torch.arange(6.0)))
     torch.testing.assert_close(b, torch.special.i0(torch.arange(6.0) + 1))
+
+
+def _labels_on_another_stage():
+    """Logits on the last stage's mesh, labels left on the first's (a pipeline's data loader)."""
+    import torch.nn.functional as F
+
+    first, last = dist.ProcessMesh([0, 1]), dist.ProcessMesh([2, 3])
+    g = torch.Generator().manual_seed(0)
+    w, x, y = torch.randn(6, 5, generator=g), torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+    W = dist.shard_tensor(torch.nn.Parameter(w.clone()), last, [R])
+    X, Y = dist.shard_tensor(x, last, [S0]), dist.shard_tensor(y, first, [S0])
+    with dist.comm_log() as log:
+        loss = F.cross_entropy(X @ W, Y)
+        loss.backward()
+    ref_w = w.clone().requires_grad_()
+    ref = F.cross_entropy(x @ ref_w, y)
+    ref.backward()
+    errors = {}
+    A = dist.shard_tensor(torch.nn.Parameter(torch.ones(4)), first, [R])
+    B = dist.shard_tensor(torch.nn.Parameter(torch.ones(4)), last, [R])
+    try:
+        A + B
+    except ValueError as e:
+        errors["both_graded"] = str(e)
+    return (float(loss.item()), float(ref), dist.unshard_dtensor(W.grad), ref_w.grad, W.grad.process_mesh.process_ids,
+            sorted({r.op for r in log}), errors)
+
+
+def test_operands_without_gradient_follow_the_op_to_its_mesh():
+    for rank, (loss, ref, grad, ref_grad, grad_mesh, ops, errors) in enumerate(run_dist(_labels_on_another_stage, 4)):
+        assert loss == pytest.approx(ref, rel=1e-6)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+        assert grad_mesh == [2, 3]  # the parameter's gradient stays on its own mesh
+        assert ("send" in ops) == (rank in (0, 1)) and ("recv" in ops) == (rank in (2, 3)), (rank, ops)
+        assert "each holds tensors that need gradients" in errors["both_graded"]
+        assert "dist.reshard" in errors["both_graded"]

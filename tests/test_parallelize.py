@@ -226,11 +226,11 @@ def _batches(x_shape, y_shape, seed=1, n=3):
     return [(torch.randn(x_shape, generator=g), torch.randn(y_shape, generator=g)) for _ in range(n)]
 
 
-def _train(model, opt, batches):
+def _train(model, opt, batches, loss_of=lambda model, x, y: F.mse_loss(model(x), y)):
     """The single-process loop, run unchanged on the parallelized model: mse loss, AdamW."""
     losses = []
     for x, y in batches:
-        loss = F.mse_loss(model(x), y)
+        loss = loss_of(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -417,3 +417,35 @@ def test_pipeline_global_layer_feeds_every_stage():
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         for k, v in model.named_parameters():
             torch.testing.assert_close(params[k], v.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+class _LossInside(torch.nn.Module):
+    """A model that takes the labels and returns the loss (as many LLM codebases do)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(x, y)
+
+
+def _loss_inside(parallel):
+    model = _LossInside()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if parallel:
+        mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"])
+        config = {"pp_config": {"split_spec": "layers"}, "dp_config": {"sharding_level": 0}}
+        model, opt = dist.parallelize(model, opt, mesh, config)
+    return _train(model, opt, _batches((8, 16), (8, 16)), lambda model, x, y: model(x, y))
+
+
+def test_pipeline_labels_given_to_the_model_follow_it_to_the_last_stage():
+    """The labels enter on the first stage with the inputs; the loss on the last stage takes
+    them there (they need no gradient, so the op's mesh receives them)."""
+    ref = _loss_inside(False)
+    for losses in run_dist(_loss_inside, 4, True):
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
