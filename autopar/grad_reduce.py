@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 
 from .comm import all_reduce, all_reduce_start, get_rank
-from .reshard import redistribute_local
 from .dtensor import DistTensor, new_dist
 from .placement import Partial, Replicate
+from .reshard import redistribute_local
 from .spec import DistSpec
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's: the last layers' gradients start moving early

@@ -2,8 +2,9 @@
 
 The returned optimizer is the torch optimizer itself, with step hooks:
 - any stage: a gradient that arrived Partial is reduced once, to its parameter's placements,
-  before the update (so an update op never reduces the same gradient twice); then an
-  elementwise optimizer (Adam, SGD, ...) steps the local pieces as plain tensors
+  before the update (so an update op never reduces the same gradient twice); without a stage,
+  local regions reduce data-parallel gradients during backward already (`grad_reduce.py`).
+  Then an elementwise optimizer (Adam, SGD, ...) steps the local pieces as plain tensors
   (`local_step.py`): as fast as on one device;
 - stage 1: the optimizer steps a *shard* of each parameter (a view into this rank's slice)
   so its states are sharded over the mesh dim; gradients are reduce-scattered before the
