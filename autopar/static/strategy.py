@@ -121,9 +121,7 @@ class Strategy:
         if mesh is None:
             raise ValueError("Strategy.sharding needs distributed parameters: shard_layer the model first")
         dim = self.sharding.mesh_dim
-        if dim not in (mesh.dim_names or ()) and not isinstance(dim, int):
-            raise ValueError(f"Strategy.sharding.mesh_dim {dim!r} is not a dim of the parameters' mesh {mesh}")
-        size = mesh.shape[mesh.dim_index(dim)]
+        size = mesh.get_dim_size(dim)  # a name or number the mesh lacks raises, naming the mesh
         if self.sharding.degree is not None and self.sharding.degree != size:
             raise ValueError(
                 f"Strategy.sharding.degree {self.sharding.degree} does not match mesh dim {dim!r} of size {size} "
