@@ -97,10 +97,13 @@ def build(args, mesh):
 
 
 def train(args, mesh, progress=False, static=False):
+    """One loss per batch; with --merge K the optimizer steps once per K batches, on the mean
+    of their gradients (dynamic: accumulated by backward; static: Strategy.gradient_merge)."""
     model, opt = build(args, mesh)
     loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))  # noqa: E731
     # static: the same annotated model as a captured program (first step captured, then replayed)
-    step = dist.to_static(model, None, loss_fn, opt) if static else None
+    strategy = dist.Strategy({"gradient_merge": {"enable": args.merge > 1, "k_steps": args.merge, "avg": True}})
+    step = dist.to_static(model, None, loss_fn, opt, strategy) if static else None
     losses = []
     data = batches(args, args.steps)
     bar = tqdm(data, total=args.steps, disable=not progress, desc="train", unit="step")
@@ -112,9 +115,10 @@ def train(args, mesh, progress=False, static=False):
             losses.append(float(step(x, y)))
         else:
             loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            (loss / args.merge).backward()
+            if len(losses) % args.merge == args.merge - 1:
+                opt.step()
+                opt.zero_grad()
             losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     if step is not None and progress:
@@ -149,6 +153,7 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--mp", type=int, default=2, help="tensor-parallel degree (the rest is data parallel)")
     p.add_argument("--static", action="store_true", help="run the step as a captured program (dist.to_static)")
+    p.add_argument("--merge", type=int, default=1, help="batches per optimizer step (gradient accumulation)")
     p.add_argument("--check", action="store_true", help="also run one process and compare every loss")
     args = p.parse_args()
 

@@ -27,6 +27,8 @@ SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
         ("parallelize_llama.py", 8, SMALL + ["--static"]),
         ("train_gpt.py", 4, ["--steps", "6"]),
         ("train_gpt.py", 4, ["--steps", "6", "--static"]),
+        ("train_gpt.py", 4, ["--steps", "6", "--merge", "3"]),  # gradient accumulation
+        ("train_gpt.py", 4, ["--steps", "6", "--merge", "3", "--static"]),  # Strategy.gradient_merge
     ],
 )
 def test_example_matches_single_process(script, nproc, args):
