@@ -435,12 +435,12 @@ class _Enter(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads):
         specs = ctx.region.in_grad_specs + ctx.region.param_grad_specs
-        n = len(ctx.region.in_grad_specs)
-        reduced = ctx.reduction.finish(grads[n:]) if ctx.reduction is not None else {}
-        return (None, None) + tuple(
-            reduced[i - n] if i - n in reduced else None if g is None else new_dist(g.contiguous(), spec)
-            for i, (g, spec) in enumerate(zip(grads, specs))
-        )
+        out = [None if g is None else new_dist(g.contiguous(), spec) for g, spec in zip(grads, specs)]
+        if ctx.reduction is not None:  # parameter gradients all-reduced in buckets meanwhile
+            n = len(ctx.region.in_grad_specs)
+            for i, g in ctx.reduction.finish(grads[n:]).items():
+                out[n + i] = g
+        return (None, None, *out)
 
 
 class _Exit(torch.autograd.Function):
