@@ -433,19 +433,23 @@ class _LossInside(torch.nn.Module):
         return F.mse_loss(x, y)
 
 
-def _loss_inside(parallel):
+def _loss_inside(parallel, static=False):
     model = _LossInside()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     if parallel:
         mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"])
         config = {"pp_config": {"split_spec": "layers"}, "dp_config": {"sharding_level": 0}}
         model, opt = dist.parallelize(model, opt, mesh, config)
+    if static:  # the model returns the loss: the DistModel's loss is the identity
+        step = dist.to_static(model, None, lambda loss: loss, opt)
+        return [float(step(x, y)) for x, y in _batches((8, 16), (8, 16))]
     return _train(model, opt, _batches((8, 16), (8, 16)), lambda model, x, y: model(x, y))
 
 
-def test_pipeline_labels_given_to_the_model_follow_it_to_the_last_stage():
+@pytest.mark.parametrize("static", [False, True])
+def test_pipeline_labels_given_to_the_model_follow_it_to_the_last_stage(static):
     """The labels enter on the first stage with the inputs; the loss on the last stage takes
     them there (they need no gradient, so the op's mesh receives them)."""
     ref = _loss_inside(False)
-    for losses in run_dist(_loss_inside, 4, True):
+    for losses in run_dist(_loss_inside, 4, True, static):
         np.testing.assert_allclose(losses, ref, rtol=1e-5)
