@@ -19,12 +19,17 @@ cross-entropy, backward, optimizer step, zero_grad, loss.item().
                  parallel by one flat all-reduce (mean) of all local grads over the dp group
                  after backward; each dp group feeds its 4-sequence batch slice.
   plain        : train_gpt.build(args, None) on rank 0 (other ranks wait in a barrier).
+With --accum K (K > 1) only data parallelism runs, one step = K micro-batches (the losses
+divided by K, one optimizer step): autopar_dp_accum (regions notice the accumulation and
+reduce once per step), ddp_accum (DDP as written: one all-reduce per micro-batch) and
+ddp_accum_no_sync (the first K-1 backwards under `no_sync()`), against plain_accum.
 Checks: per-step losses of every impl agree with the single-process run (rtol 1e-5,
 atol 1e-5); distributed losses are global means (all-reduced where the impl reports a local one).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
@@ -76,6 +81,46 @@ class StaticRunner:
         self.losses.append(float(self.model(x, y)))
 
 
+class AccumRunner:
+    """One optimizer step over `k` micro-batches; `quiet()` gives the context for the first k-1
+    backwards (DDP's no_sync)."""
+
+    def __init__(self, name, model, opt, data, vocab, k, loss_fn=None, quiet=None):
+        self.name, self.model, self.opt, self.data, self.vocab, self.k = name, model, opt, data, vocab, k
+        self.loss_fn = loss_fn or (lambda loss: float(loss.item()))
+        self.quiet = quiet or contextlib.nullcontext
+        self.losses: list[float] = []
+
+    def step(self):
+        for j in range(self.k):
+            x, y = self.data[len(self.losses) % len(self.data)]
+            with self.quiet() if j < self.k - 1 else contextlib.nullcontext():
+                loss = F.cross_entropy(self.model(x).reshape(-1, self.vocab), y.reshape(-1))
+                (loss / self.k).backward()
+            self.losses.append(self.loss_fn(loss))
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def accumulation_runners(args, k, rank, world, data, world_mean) -> tuple[dict, dict]:
+    """The --accum runners and the peer each is compared with."""
+    mesh = dist.ProcessMesh([[r] for r in range(world)], dim_names=["dp", "mp"])
+    sh = lambda t: dist.shard_tensor(t, mesh, [dist.Shard(0), dist.Replicate()])  # noqa: E731
+    m, o = G.build(args, mesh)
+    runners = {"autopar_dp_accum": AccumRunner("autopar_dp_accum", m, o, [(sh(x), sh(y)) for x, y in data],
+                                               args.vocab, k)}
+    per = args.batch // world
+    ddata = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in data]
+    for name in ("ddp_accum", "ddp_accum_no_sync"):
+        torch.manual_seed(args.seed)
+        dm = DDP(G.GPT(args.vocab, args.dim, args.heads, args.layers, args.seq))
+        runners[name] = AccumRunner(name, dm, torch.optim.AdamW(dm.parameters(), lr=args.lr), ddata, args.vocab, k,
+                                    loss_fn=world_mean, quiet=dm.no_sync if name.endswith("no_sync") else None)
+    pm, po = G.build(args, None)
+    runners["plain"] = AccumRunner("plain", pm, po, data, args.vocab, k)
+    return runners, {"autopar_dp_accum": ("ddp_accum", "ddp_accum_no_sync")}
+
+
 class Runner:
     def __init__(self, name, model, opt, data, vocab, after_backward=None, loss_fn=None, regions=True):
         self.name, self.model, self.opt, self.data, self.vocab = name, model, opt, data, vocab
@@ -106,6 +151,7 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step: run only the DP accumulation set")
     args = p.parse_args()
     rank, k = C.setup()
     warnings.simplefilter("default")
@@ -114,6 +160,9 @@ def main():
     C.emit({"bench": "env", **C.env_info(), "ranks": k})
     data = list(G.batches(args, 4))
     world_mean = lambda loss: _world_mean(loss, k)  # noqa: E731
+    if args.accum > 1:
+        runners, peers = accumulation_runners(args, args.accum, rank, k, data, world_mean)
+        return report(runners, peers, rank, k, args, f"gpt_step_accum{args.accum}")
 
     runners: dict[str, Runner] = {}
     # autopar DP: (dp=k, mp=1)
@@ -179,9 +228,15 @@ def main():
     # single process
     pm, po = G.build(args, None)
     runners["plain"] = Runner("plain", pm, po, data, args.vocab)
+    peer = {"autopar_dp": ("ddp",), "autopar_dp_op_by_op": ("ddp",), "autopar_dp_static": ("ddp",),
+            "autopar_dptp": ("dtensor_dptp",), "autopar_dptp_static": ("dtensor_dptp",)}
+    report(runners, peer, rank, k, args, "gpt_step")
+
+
+def report(runners: dict, peer: dict, rank: int, k: int, args, bench: str) -> None:
+    """Time every runner interleaved, check its losses against `plain`, emit one record each."""
     if rank != 0:
         runners["plain"].step = lambda: None
-
     fns = {n: r.step for n, r in runners.items()}
     times = C.interleaved(fns, reps=args.reps, warmup=args.warmup, only_rank0=frozenset({"plain"}))
 
@@ -203,15 +258,13 @@ def main():
         if n != "plain":
             tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
         pbytes[n] = t.tolist()
-    peer = {"autopar_dp": "ddp", "autopar_dp_op_by_op": "ddp", "autopar_dptp": "dtensor_dptp", "autopar_dp_static": "ddp",
-            "autopar_dptp_static": "dtensor_dptp"}
     for n in runners:
-        rec = {"bench": "gpt_step", "impl": n, "ranks": 1 if n == "plain" else k, "world": k, **st[n],
+        rec = {"bench": bench, "impl": n, "ranks": 1 if n == "plain" else k, "world": k, **st[n],
                "steps_checked": len(ref), "max_rel_loss_diff_vs_plain": max_rel.get(n),
                "loss_first_last": runners[n].losses[:1] + runners[n].losses[-1:],
                "param_bytes_per_rank": pbytes[n][0], "optim_state_bytes_per_rank": pbytes[n][1]}
-        if n in peer:
-            rec[f"ratio_vs_{peer[n]}"] = round(st[n]["median_ms"] / st[peer[n]]["median_ms"], 3)
+        for other in peer.get(n, ()):
+            rec[f"ratio_vs_{other}"] = round(st[n]["median_ms"] / st[other]["median_ms"], 3)
         if n != "plain":
             rec["ratio_vs_plain"] = round(st[n]["median_ms"] / st["plain"]["median_ms"], 3)
         C.emit(rec)

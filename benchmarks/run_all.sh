@@ -46,6 +46,7 @@ run zero_4ranks     python -m autopar.launch --nproc_per_node 4 "$bench/bench_ze
 run gpt_4ranks      python -m autopar.launch --nproc_per_node 4 "$bench/bench_gpt.py"
 # the ANCHORS.md size: a 3.7 M-parameter GPT on 2 ranks (DP 2; DP x TP is TP 2)
 run gpt_3m7_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_gpt.py" --dim 256 --layers 4 --vocab 1024 --heads 8 --seq 128 --batch 8 --reps 10
+run gpt_accum4_3m7_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_gpt.py" --dim 256 --layers 4 --vocab 1024 --heads 8 --seq 128 --batch 8 --reps 5 --accum 4
 run optim_2ranks    python -m autopar.launch --nproc_per_node 2 "$bench/bench_optim.py"
 run optim_small_2ranks python -m autopar.launch --nproc_per_node 2 "$bench/bench_optim.py" --dim 64 --layers 2
 run scaling_1rank   python -m autopar.launch --nproc_per_node 1 "$bench/bench_scaling.py" --reps 7
