@@ -14,7 +14,6 @@ import torch
 
 from . import comm
 from .dtensor import DistTensor, new_dist
-from .mesh import ProcessMesh
 from .placement import Partial, Replicate
 from .reshard import piece_of_replicated, redistribute_local
 from .spec import DistSpec, TensorMeta

@@ -26,6 +26,11 @@ def new_dist(local: torch.Tensor, spec: DistSpec, requires_grad: bool = False) -
     return r
 
 
+def local_piece(t):
+    """This rank's piece of a DistTensor; any other value as it is."""
+    return t._local if type(t) is DistTensor else t
+
+
 class DistTensor(torch.Tensor):
     """A distributed tensor: global meta + this rank's local piece.
 

@@ -84,10 +84,14 @@ def reduce_grads(pending: list) -> None:
     for (mesh, (dims, op), _), entries in buckets.items():
         locals_ = [local for _, local, _ in entries]
         if dims and rank in mesh and sum(t.numel() for t in locals_):
-            flat = all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh.group_of(rank, dims), op, inplace=True)
+            flat = all_reduce(_flatten(locals_), mesh.group_of(rank, dims), op, inplace=True)
             locals_ = _unflatten(flat, locals_)
         for (p, _, placed), local in zip(entries, locals_):
             p.grad = new_dist(local, placed)
+
+
+def _flatten(tensors: list) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _unflatten(flat: torch.Tensor, like: list) -> list:
@@ -203,8 +207,7 @@ class BackwardReduction:
     def _start(self, b: _Bucket) -> None:
         present = [self.grads[i] for i in b.members if i in self.grads]
         if present:
-            flat = torch.cat([g.reshape(-1) for g in present])
-            self.pending[id(b)] = all_reduce_start(flat, b.ranks, b.op)
+            self.pending[id(b)] = all_reduce_start(_flatten(present), b.ranks, b.op)
 
     def finish(self, grads: list) -> dict:
         """{parameter position: reduced gradient, placed like its parameter}, once every

@@ -32,10 +32,10 @@ from torch.autograd.function import once_differentiable
 
 from . import dispatch
 from .comm import collectives
-from .dtensor import DistTensor, new_dist
+from .dtensor import DistTensor, local_piece, new_dist
 from . import grad_reduce
 from .grad_reduce import BackwardReduction, BucketPlan
-from .placement import Partial, ReduceType, Replicate, Shard
+from .placement import Partial, ReduceType, Replicate
 from .reshard import piece_of_replicated, redistribute_local
 from .spec import DistSpec, TensorMeta
 from .spmd.registry import DRAWS_RANDOM, KERNEL_PLAIN_WHEN
@@ -140,7 +140,7 @@ class _Watch:
         # the storages of the inputs, parameters and buffers: a write into one (also through
         # an alias such as `.data`) is a side effect the region must not repeat
         self.mesh, self.ops, self.local = mesh, 0, True
-        self.protected = {(t._local if type(t) is DistTensor else t).untyped_storage().data_ptr() for t in protected}
+        self.protected = {local_piece(t).untyped_storage().data_ptr() for t in protected}
 
     def enter_wire(self) -> None:  # an explicit reshard in the forward
         self.local = False
@@ -172,7 +172,7 @@ class _Watch:
                 self.local = False
         for i in dec.mutated:
             t = flat[i]
-            if (t._local if type(t) is DistTensor else t).untyped_storage().data_ptr() in self.protected:
+            if local_piece(t).untyped_storage().data_ptr() in self.protected:
                 self.local = False
 
 
@@ -273,13 +273,12 @@ def _trial(module, inner, slots, settings, args, kwargs) -> Optional[list]:
     buffers (the watch checks their storages).  Parameters are not copied (a whole model's
     worth of memory): a trial that writes one anyway (a data-dependent write) is an error, as
     the write cannot be undone."""
-    copy = lambda v: (v._local if type(v) is DistTensor else v).clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    copy = lambda v: local_piece(v).clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
     largs = [copy(a) for a in args]
     lkwargs = {k: copy(v) for k, v in kwargs.items()}
-    params = [t._local if type(t) is DistTensor else t for _, _, t, buffer in slots if not buffer]
+    params = [local_piece(t) for _, _, t, buffer in slots if not buffer]
     versions = [t._version for t in params]
-    saved = _swap(slots, [copy(t) if buffer else t._local if type(t) is DistTensor else t
-                          for _, _, t, buffer in slots])
+    saved = _swap(slots, [copy(t) if buffer else local_piece(t) for _, _, t, buffer in slots])
     guard = _Refuse()
     collectives.CAPTURE_HOOKS.append(guard)
     _STATE["inside"] += 1
@@ -394,8 +393,7 @@ class Region:
         by_id.update({id(p): loc for p, loc in zip(self.params, locals_[len(dist_in):])})
         largs = [by_id[id(a)] if type(a) is DistTensor else a for a in args]
         lkwargs = {k: (by_id[id(v)] if type(v) is DistTensor else v) for k, v in kwargs.items()}
-        saved = _swap(self.slots, [by_id.get(id(t), t._local if type(t) is DistTensor else t)
-                                   for _, _, t, _ in self.slots])
+        saved = _swap(self.slots, [by_id.get(id(t), local_piece(t)) for _, _, t, _ in self.slots])
         _STATE["inside"] += 1
         try:
             out = inner(*largs, **lkwargs)

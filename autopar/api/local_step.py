@@ -10,15 +10,15 @@ into the optimizer for one step; `restore` puts the parameters back and wraps th
 step created as distributed tensors placed like their parameters.  The local step runs with
 the group's own `foreach` choice (`shard_optimizer` turns foreach on only for steps through
 the dispatch), so torch picks its implementation from the local tensors as on one device:
-its for-loop on CPU is faster than foreach for large tensors, foreach on GPUs.  A group that does not
-qualify (a Partial gradient left, a state placed differently, an optimizer that reduces over
+its for-loop on CPU is faster than foreach for large tensors, foreach on GPUs.  A group that
+does not qualify (a Partial gradient left, a state placed differently, an optimizer that reduces over
 a tensor) steps through the dispatch as before.
 """
 from __future__ import annotations
 
 import torch
 
-from ..dtensor import DistTensor
+from ..dtensor import DistTensor, local_piece
 from ..placement import Partial
 from ..spec import DistSpec
 
@@ -56,7 +56,7 @@ class LocalStep:
     def __init__(self, optimizer: torch.optim.Optimizer, dispatch_foreach: tuple = ()):
         self.optimizer = optimizer
         self.dispatch_foreach = dispatch_foreach  # groups whose foreach is on for dispatched steps only
-        self.swapped: list = []  # (group, its params, their local stand-ins)
+        self.swapped: list = []  # (group, its params, their local stand-ins, foreach forced for the dispatch)
 
     def swap(self) -> None:
         self.restore()  # a step that raised left its swap behind
@@ -76,18 +76,19 @@ class LocalStep:
                 local = p._local
                 local.grad = None if grad is None else grad._local
                 if st is not _NO_STATE:
-                    state[local] = {k: v._local if type(v) is DistTensor else v for k, v in st.items()}
+                    state[local] = {k: local_piece(v) for k, v in st.items()}
                 stand_ins.append(local)
             group["params"] = stand_ins
-            if any(g is group for g in self.dispatch_foreach):
+            forced = any(g is group for g in self.dispatch_foreach)
+            if forced:
                 group["foreach"] = None
-            self.swapped.append((group, params, stand_ins))
+            self.swapped.append((group, params, stand_ins, forced))
 
     def restore(self) -> None:
         state = self.optimizer.state
-        for group, params, stand_ins in self.swapped:
+        for group, params, stand_ins, forced in self.swapped:
             group["params"] = params
-            if any(g is group for g in self.dispatch_foreach):
+            if forced:
                 group["foreach"] = True
             for p, local in zip(params, stand_ins):
                 if local is p:

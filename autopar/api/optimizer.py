@@ -24,7 +24,7 @@ import torch
 from ..dtensor import DistTensor
 from ..grad_reduce import grad_plan, reduce_grads, reduce_in_backward
 from ..mesh import ProcessMesh
-from ..placement import Partial, Replicate, Shard
+from ..placement import Replicate, Shard
 from ..reshard import redistribute_local
 from ..spec import DistSpec, TensorMeta
 from .local_step import LocalStep

@@ -102,6 +102,23 @@ def all_gather(t: torch.Tensor, ranks: tuple) -> list[torch.Tensor]:
     return list(out.chunk(len(ranks))) if t.dim() > 0 else [x.reshape(()) for x in out.unbind()]
 
 
+def _all_reduce_options(reduce_type: ReduceType) -> AllreduceOptions:
+    opts = AllreduceOptions()
+    opts.reduceOp = _TORCH_OP[reduce_type]
+    return opts
+
+
+def _all_reduce_bytes(t: torch.Tensor, k: int) -> int:
+    """What each member sends (and receives) in a bandwidth-optimal all-reduce of `t`."""
+    return 2 * (k - 1) * _nbytes(t) // k
+
+
+def _all_reduced(out: torch.Tensor, reduce_type: ReduceType, k: int) -> torch.Tensor:
+    if reduce_type is ReduceType.AVG:  # gloo has no AVG: the sum, divided here
+        out.div_(k)
+    return out
+
+
 def all_reduce(
     t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM, inplace: bool = False
 ) -> torch.Tensor:
@@ -114,14 +131,11 @@ def all_reduce(
         out = t.contiguous().clone() if t.is_contiguous() else t.contiguous()
     if k == 1:
         return out
-    opts = AllreduceOptions()
-    opts.reduceOp = _TORCH_OP[reduce_type]
-    moved = 2 * (k - 1) * _nbytes(out) // k
+    opts = _all_reduce_options(reduce_type)
+    moved = _all_reduce_bytes(out, k)
     _wire("all_reduce", ranks, lambda o: group_for(ranks).allreduce([o], opts).wait(), (out,), moved, moved,
           tuple(out.shape))
-    if reduce_type is ReduceType.AVG:
-        out.div_(k)
-    return out
+    return _all_reduced(out, reduce_type, k)
 
 
 class PendingAllReduce:
@@ -140,10 +154,9 @@ class PendingAllReduce:
             except RuntimeError as e:
                 _fail("all_reduce", self.ranks, e)
             k = len(self.ranks)
-            moved = 2 * (k - 1) * _nbytes(self.out) // k
+            moved = _all_reduce_bytes(self.out, k)
             record("all_reduce", self.ranks, moved, moved, tuple(self.out.shape))
-            if self.reduce_type is ReduceType.AVG:
-                self.out.div_(k)
+            _all_reduced(self.out, self.reduce_type, k)
         return self.out
 
 
@@ -153,10 +166,8 @@ def all_reduce_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Re
     (which replays transfers one by one) the reduction happens right away."""
     if len(ranks) == 1 or CAPTURE_HOOKS or not t.is_contiguous():
         return PendingAllReduce(all_reduce(t, ranks, reduce_type, inplace=True), None, tuple(ranks), reduce_type)
-    opts = AllreduceOptions()
-    opts.reduceOp = _TORCH_OP[reduce_type]
     try:
-        work = group_for(ranks).allreduce([t], opts)
+        work = group_for(ranks).allreduce([t], _all_reduce_options(reduce_type))
     except RuntimeError as e:
         _fail("all_reduce", ranks, e)
     return PendingAllReduce(t, work, tuple(ranks), reduce_type)

@@ -12,15 +12,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..dtensor import DistTensor, new_dist
+from ..dtensor import DistTensor, local_piece, new_dist
 from .program import CaptureError, Program, Recorder
 from .strategy import Strategy
 
 _MODES = ("train", "eval", "predict")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local if type(t) is DistTensor else t
 
 
 def _signature(t: torch.Tensor):
@@ -129,7 +125,7 @@ class DistModel:
             p.grad = None
             if self._micro == 0 and g is not None:
                 if self.merge_avg:
-                    (g._local if type(g) is DistTensor else g).div_(self.merge_steps)
+                    local_piece(g).div_(self.merge_steps)
                 p.grad = g
         if self._micro == 0:
             self._merged = []
@@ -143,7 +139,7 @@ class DistModel:
 
     def _forward(self, batch):
         if self.amp_dtype is not None:
-            device = next((_local(p).device.type for p in self.layer.parameters()), "cpu")
+            device = next((local_piece(p).device.type for p in self.layer.parameters()), "cpu")
             with torch.autocast(device, dtype=self.amp_dtype):
                 return self._forward_as_is(batch)
         return self._forward_as_is(batch)
@@ -156,7 +152,7 @@ class DistModel:
         return self.loss_fn(self.layer(*batch))
 
     def _capture(self, key, batch, inputs, grad_holders):
-        recorder = Recorder([_local(t) for t in inputs])
+        recorder = Recorder([local_piece(t) for t in inputs])
         try:
             with torch.set_grad_enabled(self._mode == "train"), recorder:
                 result = self._forward(batch)
@@ -171,7 +167,7 @@ class DistModel:
             recorder.close()
         results = _leaves(result)
         grads = [p.grad for p in grad_holders] if self._mode == "train" else []
-        outputs = [_local(r) for r in results] + [_local(g) for g in grads if g is not None]
+        outputs = [local_piece(r) for r in results] + [local_piece(g) for g in grads if g is not None]
         program = recorder.program(outputs)
         self._programs[key] = _Captured(
             program,
@@ -182,7 +178,7 @@ class DistModel:
         return result.detach() if isinstance(result, torch.Tensor) and self._mode == "train" else result
 
     def _replay(self, captured: _Captured, inputs, grad_holders):
-        outs = captured.program.run([_local(t) for t in inputs])
+        outs = captured.program.run([local_piece(t) for t in inputs])
         *specs, structure = captured.result_specs
         results = [_wrap(o, s) for o, s in zip(outs, specs)]
         rest = iter(outs[len(specs):])
