@@ -81,68 +81,50 @@ class StaticRunner:
         self.losses.append(float(self.model(x, y)))
 
 
-class AccumRunner:
-    """One optimizer step over `k` micro-batches; `quiet()` gives the context for the first k-1
-    backwards (DDP's no_sync)."""
-
-    def __init__(self, name, model, opt, data, vocab, k, loss_fn=None, quiet=None):
-        self.name, self.model, self.opt, self.data, self.vocab, self.k = name, model, opt, data, vocab, k
-        self.loss_fn = loss_fn or (lambda loss: float(loss.item()))
-        self.quiet = quiet or contextlib.nullcontext
-        self.losses: list[float] = []
-
-    def step(self):
-        for j in range(self.k):
-            x, y = self.data[len(self.losses) % len(self.data)]
-            with self.quiet() if j < self.k - 1 else contextlib.nullcontext():
-                loss = F.cross_entropy(self.model(x).reshape(-1, self.vocab), y.reshape(-1))
-                (loss / self.k).backward()
-            self.losses.append(self.loss_fn(loss))
-        self.opt.step()
-        self.opt.zero_grad()
-
-
 def accumulation_runners(args, k, rank, world, data, world_mean) -> tuple[dict, dict]:
     """The --accum runners and the peer each is compared with."""
     mesh = dist.ProcessMesh([[r] for r in range(world)], dim_names=["dp", "mp"])
     sh = lambda t: dist.shard_tensor(t, mesh, [dist.Shard(0), dist.Replicate()])  # noqa: E731
     m, o = G.build(args, mesh)
-    runners = {"autopar_dp_accum": AccumRunner("autopar_dp_accum", m, o, [(sh(x), sh(y)) for x, y in data],
-                                               args.vocab, k)}
+    runners = {"autopar_dp_accum": Runner("autopar_dp_accum", m, o, [(sh(x), sh(y)) for x, y in data], args.vocab,
+                                          k=k)}
     per = args.batch // world
     ddata = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in data]
     for name in ("ddp_accum", "ddp_accum_no_sync"):
         torch.manual_seed(args.seed)
         dm = DDP(G.GPT(args.vocab, args.dim, args.heads, args.layers, args.seq))
-        runners[name] = AccumRunner(name, dm, torch.optim.AdamW(dm.parameters(), lr=args.lr), ddata, args.vocab, k,
-                                    loss_fn=world_mean, quiet=dm.no_sync if name.endswith("no_sync") else None)
+        runners[name] = Runner(name, dm, torch.optim.AdamW(dm.parameters(), lr=args.lr), ddata, args.vocab,
+                               loss_fn=world_mean, k=k, quiet=dm.no_sync if name.endswith("no_sync") else None)
     pm, po = G.build(args, None)
-    runners["plain"] = AccumRunner("plain", pm, po, data, args.vocab, k)
+    runners["plain"] = Runner("plain", pm, po, data, args.vocab, k=k)
     return runners, {"autopar_dp_accum": ("ddp_accum", "ddp_accum_no_sync")}
 
 
 class Runner:
-    def __init__(self, name, model, opt, data, vocab, after_backward=None, loss_fn=None, regions=True):
-        self.name, self.model, self.opt, self.data, self.vocab = name, model, opt, data, vocab
+    """One optimizer step over `k` micro-batches (their losses divided by k); `quiet()` is the
+    context of the first k-1 backwards (DDP's no_sync)."""
+
+    def __init__(self, name, model, opt, data, vocab, after_backward=None, loss_fn=None, regions=True, k=1,
+                 quiet=None):
+        self.name, self.model, self.opt, self.data, self.vocab, self.k = name, model, opt, data, vocab, k
         self.after_backward = after_backward
         self.loss_fn = loss_fn or (lambda loss: float(loss.item()))
         self.regions = regions
+        self.quiet = quiet or contextlib.nullcontext
         self.losses: list[float] = []
 
     def step(self):
         with local_regions(self.regions):
-            self._step()
-
-    def _step(self):
-        x, y = self.data[len(self.losses) % len(self.data)]
-        logits = self.model(x)
-        loss = F.cross_entropy(logits.reshape(-1, self.vocab), y.reshape(-1))
-        loss.backward()
-        if self.after_backward is not None:
-            self.after_backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        self.losses.append(self.loss_fn(loss))
+            for j in range(self.k):
+                x, y = self.data[len(self.losses) % len(self.data)]
+                with self.quiet() if j < self.k - 1 else contextlib.nullcontext():
+                    loss = F.cross_entropy(self.model(x).reshape(-1, self.vocab), y.reshape(-1))
+                    (loss if self.k == 1 else loss / self.k).backward()
+                self.losses.append(self.loss_fn(loss))
+            if self.after_backward is not None:
+                self.after_backward()
+            self.opt.step()
+            self.opt.zero_grad()
 
 
 def main():
