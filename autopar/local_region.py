@@ -336,6 +336,7 @@ class Region:
         self.settings, self.slots, self.params = settings, slots, params
         self.slot_specs = [t._spec if type(t) is DistTensor else None for _, _, t, _ in slots]
         self.in_grad_specs, self.param_grad_specs = in_grad_specs, param_grad_specs
+        self.grad_specs = in_grad_specs + param_grad_specs
         self.out_specs, self.out_grad_specs, self.single = out_specs, out_grad_specs, single
         self.buckets: Optional[BucketPlan] = None  # parameter gradients all-reduced during backward
         self.buckets_generation = -1
@@ -381,12 +382,12 @@ class Region:
             any(t.requires_grad for t in dist_in) or any(p.requires_grad for p in self.params)
         )
         if grad:
-            reduction = self._backward_reduction()
-            locals_ = _Enter.apply(self, reduction, *dist_in, *self.params)
-            if reduction is not None:
+            call = _Backward(self, self._backward_reduction())
+            locals_ = _Enter.apply(call, *dist_in, *self.params)
+            if call.reduction is not None and call.reduction.plan.overlap:
                 locals_, n = list(locals_), len(dist_in)
-                for i in reduction.plan.placed:
-                    locals_[n + i] = reduction.watch(i, locals_[n + i])
+                for i in call.reduction.plan.placed:
+                    locals_[n + i] = call.reduction.watch(i, locals_[n + i])
         else:
             locals_ = [t._local for t in dist_in] + [p._local for p in self.params]
         by_id = {id(t): loc for t, loc in zip(dist_in, locals_)}
@@ -402,13 +403,12 @@ class Region:
             _swap(self.slots, saved)
         outs = [out] if self.single else list(out)
         if grad:
-            wrapped = _Exit.apply(self, *outs)
+            wrapped = _Exit.apply(call, *outs)
         else:
             wrapped = [new_dist(o, s) for o, s in zip(outs, self.out_specs)]
         if self.single:
             return wrapped[0]
         return type(out)(wrapped)
-
 
     def _backward_reduction(self) -> Optional[BackwardReduction]:
         if self.buckets_generation != grad_reduce.generation():  # a shard_optimizer since
@@ -417,13 +417,36 @@ class Region:
         return self.buckets.reduction(self.params, self.param_grad_specs) if self.buckets is not None else None
 
 
+class _Backward:
+    """One call's backward through the region: its gradient reduction, and the addresses of
+    the gradients already handed out.  Autograd hands one tensor to every operand of an
+    add (`x + b1 + b2`); torch's AccumulateGrad copies a gradient that is referenced
+    elsewhere before keeping it as `.grad`, but sees only our fresh wrappers, so the
+    boundary copies a repeated local piece itself: accumulating into one parameter's
+    gradient must not change another's."""
+
+    __slots__ = ("region", "reduction", "handed_out")
+
+    def __init__(self, region: "Region", reduction: Optional[BackwardReduction]):
+        self.region, self.reduction, self.handed_out = region, reduction, set()
+
+    def own(self, g: torch.Tensor) -> torch.Tensor:
+        """`g` contiguous, and a copy when a gradient handed out before starts at its address."""
+        g = g.contiguous()
+        ptr = g.data_ptr()
+        if ptr in self.handed_out:
+            return g.clone()
+        self.handed_out.add(ptr)
+        return g
+
+
 class _Enter(torch.autograd.Function):
     """Distributed inputs and parameters -> their local pieces; gradients come back dual-placed
     (or, for parameters whose gradients a BackwardReduction all-reduced, placed like them)."""
 
     @staticmethod
-    def forward(ctx, region, reduction, *tensors):
-        ctx.region, ctx.reduction = region, reduction
+    def forward(ctx, call, *tensors):
+        ctx.call = call
         ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, not zeros
         out = [t._local.detach() for t in tensors]
         ctx.mark_non_differentiable(*[o for o in out if not o.is_floating_point()])
@@ -432,30 +455,39 @@ class _Enter(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        specs = ctx.region.in_grad_specs + ctx.region.param_grad_specs
-        out = [None if g is None else new_dist(g.contiguous(), spec) for g, spec in zip(grads, specs)]
-        if ctx.reduction is not None:  # parameter gradients all-reduced in buckets meanwhile
-            n = len(ctx.region.in_grad_specs)
-            for i, g in ctx.reduction.finish(grads[n:]).items():
-                out[n + i] = g
-        return (None, None, *out)
+        call = ctx.call
+        region = call.region
+        n = len(region.in_grad_specs)
+        # all-reduced parameter gradients are pieces of fresh flat buckets: never shared
+        reduced = call.reduction.finish(grads[n:]) if call.reduction is not None else {}
+        out = [
+            None if g is None else reduced[i - n] if i - n in reduced else new_dist(call.own(g), spec)
+            for i, (g, spec) in enumerate(zip(grads, region.grad_specs))
+        ]
+        call.handed_out.clear()  # (a second backward through the graph starts afresh)
+        return (None, *out)
 
 
 class _Exit(torch.autograd.Function):
     """Local outputs -> distributed outputs; their gradients are resharded to the dual placement."""
 
     @staticmethod
-    def forward(ctx, region, *outs):
-        ctx.region = region
+    def forward(ctx, call, *outs):
+        ctx.call = call
         ctx.set_materialize_grads(False)
-        wrapped = [new_dist(o.detach(), s) for o, s in zip(outs, region.out_specs)]
+        wrapped = [new_dist(o.detach(), s) for o, s in zip(outs, call.region.out_specs)]
         ctx.mark_non_differentiable(*[w for w in wrapped if not w.is_floating_point()])
         return tuple(wrapped)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        return (None,) + tuple(_placed_grad(g, s) for g, s in zip(grads, ctx.region.out_grad_specs))
+        call = ctx.call
+        placed = [_placed_grad(g, s) for g, s in zip(grads, call.region.out_grad_specs)]
+        for g in placed:  # the caller may hold these: a parameter's gradient must not be one
+            if g is not None:
+                call.handed_out.add(g.data_ptr())
+        return (None, *placed)
 
 
 def _placed_grad(g: Any, spec: DistSpec):

@@ -386,3 +386,46 @@ def test_a_forward_that_changes_its_settings_counts_once_and_is_not_verified_eve
     for calls, regions in run_dist(_stepping, 4):
         assert calls == [1, 2, 3]
         assert regions == [False]  # refused once, not verified again at every call
+
+
+class SharedGradient(torch.nn.Module):
+    """`x + b1 + b2` with b1, b2 of x's shape: autograd hands x, b1 and b2 one gradient tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.b1 = torch.nn.Parameter(torch.zeros(2, 4))
+        self.b2 = torch.nn.Parameter(torch.zeros(2, 4))
+
+    def forward(self, x):
+        for _ in range(4):
+            x = torch.tanh(self.lin(x))
+        return x + self.b1 + self.b2
+
+
+def _shared_gradient(mesh_size):
+    """Backward three times, gradients zeroed after the first (the verifying call): the two
+    region backwards accumulate into gradients the first of them created."""
+    torch.manual_seed(0)
+    model = SharedGradient()
+    mesh = dist.ProcessMesh(list(range(mesh_size)), dim_names=["dp"]) if mesh_size else None
+    if mesh is not None:
+        model = dist.shard_layer(model, mesh)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(2, 4, generator=g)
+        if mesh is not None:
+            x = dist.shard_tensor(x, mesh, [R])
+        (model(x) ** 2).sum().backward()
+        if step == 0:
+            model.zero_grad()
+    grads = {k: dist.unshard_dtensor(p.grad) if mesh is not None else p.grad for k, p in model.named_parameters()}
+    return grads, _regions(model) if mesh is not None else None
+
+
+def test_parameters_handed_one_gradient_tensor_accumulate_separately():
+    ref, _ = _shared_gradient(0)
+    for grads, regions in run_dist(_shared_gradient, 2, 2):
+        assert regions == [True]
+        for k, v in grads.items():
+            torch.testing.assert_close(v, ref[k], rtol=1e-5, atol=1e-6)
