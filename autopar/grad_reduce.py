@@ -74,7 +74,9 @@ def reduce_grads(pending: list) -> None:
     from .api.tensor import reshard
 
     buckets: dict = {}
-    for p, (_, how, placed) in pending:
+    # last parameter first, as a region's backward buckets them: the same flat layout sums
+    # each element in the same order (a ring all-reduce's order depends on the position)
+    for p, (_, how, placed) in reversed(pending):
         g = p.grad
         if how is None:
             p.grad = reshard(g.detach(), p._spec.mesh, p._spec.placements)
@@ -135,13 +137,15 @@ class BucketPlan:
 
     def __init__(self, buckets: list, placed: dict):
         self.buckets, self.placed = buckets, placed
+        # with one bucket there is nothing to overlap: no readiness hooks, the region's last
+        # backward step reduces it (where DDP does too), placing the gradients once
+        self.overlap = len(buckets) > 1
         self.bucket_of = {i: b for b in buckets for i in b.members}
         self.deferred = False  # gradient accumulation seen: the optimizer reduces, once per step
 
     @staticmethod
     def build(params: list, grad_specs: list) -> Optional["BucketPlan"]:
-        """None when there is nothing to overlap (no such parameter, or all in one bucket:
-        the optimizer's own bucket reduces it just as well)."""
+        """None when no parameter's gradient is reduced in backward."""
         rank = get_rank()
         filling: dict = {}  # (mesh, reduction, dtype) -> the bucket being filled
         buckets, placed = [], {}
@@ -161,7 +165,7 @@ class BucketPlan:
             b.members.append(i)
             b.nbytes += nbytes
             placed[i] = spec
-        if len(buckets) < 2:
+        if not buckets:
             return None
         return BucketPlan(buckets, placed)
 
