@@ -125,6 +125,18 @@ class DistSpec:
     def with_placements(self, placements: Sequence[Placement]) -> "DistSpec":
         return DistSpec(self.mesh, placements, self.meta)
 
+    def same_pieces(self, other: "DistSpec") -> bool:
+        """Every rank holds the same local piece under both specs: same mesh and global shape,
+        same placements on every mesh dim of size > 1 (a dim of size 1 holds the whole
+        tensor whatever its placement says)."""
+        if self is other:
+            return True
+        if self.mesh != other.mesh or self.meta.shape != other.meta.shape:
+            return False
+        return all(
+            a == b or k == 1 for a, b, k in zip(self.placements, other.placements, self.mesh.shape)
+        )
+
     def without_partial(self) -> "DistSpec":
         """The same spec with every Partial mesh dim made Replicate (the reduced value's layout)."""
         if not any(type(p) is Partial for p in self.placements):

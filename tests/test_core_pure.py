@@ -121,6 +121,17 @@ def test_planner_reduces_several_mesh_dims_in_one_all_reduce():
     assert sorted(s.kind for s in steps) == ["all_reduce", "all_reduce"]
 
 
+def test_same_pieces_ignores_mesh_dims_of_size_one():
+    mesh = dist.ProcessMesh([[0, 1]], dim_names=["dp", "mp"])  # dp has size 1
+    meta = TensorMeta.contiguous((4, 6), torch.float32)
+    spec = DistSpec(mesh, (Shard(0), Shard(1)), meta)
+    assert spec.same_pieces(DistSpec(mesh, (Replicate(), Shard(1)), meta))
+    assert spec.same_pieces(DistSpec(mesh, (Partial(), Shard(1)), meta))
+    assert not spec.same_pieces(DistSpec(mesh, (Shard(0), Replicate()), meta))
+    assert not spec.same_pieces(DistSpec(mesh, (Shard(0), Shard(1)), TensorMeta.contiguous((4, 8), torch.float32)))
+    assert not spec.same_pieces(DistSpec(dist.ProcessMesh([[1, 0]]), (Shard(0), Shard(1)), meta))
+
+
 def test_planner_skips_mesh_dims_of_size_one():
     """On a mesh dim of size 1 every placement is the whole tensor: nothing to do."""
     assert plan_steps((4, 1), (8, 8), 4, (R, Shard(0)), (R, R)) == ()

@@ -256,6 +256,40 @@ def test_elementwise_optimizers_step_local_pieces_without_dispatch(opt_name):
             torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5)
 
 
+def _local_step_on_a_mesh_dim_of_size_one():
+    """A gradient placed Replicate where its parameter says Shard, on a mesh dim of size 1:
+    the same local pieces, so the step still runs on them."""
+    import autopar.dispatch as D
+
+    mesh = dist.ProcessMesh([[0, 1]], dim_names=["dp", "mp"])
+    torch.manual_seed(0)
+    w = dist.shard_tensor(torch.nn.Parameter(torch.randn(4, 6)), mesh, [S0, S1])
+    w.grad = dist.shard_tensor(torch.arange(24.0).reshape(4, 6), mesh, [R, S1])
+    opt = dist.shard_optimizer(torch.optim.AdamW([w], lr=0.1))
+    calls, orig = [0], D.dispatch
+
+    def counting(func, args, kwargs):
+        calls[0] += 1
+        return orig(func, args, kwargs)
+
+    D.dispatch = counting
+    try:
+        opt.step()
+    finally:
+        D.dispatch = orig
+    return calls[0], dist.unshard_dtensor(w.detach())
+
+
+def test_the_local_step_ignores_placements_on_mesh_dims_of_size_one():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 6))
+    w.grad = torch.arange(24.0).reshape(4, 6)
+    torch.optim.AdamW([w], lr=0.1).step()
+    for calls, got in run_dist(_local_step_on_a_mesh_dim_of_size_one, 2):
+        assert calls == 0
+        torch.testing.assert_close(got, w.detach(), rtol=1e-5, atol=1e-6)
+
+
 def _shard_layer_hooks():
     mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
     seen = []

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from ..dtensor import DistTensor, local_piece
-from ..placement import Partial
 from ..spec import DistSpec
 
 ELEMENTWISE = (
@@ -29,22 +28,26 @@ ELEMENTWISE = (
 )
 
 
-def _placed_like(t, p: DistTensor) -> bool:
-    if type(t) is not DistTensor:
-        return False
-    a, b = t._spec, p._spec
-    return a is b or (a.mesh == b.mesh and a.placements == b.placements)
+def _placed_like(t, spec: DistSpec) -> bool:
+    return type(t) is DistTensor and t._spec.same_pieces(spec)
 
 
-def _qualifies(p, grad, state: dict) -> bool:
-    """p, its gradient and its tensor states are distributed alike (or all plain)."""
+def _stand_in(p, grad, state: dict):
+    """What the step on local pieces uses for `p`: its local piece (itself when plain), or
+    None when p, its gradient and its tensor states are not distributed alike."""
     if type(p) is not DistTensor:
-        return not isinstance(grad, DistTensor) and not any(type(v) is DistTensor for v in state.values())
-    if any(type(pl) is Partial for pl in p._spec.placements):
-        return False
-    if grad is not None and not (_placed_like(grad, p) and grad.shape == p.shape):
-        return False
-    return all(_placed_like(v, p) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        plain = type(grad) is not DistTensor and not any(type(v) is DistTensor for v in state.values())
+        return p if plain else None
+    spec = p._spec
+    if not spec.same_pieces(spec.without_partial()) or (grad is not None and not _placed_like(grad, spec)):
+        return None
+    for v in state.values():
+        if type(v) is DistTensor:
+            if not _placed_like(v, spec):
+                return None
+        elif isinstance(v, torch.Tensor) and v.dim() > 0:
+            return None
+    return p._local
 
 
 _NO_STATE: dict = {}
@@ -56,7 +59,8 @@ class LocalStep:
     def __init__(self, optimizer: torch.optim.Optimizer, dispatch_foreach: tuple = ()):
         self.optimizer = optimizer
         self.dispatch_foreach = dispatch_foreach  # groups whose foreach is on for dispatched steps only
-        self.swapped: list = []  # (group, its params, their local stand-ins, foreach forced for the dispatch)
+        # (group, its params, their stand-ins, their states before the step, foreach forced for the dispatch)
+        self.swapped: list = []
 
     def swap(self) -> None:
         self.restore()  # a step that raised left its swap behind
@@ -65,40 +69,47 @@ class LocalStep:
         state = self.optimizer.state
         for group in self.optimizer.param_groups:
             params = group["params"]
-            entries = [(p, p.grad, state.get(p, _NO_STATE)) for p in params]
-            if not all(_qualifies(*e) for e in entries):
-                continue
-            stand_ins = []
-            for p, grad, st in entries:
-                if type(p) is not DistTensor:
-                    stand_ins.append(p)
-                    continue
-                local = p._local
-                local.grad = None if grad is None else grad._local
-                if st is not _NO_STATE:
-                    state[local] = {k: local_piece(v) for k, v in st.items()}
+            stand_ins, states = [], []
+            for p in params:
+                grad, st = p.grad, state.get(p, _NO_STATE)
+                local = _stand_in(p, grad, st)
+                if local is None:
+                    break
                 stand_ins.append(local)
-            group["params"] = stand_ins
-            forced = any(g is group for g in self.dispatch_foreach)
-            if forced:
-                group["foreach"] = None
-            self.swapped.append((group, params, stand_ins, forced))
+                states.append(st)
+            else:
+                for p, local, st in zip(params, stand_ins, states):
+                    if local is not p:
+                        local.grad = None if p.grad is None else p.grad._local
+                        if st is not _NO_STATE:
+                            state[local] = {k: local_piece(v) for k, v in st.items()}
+                group["params"] = stand_ins
+                forced = any(g is group for g in self.dispatch_foreach)
+                if forced:
+                    group["foreach"] = None
+                self.swapped.append((group, params, stand_ins, states, forced))
 
     def restore(self) -> None:
         state = self.optimizer.state
-        for group, params, stand_ins, forced in self.swapped:
+        for group, params, stand_ins, states, forced in self.swapped:
             group["params"] = params
             if forced:
                 group["foreach"] = True
-            for p, local in zip(params, stand_ins):
+            for p, local, old in zip(params, stand_ins, states):
                 if local is p:
                     continue
                 local.grad = None
                 new = state.pop(local, None)
-                if new is not None:
-                    old = state.get(p, _NO_STATE)
+                if new is not None and not _updated_in_place(old, new):
                     state[p] = {k: _as_state(v, p, old.get(k)) for k, v in new.items()}
         self.swapped = []
+
+
+def _updated_in_place(old: dict, new: dict) -> bool:
+    """The step wrote only into the states it was given (every step after the first)."""
+    return len(old) == len(new) and all(
+        v is new.get(k) or (type(v) is DistTensor and v._local is new.get(k)) for k, v in old.items()
+    )
 
 
 def _as_state(value, p: DistTensor, old):
