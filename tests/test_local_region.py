@@ -429,3 +429,49 @@ def test_parameters_handed_one_gradient_tensor_accumulate_separately():
         assert regions == [True]
         for k, v in grads.items():
             torch.testing.assert_close(v, ref[k], rtol=1e-5, atol=1e-6)
+
+
+def _gradient_routes(mesh_size):
+    """A region's parameter gradients through every route backward offers: first gradients
+    set directly (no `detach` through the dispatch), tensor and post-accumulate hooks,
+    `autograd.grad`, `backward(inputs=...)`."""
+    torch.manual_seed(0)
+    model = Net()
+    mesh = dist.ProcessMesh(list(range(mesh_size)), dim_names=["dp"]) if mesh_size else None
+    x, y = _batches(1)[0]
+    if mesh is not None:
+        model = dist.shard_layer(model, mesh)
+        x, y = (dist.shard_tensor(t, mesh, [S0]) for t in (x, y))
+    full = (lambda t: dist.unshard_dtensor(t)) if mesh is not None else (lambda t: t)
+    loss_of = lambda: torch.nn.functional.mse_loss(model(x), y)  # noqa: E731
+    loss_of().backward()  # (the first call verifies the region)
+    model.zero_grad()
+    seen = []
+    model.head.weight.register_hook(lambda g: g * 2)
+    model.head.bias.register_post_accumulate_grad_hook(lambda p: seen.append(full(p.grad).sum().item()))
+    detaches = []
+    watch = type("Count", (), {"see": lambda self, func, *a: detaches.append(func) if "detach" in str(func) else None})()
+    dispatch.WATCHERS.append(watch)
+    try:
+        loss_of().backward()
+    finally:
+        dispatch.WATCHERS.remove(watch)
+    grads = {k: full(p.grad) for k, p in model.named_parameters()}
+    model.zero_grad()
+    names = [k for k, _ in model.named_parameters()]
+    captured = dict(zip(names, (full(g) for g in torch.autograd.grad(loss_of(), list(model.parameters())))))
+    untouched = all(p.grad is None for p in model.parameters())
+    loss_of().backward(inputs=[model.mlp.fc1.weight])
+    only = [k for k, p in model.named_parameters() if p.grad is not None]
+    return grads, seen, len(detaches), captured, untouched, only
+
+
+def test_gradients_reach_hooks_autograd_grad_and_backward_inputs():
+    ref = _gradient_routes(0)
+    for grads, seen, detaches, captured, untouched, only in run_dist(_gradient_routes, 4, 4):
+        for k, v in ref[0].items():
+            torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(captured[k], ref[3][k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(seen, ref[1], rtol=1e-5)
+        assert detaches == 2, detaches  # only the two hooked parameters went through AccumulateGrad
+        assert untouched and only == ["mlp.fc1.weight"]
