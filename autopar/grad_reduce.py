@@ -10,8 +10,10 @@ summed over the data-parallel ranks before the optimizer step.  Two places do it
   region's parameters are cut into DDP-sized buckets in reverse order (about the order
   backward produces their gradients).  Each backward through the region starts a bucket's
   all-reduce as soon as its last gradient is ready, while backward goes on with the
-  earlier layers; the region's last backward step waits for them and hands the parameters
-  gradients that are already placed like them, so the optimizer has nothing left to reduce.
+  earlier layers (a model whose gradients fit one bucket has nothing to overlap: its
+  bucket starts at the end); the region's last backward step waits for them and hands the
+  parameters gradients that are already placed like them, so the optimizer has nothing
+  left to reduce.
   Every rank runs the same backward, so the buckets start in the same order everywhere.
   Gradient accumulation (a backward while the parameters still hold gradients) switches a
   region's plan to deferred reduction for good: the gradients it already reduced become
