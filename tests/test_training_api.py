@@ -290,6 +290,33 @@ def test_the_local_step_ignores_placements_on_mesh_dims_of_size_one():
         torch.testing.assert_close(got, w.detach(), rtol=1e-5, atol=1e-6)
 
 
+def _steps_with_a_replaced_state(mesh_size):
+    """Three AdamW steps; between the second and the third the user replaces a state (the
+    local step keeps its stand-ins from step to step only while the states stay the same)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 6))
+    mesh = dist.ProcessMesh(list(range(mesh_size)), dim_names=["x"]) if mesh_size else None
+    if mesh is not None:
+        w = dist.shard_tensor(w, mesh, [S0])
+    opt = torch.optim.AdamW([w], lr=0.1)
+    if mesh is not None:
+        opt = dist.shard_optimizer(opt)
+    for step in range(3):
+        if step == 2:
+            replaced = torch.full((4, 6), 0.5)
+            opt.state[w]["exp_avg"] = dist.shard_tensor(replaced, mesh, [S0]) if mesh is not None else replaced
+        g = torch.arange(24.0).reshape(4, 6) * (step + 1)
+        w.grad = dist.shard_tensor(g, mesh, [S0]) if mesh is not None else g
+        opt.step()
+    return dist.unshard_dtensor(w.detach()) if mesh is not None else w.detach()
+
+
+def test_the_local_step_sees_a_state_replaced_between_steps():
+    ref = _steps_with_a_replaced_state(0)
+    for got in run_dist(_steps_with_a_replaced_state, 2, 2):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
 def _shard_layer_hooks():
     mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
     seen = []

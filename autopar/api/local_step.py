@@ -16,6 +16,8 @@ a tensor) steps through the dispatch as before.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..dtensor import DistTensor, local_piece
@@ -53,36 +55,67 @@ def _stand_in(p, grad, state: dict):
 _NO_STATE: dict = {}
 
 
+def _same(d: dict, values: tuple) -> bool:
+    """`d` still holds exactly these objects."""
+    return len(d) == len(values) and all(map(operator.is_, d.values(), values))
+
+
+class _Pair:
+    """A parameter's distributed states and the local stand-in dict the step updates: kept
+    from step to step while the step updates the states in place (every step after the
+    first), so a swap neither re-checks their placements nor rebuilds the dict."""
+
+    __slots__ = ("spec", "state", "values", "local", "local_values")
+
+    def __init__(self, spec, state: dict, local: dict):
+        self.spec, self.state, self.values = spec, state, tuple(state.values())
+        self.local, self.local_values = local, tuple(local.values())
+
+    def holds(self, p, state: dict) -> bool:
+        return self.state is state and self.spec is p._spec and _same(state, self.values)
+
+
 class LocalStep:
     """Swaps an optimizer's distributed parameters for their local pieces around a step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, dispatch_foreach: tuple = ()):
         self.optimizer = optimizer
         self.dispatch_foreach = dispatch_foreach  # groups whose foreach is on for dispatched steps only
-        # (group, its params, their stand-ins, their states before the step, foreach forced for the dispatch)
+        # (group, its params, their stand-ins, their _Pair or states before the step, foreach forced)
         self.swapped: list = []
+        self.pairs: dict = {}  # id(parameter) -> _Pair, from the last step that updated in place
 
     def swap(self) -> None:
         self.restore()  # a step that raised left its swap behind
         if not isinstance(self.optimizer, ELEMENTWISE):
             return
-        state = self.optimizer.state
+        state, pairs = self.optimizer.state, self.pairs
+        self.pairs = {}
         for group in self.optimizer.param_groups:
             params = group["params"]
             stand_ins, states = [], []
             for p in params:
                 grad, st = p.grad, state.get(p, _NO_STATE)
-                local = _stand_in(p, grad, st)
+                pair = pairs.get(id(p))
+                if pair is not None and pair.holds(p, st):
+                    ok = grad is None or (type(grad) is DistTensor and grad._spec.same_pieces(p._spec))
+                    local = p._local if ok else None
+                    st = pair
+                else:
+                    local = _stand_in(p, grad, st)
                 if local is None:
                     break
                 stand_ins.append(local)
                 states.append(st)
             else:
                 for p, local, st in zip(params, stand_ins, states):
-                    if local is not p:
-                        local.grad = None if p.grad is None else p.grad._local
-                        if st is not _NO_STATE:
-                            state[local] = {k: local_piece(v) for k, v in st.items()}
+                    if local is p:
+                        continue
+                    local.grad = None if p.grad is None else p.grad._local
+                    if type(st) is _Pair:
+                        state[local] = st.local
+                    elif st is not _NO_STATE:
+                        state[local] = {k: local_piece(v) for k, v in st.items()}
                 group["params"] = stand_ins
                 forced = any(g is group for g in self.dispatch_foreach)
                 if forced:
@@ -100,7 +133,16 @@ class LocalStep:
                     continue
                 local.grad = None
                 new = state.pop(local, None)
-                if new is not None and not _updated_in_place(old, new):
+                if new is None:
+                    continue
+                if type(old) is _Pair:
+                    if new is old.local and _same(new, old.local_values):
+                        self.pairs[id(p)] = old
+                        continue
+                    old = old.state
+                if _updated_in_place(old, new):
+                    self.pairs[id(p)] = _Pair(p._spec, old, new)
+                else:
                     state[p] = {k: _as_state(v, p, old.get(k)) for k, v in new.items()}
         self.swapped = []
 
