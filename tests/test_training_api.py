@@ -317,6 +317,39 @@ def test_the_local_step_sees_a_state_replaced_between_steps():
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
+def _optimizer_built_before_shard_layer(stepped):
+    """The usual torch order (model, optimizer, then the parallel wrapper): shard_layer
+    replaces the Parameters, shard_optimizer follows them."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if stepped:
+        torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.zeros(4, 8)).backward()
+        opt.step()
+    model = dist.shard_layer(model, mesh)
+    try:
+        opt = dist.shard_optimizer(opt)
+    except ValueError as e:
+        return str(e)
+    for x, y in _batches():
+        x, y = dist.shard_tensor(x, mesh, [S0]), dist.shard_tensor(y, mesh, [S0])
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+
+
+def test_an_optimizer_built_before_shard_layer_steps_the_new_parameters():
+    model = _mlp()
+    _train(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    for params in run_dist(_optimizer_built_before_shard_layer, 2, False):
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5)
+    for err in run_dist(_optimizer_built_before_shard_layer, 2, True):
+        assert "parameter '0.weight' (shape [32, 16])" in err and "already has state" in err, err
+
+
 def _shard_layer_hooks():
     mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
     seen = []

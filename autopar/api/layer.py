@@ -1,6 +1,7 @@
 """shard_layer: turn a Module's parameters into distributed tensors and hook its I/O."""
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -50,10 +51,16 @@ def shard_layer(
         raise TypeError(f"shard_layer needs a torch.nn.Module, got {type(layer).__name__}")
     if not isinstance(process_mesh, ProcessMesh):
         raise TypeError(f"shard_layer needs a ProcessMesh, got {type(process_mesh).__name__}")
+    before = [(f"{mod}.{name}".lstrip("."), sub, name, p) for mod, sub in layer.named_modules()
+              for name, p in sub._parameters.items() if p is not None]
     for name, sub in layer.named_modules():
         if shard_fn is not None:
             shard_fn(name, sub, process_mesh)
         replicate_params(sub, process_mesh)
+    for qualname, sub, name, p in before:
+        new = sub._parameters.get(name)
+        if new is not None and new is not p:
+            p._autopar_replaced_by = (qualname, weakref.ref(new))
     if input_fn is not None:
         layer.register_forward_pre_hook(lambda _m, inputs: input_fn(inputs, process_mesh))
     if output_fn is not None:

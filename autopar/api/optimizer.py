@@ -225,11 +225,33 @@ class _OptimizerSharding:
                             state[key] = self.shard_fn(key, p, value)
 
 
+def _current(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """The Parameter that took p's place in its module, when `shard_layer` replaced p after
+    the optimizer was built (as `parallelize` does for the optimizer it is given): stepping
+    the old plain tensor would train nothing."""
+    while True:
+        replaced = getattr(p, "_autopar_replaced_by", None)
+        if replaced is None:
+            return p
+        name, ref = replaced
+        new = ref()
+        if p in optimizer.state or new is None:
+            why = "it already has state for it" if p in optimizer.state else "that parameter no longer exists"
+            raise ValueError(
+                f"shard_optimizer: parameter '{name}' (shape {list(p.shape)}) of this optimizer was replaced by "
+                f"shard_layer with a distributed tensor, and {why}; build the optimizer from model.parameters() "
+                f"after shard_layer"
+            )
+        p = new
+
+
 def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable] = None) -> torch.optim.Optimizer:
     """Make `optimizer` work over distributed parameters; with a ShardingStage, apply ZeRO.
 
     Returns the same torch optimizer (step, zero_grad, param_groups, state, state_dict all
     as usual).  Optimizer states are distributed tensors with their parameter's placements.
+    An optimizer built before `shard_layer` is pointed at the Parameters that replaced its
+    own (as `parallelize` does), as long as it has not stepped.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["dp"])
@@ -243,6 +265,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callabl
         raise TypeError(f"shard_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if getattr(optimizer, "_autopar_sharding", None) is not None:
         raise ValueError("shard_optimizer was already applied to this optimizer")
+    for group in optimizer.param_groups:
+        group["params"] = [_current(p, optimizer) for p in group["params"]]
     dispatch_foreach = []
     for group in optimizer.param_groups:
         # a step through the dispatch (a group the local step cannot take) runs foreach ops:
