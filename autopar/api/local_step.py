@@ -98,8 +98,7 @@ class LocalStep:
                 grad, st = p.grad, state.get(p, _NO_STATE)
                 pair = pairs.get(id(p))
                 if pair is not None and pair.holds(p, st):
-                    ok = grad is None or (type(grad) is DistTensor and grad._spec.same_pieces(p._spec))
-                    local = p._local if ok else None
+                    local = p._local if grad is None or _placed_like(grad, p._spec) else None
                     st = pair
                 else:
                     local = _stand_in(p, grad, st)
