@@ -23,6 +23,12 @@ def replicate_params(module: torch.nn.Module, mesh: ProcessMesh) -> None:
             module._buffers[name] = shard_tensor(b, mesh, [Replicate()] * mesh.ndim)
 
 
+def record_replacement(old: torch.nn.Parameter, new: torch.nn.Parameter, name: str) -> None:
+    """Note on a Parameter that `new` took its place in the model, so that an optimizer built
+    before the model was converted steps `new` (`shard_optimizer` follows the note)."""
+    old._autopar_replaced_by = (name, weakref.ref(new))
+
+
 def shard_layer(
     layer: torch.nn.Module,
     process_mesh: ProcessMesh,
@@ -60,7 +66,7 @@ def shard_layer(
     for qualname, sub, name, p in before:
         new = sub._parameters.get(name)
         if new is not None and new is not p:
-            p._autopar_replaced_by = (qualname, weakref.ref(new))
+            record_replacement(p, new, qualname)
     if input_fn is not None:
         layer.register_forward_pre_hook(lambda _m, inputs: input_fn(inputs, process_mesh))
     if output_fn is not None:

@@ -226,9 +226,9 @@ class _OptimizerSharding:
 
 
 def _current(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """The Parameter that took p's place in its module, when `shard_layer` replaced p after
-    the optimizer was built (as `parallelize` does for the optimizer it is given): stepping
-    the old plain tensor would train nothing."""
+    """The Parameter that took p's place in its module, when `shard_layer` or `parallelize`
+    replaced p after the optimizer was built (`layer.record_replacement`): stepping the old
+    plain tensor would train nothing."""
     while True:
         replaced = getattr(p, "_autopar_replaced_by", None)
         if replaced is None:
@@ -251,7 +251,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callabl
     Returns the same torch optimizer (step, zero_grad, param_groups, state, state_dict all
     as usual).  Optimizer states are distributed tensors with their parameter's placements.
     An optimizer built before `shard_layer` is pointed at the Parameters that replaced its
-    own (as `parallelize` does), as long as it has not stepped.
+    own (as for the optimizer `parallelize` is given), as long as it has not stepped.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["dp"])

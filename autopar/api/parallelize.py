@@ -27,7 +27,7 @@ from ..mesh import ProcessMesh
 from ..placement import Shard
 from ..spec import split_range
 from .global_mesh import get_mesh
-from .layer import replicate_params
+from .layer import record_replacement, replicate_params
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
 from .tensor import reshard, shard_tensor
@@ -252,10 +252,9 @@ def _parameter_targets(model: torch.nn.Module, meshes: dict, plans: list) -> lis
     return targets
 
 
-def _place_parameters(model: torch.nn.Module, meshes: dict, targets: list) -> dict[int, torch.nn.Parameter]:
+def _place_parameters(model: torch.nn.Module, meshes: dict, targets: list) -> None:
     """Make every parameter distributed as `targets` says and every buffer Replicate on its
-    layer's mesh.  Returns {id(old parameter): new parameter}."""
-    replaced = {}
+    layer's mesh; each replaced Parameter records its replacement (for the optimizer)."""
     for holders, mesh, placements in targets:
         layer, layer_name, pname = holders[0]
         p = getattr(layer, pname)
@@ -267,11 +266,10 @@ def _place_parameters(model: torch.nn.Module, meshes: dict, targets: list) -> di
             ) from err
         for holder, _, name in holders:
             holder._parameters[name] = new
-        replaced[id(p)] = new
+        record_replacement(p, new, _join(layer_name, pname))
     for layer_name, layer in model.named_modules():
         if meshes[layer_name] is not None:
             replicate_params(layer, meshes[layer_name])  # the buffers (parameters are placed already)
-    return replaced
 
 
 # -- hooks -----------------------------------------------------------------------------------
@@ -321,10 +319,9 @@ def _check_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> None:
         )
 
 
-def _parallel_optimizer(optimizer: torch.optim.Optimizer, replaced: dict, sharding_level: int, mesh: ProcessMesh):
-    """The optimizer over the new Parameters (same groups, order and settings), sharded."""
-    for group in optimizer.param_groups:
-        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+def _parallel_optimizer(optimizer: torch.optim.Optimizer, sharding_level: int, mesh: ProcessMesh):
+    """The optimizer sharded; `shard_optimizer` points its groups at the new Parameters (same
+    groups, order and settings)."""
     shard_fn = _STAGES[sharding_level]("dp", mesh) if sharding_level else None
     return shard_optimizer(optimizer, shard_fn)
 
@@ -379,7 +376,7 @@ def parallelize(
     for name, attr, plan in plans:
         if attr is None and meshes[name] is None:
             raise ValueError(f"{type(plan).__name__} on '{name}': the layer spans several pipeline stages")
-    replaced = _place_parameters(model, meshes, _parameter_targets(model, meshes, plans))
+    _place_parameters(model, meshes, _parameter_targets(model, meshes, plans))
     modules = dict(model.named_modules())
     if pp:  # first: the plans' hooks then see inputs on their layer's mesh
         _hook_stage_entries(modules, meshes)
@@ -391,7 +388,7 @@ def parallelize(
     local_region.install(model)  # as shard_layer: layers that turn out not to communicate run as plain torch
     if optimizer is not None:
         level = config["dp_config"].get("sharding_level", 0) if "dp_config" in config else 0
-        optimizer = _parallel_optimizer(optimizer, replaced, level, mesh)
+        optimizer = _parallel_optimizer(optimizer, level, mesh)
     return model, optimizer
 
 
