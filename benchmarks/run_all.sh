@@ -44,6 +44,8 @@ run tp_mlp_4ranks   python -m autopar.launch --nproc_per_node 4 "$bench/bench_tp
 run zero_2ranks     python -m autopar.launch --nproc_per_node 2 "$bench/bench_zero.py" --stages 1,2,3
 run zero_4ranks     python -m autopar.launch --nproc_per_node 4 "$bench/bench_zero.py" --stages 1,2,3
 run gpt_4ranks      python -m autopar.launch --nproc_per_node 4 "$bench/bench_gpt.py"
+# the same tiny GPT with one rank per core (4 ranks share 2 cores above: every wait is a context switch)
+run gpt_2ranks      python -m autopar.launch --nproc_per_node 2 "$bench/bench_gpt.py" --reps 30
 # the ANCHORS.md size: a 3.7 M-parameter GPT on 2 ranks (DP 2; DP x TP is TP 2)
 run gpt_3m7_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_gpt.py" --dim 256 --layers 4 --vocab 1024 --heads 8 --seq 128 --batch 8 --reps 10
 run gpt_accum4_3m7_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_gpt.py" --dim 256 --layers 4 --vocab 1024 --heads 8 --seq 128 --batch 8 --reps 5 --accum 4
