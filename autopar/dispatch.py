@@ -14,6 +14,7 @@ import torch
 
 from . import comm
 from .dtensor import DistTensor, new_dist
+from .op_call import fast_op
 from .placement import Partial, Replicate
 from .reshard import piece_of_replicated, redistribute_local
 from .spec import DistSpec, TensorMeta
@@ -38,7 +39,7 @@ class Decision:
     tensors sit in the argument list, whether the result is one plain output)."""
 
     __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "out_alias", "kind",
-                 "member", "coord", "positions", "single", "out_local_shapes", "direct", "fast", "moved")
+                 "member", "coord", "positions", "single", "out_local_shapes", "direct", "fast", "moved", "call")
 
     def __init__(self, mesh, in_specs, out_specs, kernel, local_args, mutated, out_alias, kind="op"):
         self.mesh = mesh
@@ -55,6 +56,7 @@ class Decision:
         self.positions = None
         self.direct = False
         self.fast = None
+        self.call = None  # the local op (op_call.fast_op), where no kernel replaces it
         self.moved: tuple = ()  # inputs sent here from another mesh (they need no gradient)
         self.single = (
             out_alias is not None and out_alias[0] == "value" and isinstance(out_alias[1], torch.Tensor)
@@ -234,6 +236,8 @@ def decide(func, args, kwargs, flat) -> Decision:
         ("alias", alias) if alias is not None else ("value", meta_out),
     )
     dec.moved = moved
+    if dec.member and kernel is None:
+        dec.call = fast_op(func, args, kwargs)
     # the key holds each input's spec, so "no input moves" holds for every call with this key
     dec.direct = all(type(t) is DistTensor and t._spec is s for t, s in zip(flat, in_specs))
     if not kwargs or not any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values()):
@@ -244,7 +248,7 @@ def decide(func, args, kwargs, flat) -> Decision:
         and dec.local_args is None and dec.positions is not None
         and all(type(args[i]) is DistTensor for i in dec.positions)
     ):
-        dec.fast = func._op  # the whole execution is: unwrap, run the C++ op, wrap
+        dec.fast = dec.call  # the whole execution is: unwrap, run the C++ op, wrap
     return dec
 
 
@@ -332,7 +336,7 @@ def dispatch(func, args, kwargs):
     if dec.kernel is not None:
         out = KERNELS[dec.kernel](func, largs, lkwargs, dec.in_specs, dec.out_specs, dec.coord)
     else:
-        out = func._op(*largs, **lkwargs)  # the C++ op itself: skips OpOverload.__call__
+        out = dec.call(*largs, **lkwargs)
     if dec.single:
         return new_dist(out, dec.out_specs[0])
     return _wrap(dec, _flatten_out(out, []), args, kwargs)

@@ -16,7 +16,8 @@ given to `dist.shard_layer` (after its first call, a verified local region: the 
 the local pieces as plain torch ops; one call runs all `--inner` ops), and `autopar_static`:
 the same loop as a `dist.to_static` program (captured once, then replayed in predict mode).
 `dispatch_floor` is no library: a tensor subclass whose `__torch_dispatch__` only unwraps
-its operands, runs the C++ op and wraps the result (no spec, no cache, no rule).  It is the
+its operands, runs the C++ op (by autopar's quickest route, `op_call.fast_op`) and wraps the
+result (no spec, no cache, no rule).  It is the
 least any `__torch_dispatch__` subclass (autopar's dynamic mode, DTensor) pays per op: the
 C++ -> Python entry and one wrapper allocation.
 Each repetition is `--inner` ops in a loop; us/op = time / inner.
@@ -41,6 +42,7 @@ from torch.distributed.tensor import Replicate as DR, Shard as DS, distribute_te
 
 import autopar as dist  # noqa: E402
 import autopar.dispatch as ap_dispatch  # noqa: E402
+from autopar.op_call import fast_op  # noqa: E402
 
 DECIDE_CALLS = [0]
 _orig_decide = ap_dispatch.decide
@@ -55,9 +57,11 @@ ap_dispatch.decide = _counting_decide  # dispatch() looks `decide` up in its mod
 
 
 class _Floor(torch.Tensor):
-    """The cheapest possible `__torch_dispatch__` wrapper: unwrap, run the op, wrap."""
+    """The cheapest possible `__torch_dispatch__` wrapper: unwrap, run the op by its quickest
+    route (the Python binding that reaches it, as autopar does: `op_call.fast_op`), wrap."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+    _calls: dict = {}
 
     @staticmethod
     def __new__(cls, local):
@@ -67,7 +71,11 @@ class _Floor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _Floor(func._op(*[a._local if type(a) is _Floor else a for a in args]))
+        local = [a._local if type(a) is _Floor else a for a in args]
+        call = cls._calls.get(func)
+        if call is None:
+            call = cls._calls[func] = fast_op(func, local, {})
+        return _Floor(call(*local))
 
 
 class _Loop(torch.nn.Module):

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm import collectives
 from ..dtensor import DistTensor
+from ..op_call import fast_op
 
 aten = torch.ops.aten
 
@@ -52,9 +53,8 @@ class Entry:
 
     __slots__ = ("fn", "call", "args", "kwargs", "outs", "frees", "wire", "seq")
 
-    def __init__(self, fn, args: tuple, kwargs: dict, outs: tuple, wire: bool, seq: bool = False):
-        self.fn, self.args, self.kwargs, self.outs, self.wire, self.seq = fn, args, kwargs, outs, wire, seq
-        self.call = fn if wire else fn._op  # the C++ op itself: skips OpOverload.__call__
+    def __init__(self, fn, call, args: tuple, kwargs: dict, outs: tuple, wire: bool, seq: bool = False):
+        self.fn, self.call, self.args, self.kwargs, self.outs, self.wire, self.seq = fn, call, args, kwargs, outs, wire, seq
         self.frees: tuple = ()
 
     def __str__(self) -> str:
@@ -142,7 +142,8 @@ class Program:
         return lambda inputs: fn(inputs, consts)
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list:
-        with torch.no_grad():
+        # (the ops are called through torch's Python bindings: a user's torch-function mode must not see them)
+        with torch.no_grad(), torch._C.DisableTorchFunction():
             return self._replay(list(inputs))
 
     def __str__(self) -> str:
@@ -250,7 +251,8 @@ class Recorder(TorchDispatchMode):
             if isinstance(o, torch.Tensor) else None
             for o in flat
         )
-        self.entries.append(Entry(func, tuple(t_args), t_kwargs, outs, wire=False, seq=flat is out))
+        call = fast_op(func, args, kwargs)  # the C++ op by its quickest route
+        self.entries.append(Entry(func, call, tuple(t_args), t_kwargs, outs, wire=False, seq=flat is out))
         return out
 
     def value_read(self, what: str) -> None:
@@ -268,7 +270,7 @@ class Recorder(TorchDispatchMode):
 
     def wire(self, wire, tensors) -> None:
         if not self.in_wire:
-            self.entries.append(Entry(wire, tuple(self.slot(t) for t in tensors), {}, (), wire=True))
+            self.entries.append(Entry(wire, wire, tuple(self.slot(t) for t in tensors), {}, (), wire=True))
 
     def __enter__(self):
         if self not in collectives.CAPTURE_HOOKS:  # re-entered for every distributed op
