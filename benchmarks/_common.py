@@ -169,7 +169,8 @@ def autopar_version() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(autopar.__file__)))
     marker = os.path.join(root, "SNAPSHOT_COMMIT")
     if os.path.exists(marker):
-        return {"autopar_commit": open(marker).read().strip(), "autopar_from": root, "autopar_uncommitted": []}
+        with open(marker) as f:
+            return {"autopar_commit": f.read().strip(), "autopar_from": root, "autopar_uncommitted": []}
     return {
         "autopar_commit": _git("rev-parse", "--short", "HEAD"),
         "autopar_from": root,
