@@ -409,10 +409,13 @@ def _wrap(dec: Decision, local_outs: list, args, kwargs):
 
 # -- ops handled outside the rule path -------------------------------------------------------
 def _run_on_dense(func, args, kwargs, flat):
-    """Run on the global values (ops returning Python values, in-place ops on plain tensors)."""
-    from .api.tensor import full_value
+    """Run on the global values (ops returning Python values, in-place ops on plain tensors).
+    Below autograd (the wrapper-level graph already holds the op), so the gather need not be
+    differentiable: `loss.item()` costs the gather and the read, no autograd Function."""
+    from .api.tensor import gather_everywhere
 
-    dargs, dkwargs = _substitute(args, kwargs, [full_value(t) if type(t) is DistTensor else t for t in flat])
+    dense = [gather_everywhere(t._local, t._spec) if type(t) is DistTensor else t for t in flat]
+    dargs, dkwargs = _substitute(args, kwargs, dense)
     return func(*dargs, **dkwargs)
 
 

@@ -89,7 +89,7 @@ class _FullValue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         ctx.spec = x._spec
-        return _gather_everywhere(x._local, x._spec)
+        return gather_everywhere(x._local, x._spec)
 
     @staticmethod
     def backward(ctx, grad):
@@ -102,8 +102,8 @@ def _world_mesh(world: int) -> ProcessMesh:
     return ProcessMesh(list(range(world)), dim_names=["world"])
 
 
-def _gather_everywhere(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
-    """The global value on every rank of the job."""
+def gather_everywhere(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
+    """The global value on every rank of the job (not differentiable: `full_value` is)."""
     world = _world_mesh(get_world_size())
     if set(spec.mesh.process_ids) == set(world.process_ids):
         target = spec.with_placements([Replicate()] * spec.mesh.ndim)
