@@ -104,3 +104,30 @@ def test_a_users_torch_function_mode_does_not_see_the_local_ops():
         assert torch.equal(grad, (torch.relu(x + x)).sum(0, keepdim=True).T.expand(2, 2))
         # what the user called (and the tensor methods autograd reads), never the local pieces' ops
         assert seen.count("add") == 1 and seen.count("relu") == 1 and seen.count("matmul") == 1, seen
+
+
+class _Doubled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2, 2))
+
+    def forward(self, x):
+        return torch.relu(x + x) @ self.w
+
+
+def _mode_sees_no_replayed_op():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    X = dist.shard_tensor(torch.arange(8.0).reshape(4, 2), mesh, [dist.Shard(0)])
+    program = dist.to_static(dist.shard_layer(_Doubled(), mesh)).predict()
+    program(X)  # captured
+    mode = _Names()
+    with mode:
+        y = program(X)  # replayed
+    return mode.seen, y.full_value()
+
+
+def test_a_users_torch_function_mode_does_not_see_a_replayed_programs_ops():
+    x = torch.arange(8.0).reshape(4, 2)
+    for seen, y in run_dist(_mode_sees_no_replayed_op, 2):
+        assert torch.equal(y, torch.relu(x + x) @ torch.ones(2, 2))
+        assert not {"add", "relu", "mm", "matmul"} & set(seen), seen

@@ -54,7 +54,8 @@ class Entry:
     __slots__ = ("fn", "call", "args", "kwargs", "outs", "frees", "wire", "seq")
 
     def __init__(self, fn, call, args: tuple, kwargs: dict, outs: tuple, wire: bool, seq: bool = False):
-        self.fn, self.call, self.args, self.kwargs, self.outs, self.wire, self.seq = fn, call, args, kwargs, outs, wire, seq
+        self.fn, self.call, self.args, self.kwargs = fn, call, args, kwargs
+        self.outs, self.wire, self.seq = outs, wire, seq
         self.frees: tuple = ()
 
     def __str__(self) -> str:
