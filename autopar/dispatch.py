@@ -14,7 +14,7 @@ import torch
 
 from . import comm
 from .dtensor import DistTensor, new_dist
-from .op_call import fast_op
+from .op_call import fast_op, meta_like
 from .placement import Partial, Replicate
 from .reshard import piece_of_replicated, redistribute_local
 from .spec import DistSpec, TensorMeta
@@ -168,13 +168,6 @@ def _mesh_of(func, flat) -> tuple:
     return target, tuple(i for m in meshes if m != target for i in on[m])
 
 
-def _to_meta(t: torch.Tensor) -> torch.Tensor:
-    if type(t) is DistTensor:
-        meta = t._spec.meta
-        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
 def _mutated_inputs(func, args, kwargs) -> tuple[list[int], Any]:
     """Flat indices of inputs the op writes, and the (position, name) of the argument it returns."""
     schema = func._schema
@@ -210,7 +203,7 @@ def decide(func, args, kwargs, flat) -> Decision:
         return Decision(mesh, None, None, None, None, [], None, kind="global")
     meta_out = None  # an op returning nothing (fused optimizer steps; some lack a meta kernel)
     if func._schema.returns:
-        meta_args, meta_kwargs = _substitute(args, kwargs, [_to_meta(t) for t in flat])
+        meta_args, meta_kwargs = _substitute(args, kwargs, [meta_like(t) for t in flat])
         if meta_kwargs.get("device") is not None:  # _to_copy(..., device=cpu), new_zeros(..., device=...)
             meta_kwargs["device"] = "meta"
         try:

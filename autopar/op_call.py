@@ -58,9 +58,14 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A data-less stand-in with t's shape, strides and dtype (a distributed tensor's are global)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
 def _meta(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return meta_like(v)
     if isinstance(v, (list, tuple)):
         return type(v)(_meta(x) for x in v)
     if isinstance(v, torch.device):
