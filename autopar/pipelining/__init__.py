@@ -1,0 +1,14 @@
+"""Pipeline parallelism by micro-batches (Paddle's `distributed.auto_parallel.pipelining`).
+
+A model cut into stages (`PipelineStage`, one or several per rank) runs a batch as
+micro-batches in the order of a schedule: `ScheduleFThenB` (GPipe), `Schedule1F1B`,
+`ScheduleVPP` (interleaved 1F1B over virtual stages) or `ScheduleZBH1` (zero bubble: the
+backward split into input- and weight-gradient steps).  Transfers are asynchronous and
+posted ahead; `schedule.format_order()` shows who runs what, `format_times()` where the
+time went.  See docs/pipeline.md.
+"""
+from .orders import Action
+from .schedules import PipelineSchedule, Schedule1F1B, ScheduleFThenB, ScheduleVPP, ScheduleZBH1
+from .stage import PipelineStage
+
+__all__ = ["Action", "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleFThenB", "ScheduleVPP", "ScheduleZBH1"]
