@@ -23,7 +23,7 @@ LOOKAHEAD = 3  # actions whose receives are posted before the current one runs
 
 class StepTimes(NamedTuple):
     """Where one rank's step went, in seconds: computing, posting and finishing sends, and
-    waiting for messages (the bubble)."""
+    idle (the bubble: waiting for a message, or at the step's end for the ranks still busy)."""
 
     compute: float
     send: float
@@ -107,8 +107,10 @@ class Runtime:
             t0 = time.perf_counter()
             for w in self.sends:
                 w.wait()
-            self.t_send += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.t_send += t1 - t0
             agree(self.problem, tuple(range(comm.get_world_size())), what)
+            self.t_idle += time.perf_counter() - t1  # waiting for the ranks that finish last
         except BaseException:
             for stage in self.stages.values():
                 stage.drop_held()
