@@ -13,6 +13,7 @@ deadlock (a gloo or NCCL send completes only when the peer posts its receive).
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Sequence
 
 import torch
@@ -74,23 +75,39 @@ def irecv(buf: torch.Tensor, src: int, channel: str) -> P2PWork:
     return P2PWork(work, "recv", src, buf, channel)
 
 
-_DEFERRED: list[list] = []  # the open deferred_sends() windows, innermost last
+class SendWindow:
+    """The open `deferred_sends()`: sends in flight, and the seconds spent posting them and
+    waiting for receives (what a pipeline reports as sending and idle time)."""
+
+    def __init__(self):
+        self.pending: list = []  # (work, dst, tensor): the tensor stays referenced until sent
+        self.send_seconds = 0.0
+        self.recv_seconds = 0.0
+
+    def finish(self) -> None:
+        t0 = time.perf_counter()
+        for work, dst, _tensor in self.pending:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise CommError(f"send to rank {dst} failed on rank {get_rank()}: {e}") from e
+        self.pending.clear()
+        self.send_seconds += time.perf_counter() - t0
+
+
+_DEFERRED: list[SendWindow] = []  # the open windows, innermost last
 
 
 @contextlib.contextmanager
 def deferred_sends():
     """Within: `exchange` returns without waiting for its sends; they are waited at exit."""
-    pending: list = []
-    _DEFERRED.append(pending)
+    window = SendWindow()
+    _DEFERRED.append(window)
     try:
-        yield pending
+        yield window
     finally:
         _DEFERRED.pop()
-        for work, dst, _tensor in pending:  # (the tensor stays referenced until its send is done)
-            try:
-                work.wait()
-            except RuntimeError as e:
-                raise CommError(f"send to rank {dst} failed on rank {get_rank()}: {e}") from e
+        window.finish()
 
 
 def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
@@ -99,11 +116,14 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
     if not _DEFERRED or CAPTURE_HOOKS:
         send_recv(sends, recvs)
         return
-    me = get_rank()
+    window, me = _DEFERRED[-1], get_rank()
+    t0 = time.perf_counter()
     for t, dst in sends:
         t = t.contiguous()
-        _DEFERRED[-1].append((tdist.isend(t, dst), dst, t))
+        window.pending.append((tdist.isend(t, dst), dst, t))
         record("send", (me, dst), _nbytes(t), 0, tuple(t.shape))
+    t1 = time.perf_counter()
+    window.send_seconds += t1 - t0
     if recvs:
         ops = [tdist.P2POp(tdist.irecv, buf, src) for buf, src in recvs]
         for buf, src in recvs:
@@ -113,3 +133,4 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
                 work.wait()
         except RuntimeError as e:
             raise CommError(f"receive from ranks {[s for _, s in recvs]} failed on rank {me}: {e}") from e
+        window.recv_seconds += time.perf_counter() - t1

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple, Optional
 
+import torch
+
 from .. import comm
 from .agree import Problem, agree
 from .orders import Action
@@ -174,3 +176,15 @@ class Runtime:
         """A new batch signature: every edge states its meta again at its next message."""
         for link in self.links:
             link.renew()
+
+
+def format_times(times: Optional[StepTimes], ranks: tuple) -> str:
+    """One row per rank of `ranks` with its last step's times (collective over `ranks`)."""
+    if times is None:
+        raise RuntimeError("format_times: run a step first")
+    mine = torch.tensor(list(times), dtype=torch.float64)
+    rows = comm.all_gather(mine, ranks) if len(ranks) > 1 else [mine]
+    lines = ["rank  compute ms  send ms  idle ms (bubble)  total ms"]
+    for r, (c, s, i, t) in zip(ranks, (row.tolist() for row in rows)):
+        lines.append(f"{r:>4}  {c * 1e3:>10.2f}  {s * 1e3:>7.2f}  {i * 1e3:>7.2f} ({i / t:>5.1%})  {t * 1e3:>8.2f}")
+    return "\n".join(lines)

@@ -17,7 +17,7 @@ from ..api.tensor import reshard
 from ..placement import Replicate
 from .microbatch import split_batch
 from .orders import Orders, fthenb, format_orders, interleaved, one_f_one_b, zbh1
-from .runtime import Runtime, StepTimes
+from .runtime import Runtime, StepTimes, format_times
 from .shared import TiedParameters
 from .stage import PipelineStage
 
@@ -88,14 +88,7 @@ class PipelineSchedule:
     def format_times(self) -> str:
         """The last step's time per rank of the pipeline: computing, sending, idle (the
         bubble: waiting for a message), collective over the pipeline's ranks."""
-        if self.last_times is None:
-            raise RuntimeError("format_times: run a step first")
-        mine = torch.tensor(list(self.last_times), dtype=torch.float64)
-        rows = comm.all_gather(mine, self.ranks) if len(self.ranks) > 1 else [mine]
-        lines = ["rank  compute ms  send ms  idle ms (bubble)  total ms"]
-        for r, (c, s, i, t) in zip(self.ranks, (row.tolist() for row in rows)):
-            lines.append(f"{r:>4}  {c * 1e3:>10.2f}  {s * 1e3:>7.2f}  {i * 1e3:>7.2f} ({i / t:>5.1%})  {t * 1e3:>8.2f}")
-        return "\n".join(lines)
+        return format_times(self.last_times, self.ranks)
 
 
 class _OneStagePerRank(PipelineSchedule):

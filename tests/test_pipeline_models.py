@@ -1,0 +1,125 @@
+"""Annotated models (layers on their stages' meshes) run by micro-batch schedules, dynamic
+(`pipelining.build_schedule`) and static (`to_static` with `Strategy.pipeline`), against the
+single-process whole-batch run."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar as dist
+from autopar.pipelining import build_schedule
+from distpool import run_dist
+
+R = dist.Replicate()
+H, FFN, ROWS, STEPS = 16, 32, 8, 2
+
+
+class SeedMlp(torch.nn.Module):
+    """Seed 4.3: w0 on mesh0, w1 on mesh1, an explicit reshard between the stages."""
+
+    def __init__(self, mesh0=None, mesh1=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mesh1 = mesh1
+        w0 = torch.nn.Parameter(torch.randn(H, FFN) * H**-0.5)
+        w1 = torch.nn.Parameter(torch.randn(FFN, H) * FFN**-0.5)
+        if mesh0 is not None:
+            w0, w1 = dist.shard_tensor(w0, mesh0, [R]), dist.shard_tensor(w1, mesh1, [R])
+        self.w0, self.w1 = w0, w1
+
+    def forward(self, x):
+        y = torch.tanh(torch.matmul(x, self.w0))
+        if self.mesh1 is not None:
+            y = dist.reshard(y, self.mesh1, [R])
+        return torch.matmul(y, self.w1)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(ROWS, H, generator=g), torch.randn(ROWS, H, generator=g)) for _ in range(STEPS)]
+
+
+def _reference(model_fn, loss_fn=F.mse_loss):
+    model = model_fn()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for x, y in _batches():
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _seed_dynamic(mode, m=4):
+    model = SeedMlp(dist.ProcessMesh([0, 1]), dist.ProcessMesh([2, 3]))
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    schedule = build_schedule(model, F.mse_loss, mode, accumulate_steps=m)
+    losses = []
+    for x, y in _batches():
+        micro = []
+        losses.append(schedule.step(x, target=y, losses=micro).item())
+        assert len(micro) == m
+        opt.step()
+        opt.zero_grad()
+    params = {n: dist.unshard_dtensor(p).detach() for n, p in model.named_parameters()}
+    return losses, params, schedule.peak_held, schedule.stage, schedule.format_order(), schedule.format_times()
+
+
+@pytest.mark.parametrize("mode", ["FThenB", "1F1B"])
+def test_seed_pipeline_by_micro_batches_dynamic(mode):
+    ref_losses, ref_params = _reference(SeedMlp)
+    for losses, params, peak, stage, order, times in run_dist(_seed_dynamic, 4, mode):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert peak == (4 if mode == "FThenB" else 2 - stage)  # 1F1B: num_stages - stage_index
+        assert order.splitlines()[0].startswith("stage 0 [0, 1]: F0") and "bubble" in times
+
+
+class Layers(torch.nn.Module):
+    """An embedding-free stack for parallelize: in, 4 tanh layers, out."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(H, FFN)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(FFN, FFN) for _ in range(4))
+        self.out = torch.nn.Linear(FFN, H)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+def _parallelized(pp_config, mesh_ids=((0, 1), (2, 3)), dims=("dp", "pp"), mp_plan=None):
+    model = Layers()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    mesh = dist.ProcessMesh([list(r) for r in mesh_ids], dim_names=list(dims))
+    config = {"dp_config": {"sharding_level": 0}, "pp_config": pp_config}
+    if mp_plan:
+        config["mp_config"] = {"parallelize_plan": mp_plan}
+    model, opt = dist.parallelize(model, opt, mesh, config)
+    return model, opt
+
+
+def _parallel_dynamic():
+    model, opt = _parallelized({"split_spec": "layers", "schedule_mode": "1F1B", "accumulate_steps": 4})
+    schedule = build_schedule(model, F.mse_loss)  # the schedule and micro-batches come from pp_config
+    losses = []
+    for x, y in _batches():
+        losses.append(schedule.step(x, target=y).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: dist.unshard_dtensor(p).detach() for n, p in model.named_parameters()}, schedule.format_order()
+
+
+def test_parallelize_pp_config_schedule_dynamic():
+    ref_losses, ref_params = _reference(Layers)
+    for losses, params, order in run_dist(_parallel_dynamic, 4):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert order == "stage 0 [0, 2]: F0 F1 B0 F2 B1 F3 B2 B3\nstage 1 [1, 3]: F0 B0 F1 B1 F2 B2 F3 B3"
