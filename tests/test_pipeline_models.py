@@ -123,3 +123,58 @@ def test_parallelize_pp_config_schedule_dynamic():
         for name, p in params.items():
             torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert order == "stage 0 [0, 2]: F0 F1 B0 F2 B1 F3 B2 B3\nstage 1 [1, 3]: F0 B0 F1 B1 F2 B2 F3 B3"
+
+
+def _pipeline_strategy(mode, m=4, vpp=1):
+    return dist.Strategy({"pipeline": {"enable": True, "schedule_mode": mode, "accumulate_steps": m, "vpp_degree": vpp}})
+
+
+def _seed_static(mode):
+    model = SeedMlp(dist.ProcessMesh([0, 1]), dist.ProcessMesh([2, 3]))
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    dist_model = dist.to_static(model, None, F.mse_loss, opt, _pipeline_strategy(mode))
+    losses = []
+    for x, y in _batches():
+        with dist.comm_log() as log:  # the last step's: a replay
+            loss = dist_model(x, y)
+        losses.append(float(loss))
+    transfers = [(r.op, r.bytes, r.recv_bytes) for r in log if r.op in ("send", "recv")]
+    params = {n: dist.unshard_dtensor(p).detach() for n, p in model.named_parameters()}
+    return losses, params, transfers, dist_model.dist_main_program()
+
+
+@pytest.mark.parametrize("mode", ["FThenB", "1F1B", "ZBH1"])
+def test_seed_pipeline_to_static(mode):
+    ref_losses, ref_params = _reference(SeedMlp)
+    for rank, (losses, params, transfers, program) in enumerate(run_dist(_seed_static, 4, mode)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert program.startswith(f"pipeline {mode}, 4 micro-batches"), program
+        # one activation (2 rows x 32 floats) forward and its gradient back per micro-batch, nothing else
+        piece = 2 * FFN * 4
+        sent, received = (("send", piece, 0), ("recv", 0, piece)) if rank < 2 else (("recv", 0, piece), ("send", piece, 0))
+        assert sorted(transfers) == sorted([sent] * 4 + [received] * 4), transfers
+
+
+def _parallel_static(pp_config, strategy):
+    model, opt = _parallelized(pp_config)
+    dist_model = dist.to_static(model, None, F.mse_loss, opt, strategy)
+    losses = [float(dist_model(x, y)) for x, y in _batches()]
+    params = {n: dist.unshard_dtensor(p).detach() for n, p in model.named_parameters()}
+    return losses, params, dist_model.dist_main_program()
+
+
+@pytest.mark.parametrize("schedule", ["VPP", "1F1B from pp_config"])
+def test_parallelize_pipeline_to_static(schedule):
+    if schedule == "VPP":  # four stages on the two pp slices: stage k on slice k % 2
+        args = ({"split_spec": "layers", "vpp_degree": 2}, _pipeline_strategy("VPP", m=4, vpp=2))
+    else:
+        args = ({"split_spec": "layers", "schedule_mode": "1F1B", "accumulate_steps": 4}, None)
+    ref_losses, ref_params = _reference(Layers)
+    for losses, params, program in run_dist(_parallel_static, 4, *args):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert program.startswith("pipeline VPP, 4 micro-batches, this rank: F0s" if schedule == "VPP"
+                                  else "pipeline 1F1B, 4 micro-batches")

@@ -45,6 +45,16 @@ def stage_meshes(model: torch.nn.Module) -> list[ProcessMesh]:
     return stages
 
 
+def stage_position(model: torch.nn.Module, what: str) -> tuple[list, int]:
+    """The model's stage meshes and the index of the one this rank is on."""
+    meshes = stage_meshes(model)
+    me = comm.get_rank()
+    where = [s for s, m in enumerate(meshes) if me in m]
+    if not where:
+        raise ValueError(f"{what}: rank {me} is on none of the model's stage meshes {[m.process_ids for m in meshes]}")
+    return meshes, where[0]
+
+
 def _settings_of(model: torch.nn.Module, schedule_mode: Optional[str], accumulate_steps: Optional[int]) -> tuple:
     """The schedule and micro-batch count: as given, else from `parallelize`'s pp_config."""
     stored = getattr(model, "_autopar_pipeline", {})
@@ -65,14 +75,9 @@ class ModelSchedule:
                 f"(VPP and ZBH1 need the stages as modules: autopar.pipelining.PipelineStage, or to_static with "
                 f"Strategy.pipeline)"
             )
-        meshes = stage_meshes(model)
-        me = comm.get_rank()
-        where = [s for s, m in enumerate(meshes) if me in m]
-        if not where:
-            raise ValueError(f"build_schedule: rank {me} is on none of the model's stage meshes "
-                             f"{[m.process_ids for m in meshes]}")
+        meshes, stage = stage_position(model, "build_schedule")
         self.model, self.loss_fn, self.meshes = model, loss_fn, meshes
-        self.schedule_mode, self.n_microbatches, self.stage = schedule_mode, accumulate_steps, where[0]
+        self.schedule_mode, self.n_microbatches, self.stage = schedule_mode, accumulate_steps, stage
         self.orders = MODES[schedule_mode](len(meshes), accumulate_steps)
         self.last_times: Optional[StepTimes] = None
         self.peak_held = 0

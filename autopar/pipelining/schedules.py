@@ -17,7 +17,8 @@ from ..api.tensor import reshard
 from ..placement import Replicate
 from .microbatch import split_batch
 from .orders import Orders, fthenb, format_orders, interleaved, one_f_one_b, zbh1
-from .runtime import Runtime, StepTimes, format_times
+from .executor import StageExecutor
+from .runtime import OrderRunner, StepTimes, format_times, open_channels
 from .shared import TiedParameters
 from .stage import PipelineStage
 
@@ -56,7 +57,9 @@ class PipelineSchedule:
         self.ranks, self.num_stages = stages[0].ranks, stages[0].num_stages
         self.orders = orders(len(self.ranks), n_microbatches)
         mine = self.orders[self.ranks.index(comm.get_rank())]
-        self._runtime = Runtime({s.stage_index: s for s in stages}, mine, self.num_stages, self.ranks)
+        self._executor = StageExecutor({s.stage_index: s for s in stages}, self.num_stages)
+        open_channels(self._executor.links)
+        self._runner = OrderRunner(self._executor, mine)
         self._tied = TiedParameters(self.stages, self.ranks)
         self._signature: Optional[tuple] = None
         self.last_times: Optional[StepTimes] = None
@@ -73,9 +76,15 @@ class PipelineSchedule:
         ys = split_batch(target, m, f"{name}.step: target") if target is not None else [()] * m
         signature = _signature(xs[0]) + _signature(ys[0])
         if signature != self._signature:
-            self._runtime.renew()
+            self._executor.renew()
         self._signature = None  # until this step succeeds
-        found, self.last_times = self._runtime.run(xs, ys, self.loss_fn, 1.0 / m, f"{name}.step")
+        self._executor.begin(xs, ys, self.loss_fn, 1.0 / m)
+        try:
+            self.last_times = self._runner.run(f"{name}.step")
+        except BaseException:
+            self._executor.drop_held()
+            raise
+        found = self._executor.losses
         self._signature = signature
         self._tied.sum_grads()
         if losses is not None:
