@@ -178,3 +178,39 @@ def test_parallelize_pipeline_to_static(schedule):
             torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert program.startswith("pipeline VPP, 4 micro-batches, this rank: F0s" if schedule == "VPP"
                                   else "pipeline 1F1B, 4 micro-batches")
+
+
+def _bad_settings(strategy_config):
+    model = SeedMlp(dist.ProcessMesh([0]), dist.ProcessMesh([1]))
+    opt = dist.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError) as err:
+        dist.to_static(model, None, F.mse_loss, opt, dist.Strategy(strategy_config))
+    return str(err.value)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"pipeline": {"enable": True, "schedule_mode": "GPipe"}}, "schedule_mode must be one of"),
+    ({"pipeline": {"enable": True, "schedule_mode": "VPP", "accumulate_steps": 2}}, "VPP runs vpp_degree > 1"),
+    ({"pipeline": {"enable": True, "schedule_mode": "1F1B", "accumulate_steps": 1}},
+     "1F1B needs at least 2 micro-batches for its 2 stages"),
+    ({"pipeline": {"enable": True, "schedule_mode": "VPP", "accumulate_steps": 3, "vpp_degree": 2}},
+     "VPP needs a multiple of the 2 stage meshes"),
+    ({"pipeline": {"enable": True, "accumulate_steps": 2}, "gradient_merge": {"enable": True, "k_steps": 2}},
+     "use pipeline.accumulate_steps alone"),
+])
+def test_pipeline_settings_are_checked_on_every_rank(config, match):
+    for message in run_dist(_bad_settings, 2, config):
+        assert match in message, message
+
+
+@pytest.mark.parametrize("pp_config, match", [
+    ({"split_spec": "layers", "schedule": "1F1B"}, r"unknown keys \['schedule'\]"),
+    ({"split_spec": "layers", "schedule_mode": "2F2B"}, "schedule_mode must be one of"),
+    ({"split_spec": "layers", "accumulate_steps": 0}, "accumulate_steps must be an int >= 1"),
+    ({"split_spec": "layers", "vpp_degree": 1.5}, "vpp_degree must be an int >= 1"),
+])
+def test_pp_config_schedule_keys_are_checked(pp_config, match):
+    from autopar.api.parallelize import pipeline_settings
+
+    with pytest.raises(ValueError, match=match):
+        pipeline_settings(pp_config)

@@ -340,3 +340,33 @@ def _bad(case):
 @pytest.mark.parametrize("case", ["stage_index", "shared", "microbatches", "split", "shape", "raises"])
 def test_bad_input_fails_on_every_rank(case):
     assert all(r is not None for r in run_dist(_bad, 4, case))
+
+
+def _resized():
+    """Batches of 16, 8, 8 and 16 rows through one schedule: shapes go again only when they change."""
+    model = _model()
+    rank = dist.get_rank()
+    module = model[2 * rank:2 * rank + 2]
+    schedule = Schedule1F1B(PipelineStage(module, rank, 4), M, F.mse_loss)
+    out = []
+    for rows in (16, 8, 8, 16):
+        x, y = _batch(rows, rows)
+        with dist.comm_log() as log:
+            schedule.step(x, target=y)
+        metas = sum(1 for r in log if r.op == "send" and r.bytes == 8192)
+        out.append((metas, {n: p.grad.clone() for n, p in _names(model, [module]).items()}))
+        module.zero_grad()
+    return out
+
+
+def test_shapes_go_again_only_when_the_batch_shape_changes():
+    model = _model()
+    for rank, steps in enumerate(run_dist(_resized, 4)):
+        edges = 1 if rank in (0, 3) else 2
+        assert [metas for metas, _ in steps] == [edges, edges, 0, edges]
+        for rows, (_, grads) in zip((16, 8, 8, 16), steps):
+            x, y = _batch(rows, rows)
+            model.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            for name, g in grads.items():
+                torch.testing.assert_close(g, model.get_parameter(name).grad, rtol=1e-5, atol=1e-7)

@@ -120,7 +120,7 @@ def format_times(times: Optional[StepTimes], ranks: tuple) -> str:
     """One row per rank of `ranks` with its last step's times (collective over `ranks`)."""
     if times is None:
         raise RuntimeError("format_times: run a step first")
-    mine = torch.tensor(list(times), dtype=torch.float64)
+    mine = torch.tensor(list(times), dtype=torch.float64, device=comm.current_device())
     rows = comm.all_gather(mine, ranks) if len(ranks) > 1 else [mine]
     lines = ["rank  compute ms  send ms  idle ms (bubble)  total ms"]
     for r, (c, s, i, t) in zip(ranks, (row.tolist() for row in rows)):
