@@ -25,7 +25,8 @@ class Problem:
         self.message, self.cause = message, cause
 
 
-def _gather_text(text: str, ranks: tuple) -> list[str]:
+def gather_text(text: str, ranks: tuple) -> list[str]:
+    """Every rank's `text`, in the order of `ranks` (collective over them)."""
     data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
     device = comm.current_device()
     sizes = comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=device), ranks)
@@ -47,7 +48,7 @@ def agree(problem: Optional[Problem], ranks: tuple, what: str) -> None:
         if not int(comm.all_reduce(flag, ranks, ReduceType.MAX).item()):
             return
         mine = "" if problem is None else json.dumps({"kind": problem.kind, "message": problem.message})
-        found = [(r, json.loads(t)) for r, t in zip(ranks, _gather_text(mine, ranks)) if t]
+        found = [(r, json.loads(t)) for r, t in zip(ranks, gather_text(mine, ranks)) if t]
     elif problem is None:
         return
     else:

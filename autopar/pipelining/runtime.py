@@ -57,6 +57,7 @@ class OrderRunner:
         start = time.perf_counter()
         incoming = [self.executor.incoming(a) for a in self.order]
         ahead = [(k, link) for k, links in enumerate(incoming) for link in links]
+        through = [sum(len(links) for links in incoming[:k + 1]) for k in range(len(incoming))]
         posted = 0
         for k, a in enumerate(self.order):
             while posted < len(ahead) and ahead[posted][0] < k + LOOKAHEAD:
@@ -64,7 +65,7 @@ class OrderRunner:
                     break
                 posted += 1
             received = [self._take(link, a) for link in incoming[k]]
-            posted = max(posted, sum(len(links) for links in incoming[:k + 1]))
+            posted = max(posted, through[k])  # (take() posts what was not posted yet)
             self._act(a, received)
             self.sends = [w for w in self.sends if not w.is_completed()]
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 from .. import comm
 from ..api.tensor import reshard
 from ..dtensor import DistTensor, new_dist
-from .agree import Problem, _gather_text, agree
+from .agree import Problem, gather_text, agree
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ class TiedParameters:
                     held_by_me.setdefault(e, []).append(j)
         mine = {"entries": len(entries), "held": {str(e): js for e, js in held_by_me.items()},
                 "shapes": [[list(p.shape) for p in entry["params"]] for entry in entries]}
-        notes = [json.loads(t) for t in _gather_text(json.dumps(mine), ranks)] if len(ranks) > 1 else [mine]
+        notes = [json.loads(t) for t in gather_text(json.dumps(mine), ranks)] if len(ranks) > 1 else [mine]
         agree(_check(notes, ranks, entries), ranks, "shared_parameters")
         self.ties = []  # (this rank's copies, the ranks holding a copy)
         for e, entry in enumerate(entries):
