@@ -111,7 +111,9 @@ class DistTensor(torch.Tensor):
     def __deepcopy__(self, memo):
         new = DistTensor(self._local.detach().clone(), self._spec, requires_grad=self.requires_grad)
         if isinstance(self, torch.nn.Parameter) or getattr(self, "_is_param", False):
-            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
+            from .api.tensor import distributed_parameter
+
+            new = distributed_parameter(new, self.requires_grad)
         memo[id(self)] = new
         return new
 

@@ -41,6 +41,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import dispatch
+from .api.tensor import GradToPlacement
 from .comm import collectives
 from .dtensor import DistTensor, local_piece, new_dist
 from . import grad_reduce
@@ -511,7 +512,7 @@ def _deliver(params: list, grads: list, edges: tuple) -> list:
     autograd to accumulate."""
     for j, (p, g, (node, _)) in enumerate(zip(params, grads, edges)):
         if (
-            g is None or p.grad is not None or p._backward_hooks or p._post_accumulate_grad_hooks is not None
+            g is None or p.grad is not None or _user_hooks(p) or p._post_accumulate_grad_hooks is not None
             or type(node) is not _ACCUMULATE_GRAD or node.variable is not p
             or g._spec.meta.stride != p._spec.meta.stride
         ):
@@ -524,6 +525,13 @@ def _deliver(params: list, grads: list, edges: tuple) -> list:
         p.grad = g
         grads[j] = None
     return grads
+
+
+def _user_hooks(p) -> bool:
+    """Gradient hooks on `p` besides its own placement hook (a region's gradients are placed
+    like their parameters already: that one would do nothing)."""
+    hooks = p._backward_hooks
+    return bool(hooks) and any(type(h) is not GradToPlacement for h in hooks.values())
 
 
 def _accumulate_grad_type() -> type:

@@ -10,7 +10,7 @@ import torch
 from ..comm import get_rank, get_world_size
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
-from ..placement import Partial, Placement, Replicate, normalize_placements
+from ..placement import Partial, Placement, Replicate, Shard, normalize_placements
 from ..reshard import piece_of_replicated, redistribute_local
 from ..spec import DistSpec, TensorMeta
 
@@ -112,6 +112,38 @@ def gather_everywhere(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     return redistribute_local(local, spec, target)
 
 
+class GradToPlacement:
+    """The gradient hook of a distributed Parameter: a gradient that arrives Replicate on a
+    mesh dim where the parameter is sharded (the sum of a sharded output, say) is cut to the
+    parameter's piece there, which needs no communication, so that a gradient is never
+    larger than its parameter.  Partial dims stay Partial (the optimizer or the
+    data-parallel buckets reduce them), and nothing here moves bytes."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, param: torch.Tensor):
+        self.param = param  # (a cycle through the hook dict, which the garbage collector sees)
+
+    def __call__(self, grad):
+        spec = getattr(self.param, "_spec", None)
+        if type(grad) is not DistTensor or spec is None or grad._spec.mesh != spec.mesh:
+            return None
+        have = grad._spec.placements
+        target = [
+            q if type(p) is Replicate and type(q) is Shard and k > 1 else p
+            for p, q, k in zip(have, spec.placements, spec.mesh.shape)
+        ]
+        return None if tuple(target) == tuple(have) else reshard(grad, spec.mesh, target)
+
+
+def distributed_parameter(t: DistTensor, requires_grad: bool) -> torch.nn.Parameter:
+    """`t` as a Parameter whose gradients arrive placed like it (see GradToPlacement)."""
+    p = torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        p.register_hook(GradToPlacement(p))
+    return p
+
+
 # -- public API ----------------------------------------------------------------------------
 def shard_tensor(
     data,
@@ -136,7 +168,7 @@ def shard_tensor(
     if isinstance(data, DistTensor):
         placements = normalize_placements(placements, mesh.ndim, data.dim(), f"tensor of shape {list(data.shape)}")
         out = reshard(data, mesh, placements)
-        return torch.nn.Parameter(out.detach(), requires_grad=data.requires_grad) if is_param else out
+        return distributed_parameter(out.detach(), data.requires_grad) if is_param else out
     if not isinstance(data, torch.Tensor):
         if isinstance(data, (np.ndarray, list, tuple, int, float, bool)):
             data = torch.as_tensor(data)
@@ -151,7 +183,7 @@ def shard_tensor(
         return _FromFull.apply(data, spec)
     out = DistTensor(_piece_of_full(data.detach(), spec), spec, requires_grad=requires_grad and not is_param)
     if is_param:
-        return torch.nn.Parameter(out, requires_grad=requires_grad)
+        return distributed_parameter(out, requires_grad)
     return out
 
 
