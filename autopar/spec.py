@@ -22,6 +22,43 @@ def split_range(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + q + (1 if index < r else 0)
 
 
+def global_shape_of_pieces(mesh: ProcessMesh, placements: Sequence[Placement], pieces: dict) -> tuple[int, ...]:
+    """The global shape whose pieces under `placements` are `pieces` ({rank: local shape},
+    one per rank of the mesh), or ValueError naming a rank whose piece does not fit: a
+    sharded dim is the sum of its pieces along the mesh dims that shard it, which must
+    follow the split rule (the first pieces one longer, never shorter); other dims agree.
+
+    >>> mesh = ProcessMesh([0, 1, 2])
+    >>> global_shape_of_pieces(mesh, [Shard(0)], {0: (3, 2), 1: (3, 2), 2: (2, 2)})
+    (8, 2)
+    """
+    ranks = mesh.process_ids
+    ndims = {len(pieces[r]) for r in ranks}
+    if len(ndims) != 1:
+        raise ValueError(f"pieces on {mesh} have different numbers of dims: {[pieces[r] for r in ranks]}")
+    ndim = ndims.pop()
+    shape = []
+    for d in range(ndim):
+        sharding = [m for m, p in enumerate(placements) if type(p) is Shard and p.dim == d]
+        # one rank per distinct coordinate on the sharding mesh dims
+        firsts: dict = {}
+        for r in ranks:
+            coord = mesh.coordinate(r)
+            firsts.setdefault(tuple(coord[m] for m in sharding), r)
+        shape.append(sum(pieces[r][d] for r in firsts.values()))
+    shape = tuple(shape)
+    spec = DistSpec(mesh, placements, TensorMeta.contiguous(shape, torch.float32))
+    for r in ranks:
+        want = spec.local_shape(mesh.coordinate(r))
+        if tuple(pieces[r]) != want:
+            raise ValueError(
+                f"the pieces held on {mesh} with placements {list(placements)} do not form one tensor: rank {r} "
+                f"holds {list(pieces[r])}, but a {list(shape)} tensor cut by the split rule (the first pieces one "
+                f"longer) gives it {list(want)}; pass the global shape or fix the pieces"
+            )
+    return shape
+
+
 class TensorMeta:
     """Global shape, stride and dtype of a distributed tensor."""
 
