@@ -366,10 +366,13 @@ def _inputs_in_place(dec: Decision, flat) -> list:
             src = t._spec
             if src is spec:
                 loc = t._local
+            elif _only_reduces(src, spec):  # same value: later reads skip the reduction
+                loc = _reduced_view(t, spec)
+                if loc is None:
+                    loc = redistribute_local(t._local, src, spec)
+                _keep_reduced(t, loc, spec)
             else:
                 loc = redistribute_local(t._local, src, spec)
-                if _only_reduces(src, spec):
-                    t._local, t._spec = loc, spec  # same value: later reads skip the reduction
         else:
             loc = _plain_to(t, spec, _rank())
         locals_.append(loc)
@@ -399,6 +402,42 @@ def _check_writes_reach_bases(func, dec: Decision, flat, locals_) -> None:
                 f"tensor. Reshard the tensor to Replicate() on that mesh dim first, or compute out of place "
                 f"(torch.where, index_put, cat)."
             )
+
+
+def _keep_reduced(t: DistTensor, reduced: torch.Tensor, spec: DistSpec) -> None:
+    """`t` now holds its reduced piece; the address of the one it replaces is noted, so that
+    views made from `t` before are reduced from it rather than once more."""
+    old = t._local
+    if old is not reduced:
+        t._reduced_from = (old.untyped_storage().data_ptr(), old.storage_offset(), old.is_contiguous(), t._spec)
+    t._local, t._spec = reduced, spec
+
+
+def _reduced_view(t: DistTensor, spec: DistSpec):
+    """The reduced piece of `t`, a view of a Partial base tensor, taken from the base reduced
+    once for all its views (backward uses a gradient and its transpose: one all-reduce, not
+    two), or None when `t` is not such a view.  Only Partial -> Replicate reductions: the
+    view's elements keep their places in the base's contiguous piece."""
+    if not t._is_view() or any(type(b) is not Replicate for a, b in zip(t._spec.placements, spec.placements) if a != b):
+        return None
+    base = t._base
+    if type(base) is not DistTensor or base._spec.mesh != spec.mesh:
+        return None
+    view = t._local
+    ptr = view.untyped_storage().data_ptr()
+    if base._local.untyped_storage().data_ptr() == ptr and base._local.is_contiguous():
+        reduced = [Replicate() if a != b else p for a, b, p in zip(t._spec.placements, spec.placements, base._spec.placements)]
+        if any(type(p) is not Partial for a, b, p in zip(t._spec.placements, spec.placements, base._spec.placements) if a != b):
+            return None
+        target = base._spec.with_placements(reduced)
+        _keep_reduced(base, redistribute_local(base._local, base._spec, target), target)
+    before = getattr(base, "_reduced_from", None)
+    if before is None or before[0] != ptr or not before[2] or not base._local.is_contiguous():
+        return None
+    if any(a != b and before[3].placements[m] != a for m, (a, b) in enumerate(zip(t._spec.placements, spec.placements))):
+        return None  # the base was reduced over other mesh dims than this view needs
+    offset = base._local.storage_offset() + view.storage_offset() - before[1]
+    return base._local.as_strided(view.size(), view.stride(), offset)
 
 
 def _draw_and_discard(func, args, kwargs, flat) -> None:

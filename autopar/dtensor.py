@@ -42,7 +42,9 @@ class DistTensor(torch.Tensor):
 
     _local: torch.Tensor
     _spec: DistSpec
-    __slots__ = ("_local", "_spec")
+    # (storage address, offset, spec) of the piece a Partial tensor had before it was reduced
+    # in place: views made earlier still look at that storage (dispatch._reduced_view)
+    __slots__ = ("_local", "_spec", "_reduced_from")
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: DistSpec, requires_grad: bool = False):

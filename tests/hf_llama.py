@@ -13,14 +13,15 @@ import torch
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, SEQ = 128, 64, 128, 4, 2, 16
 
 
-def tiny_llama(layers: int = 2, tie: bool = False, seed: int = 0, **config):
-    """A freshly initialised LlamaForCausalLM (fp32, eager attention: identical everywhere)."""
+def tiny_llama(layers: int = 2, tie: bool = False, seed: int = 0, attention: str = "eager", **config):
+    """A freshly initialised LlamaForCausalLM (fp32; `attention` is HF's attn_implementation,
+    "eager" or "sdpa")."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=4 * SEQ,
-        tie_word_embeddings=tie, attn_implementation="eager", **config,
+        tie_word_embeddings=tie, attn_implementation=attention, **config,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
