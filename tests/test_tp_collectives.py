@@ -7,6 +7,7 @@ loss adds two small forward all-reduces (row max, row sum of exponentials) and o
 backward; the optimizer step reduces the replicated parameters' partial gradients (norms,
 embedding) in one bucket.  Nothing else moves.
 """
+import pytest
 import torch
 
 import autopar as dist
@@ -16,9 +17,9 @@ from hf_llama import HIDDEN, assert_matches, batches, mp_plan, optimizer, refere
 LAYERS, STEPS, BATCH, SEQ = 2, 6, 4, 16
 
 
-def _counted_steps():
+def _counted_steps(attention):
     mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
-    model = tiny_llama(layers=LAYERS, attention="sdpa")
+    model = tiny_llama(layers=LAYERS, attention=attention)
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh,
                                   {"mp_config": {"parallelize_plan": mp_plan()}})
     losses, grads, logs = [], [], []
@@ -37,12 +38,15 @@ def _counted_steps():
     return losses, weights, grads, logs
 
 
-def test_llama_tensor_parallel_moves_only_megatrons_collectives():
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_llama_tensor_parallel_moves_only_megatrons_collectives(attention):
+    """Eager attention (q @ k^T per head, softmax, @ v) merges the heads into the batched
+    matmul's batch: the heads' split goes through as a StridedShard, no all-to-all."""
     ref_grads = []
-    ref = (*reference(batches(STEPS), grads=ref_grads, layers=LAYERS, attention="sdpa"), ref_grads)
+    ref = (*reference(batches(STEPS), grads=ref_grads, layers=LAYERS, attention=attention), ref_grads)
     activation = (BATCH, SEQ, HIDDEN)
     act_bytes = BATCH * SEQ * HIDDEN * 4  # an all-reduce over 2 ranks sends 2 (k-1)/k of it
-    for losses, weights, grads, logs in run_dist(_counted_steps, 2):
+    for losses, weights, grads, logs in run_dist(_counted_steps, 2, attention):
         assert_matches((losses, weights, grads), ref)
         # the last step: every sublayer's local-region verification is behind it
         fwd, bwd, step = logs[-1]
