@@ -42,7 +42,7 @@ class DistTensor(torch.Tensor):
 
     _local: torch.Tensor
     _spec: DistSpec
-    __slots__ = ("_local", "_spec")
+    __slots__ = ()
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: DistSpec, requires_grad: bool = False):
