@@ -144,15 +144,18 @@ def _data(n, micro=1):
     return [[(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(micro)] for _ in range(n)]
 
 
+def _backward(model, x, y, scale):
+    loss = torch.nn.functional.mse_loss(model(x), y) / scale
+    loss.backward()
+    return loss.item()
+
+
 def _steps(model, opt, data, mesh=None):
+    """Per step, a backward per micro-batch (the batch split over "dp" of `mesh`), then the step."""
+    place = (lambda t: t) if mesh is None else (lambda t: dist.shard_tensor(t, mesh, [S0]))
     losses = []
     for batch in data:
-        for x, y in batch:
-            if mesh is not None:
-                x, y = dist.shard_tensor(x, mesh, [S0]), dist.shard_tensor(y, mesh, [S0])
-            loss = torch.nn.functional.mse_loss(model(x), y) / len(batch)
-            loss.backward()
-            losses.append(loss.item())
+        losses += [_backward(model, place(x), place(y), len(batch)) for x, y in batch]
         opt.step()
         opt.zero_grad()
     return losses
