@@ -1,7 +1,7 @@
 """ZeRO levels 0-3 against torch FSDP2 and DDP on one model, in one interleaved run.
 
     python -m autopar.launch --nproc_per_node 4 benchmarks/bench_zero.py
-    python -m autopar.launch --nproc_per_node 2 benchmarks/bench_zero.py --layers 2 --reps 5
+    python -m autopar.launch --nproc_per_node 2 benchmarks/bench_zero.py --layers 2 --reps 5 --levels 2,3
 
 Model: HuggingFace LlamaForCausalLM built from a config (no download; --hidden, --layers,
 --vocab, ...), trained by `model(input_ids=ids, labels=ids).loss`, AdamW(lr=1e-3), a batch of
@@ -149,6 +149,7 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=4, help="steps before timing (local regions verify in the first three)")
+    p.add_argument("--levels", "--stages", default="0,1,2,3", help="autopar ZeRO levels besides 0, e.g. 1,3")
     p.add_argument("--no-plain", action="store_true")
     args = p.parse_args()
     rank, k = C.setup()
@@ -167,7 +168,7 @@ def main():
 
     runners: dict = {}
     mesh = dist.ProcessMesh(list(range(k)), dim_names=["dp"])
-    for level in range(4):
+    for level in sorted({0} | {int(s) for s in args.levels.split(",")}):
         model = llama(args)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": level}})
@@ -210,6 +211,7 @@ def main():
             C.assert_close(torch.tensor(runners[n].losses), torch.tensor(ref), f"{n} vs single-process losses")
     st = {n: C.stats_ms(v) for n, v in times.items()}
     peers = {"autopar_z0": "ddp", "autopar_z1": "ddp", "autopar_z2": "fsdp2_keep", "autopar_z3": "fsdp2"}
+    peers = {n: peer for n, peer in peers.items() if n in runners}
     for n in runners:
         rec = {"bench": "zero_llama_step", "impl": n, "ranks": 1 if n == "plain" else k, **st[n]}
         if n in facts:

@@ -47,13 +47,18 @@ from .layer import models
 
 _resize = torch.ops.inductor.resize_storage_bytes_
 
-_UNIT_OF: dict = {}  # id(sharded parameter) -> its _Unit
+_UNIT_OF: dict = {}  # id(sharded parameter) -> weak reference to its _Unit (alive with its layer's hooks)
+
+
+def _unit_of(p: torch.Tensor) -> Optional["_Unit"]:
+    ref = _UNIT_OF.get(id(p))
+    unit = ref() if ref is not None else None
+    return unit if unit is not None and any(q is p for q in unit.params) else None
 
 
 def gathers(p: torch.Tensor) -> bool:
     """True when a ZeRO-3 unit gathers `p` around its use (and reduces its gradient)."""
-    unit = _UNIT_OF.get(id(p))
-    return unit is not None and unit.holds(p)
+    return _unit_of(p) is not None
 
 
 def install(params: list, mesh_dim) -> None:
@@ -64,7 +69,7 @@ def install(params: list, mesh_dim) -> None:
         owners: dict = {}  # id(parameter) -> [(layer name, layer, attribute)]
         for name, layer in model.named_modules():
             for attr, p in layer._parameters.items():
-                if p is not None and id(p) in wanted and id(p) not in _UNIT_OF:
+                if p is not None and id(p) in wanted and _unit_of(p) is None:
                     owners.setdefault(id(p), []).append((name, layer, attr))
         if owners:
             _Model(model, owners, wanted, mesh_dim)
@@ -184,7 +189,6 @@ class _Unit:
         self.model, self.name = model, name
         self.params = [p for p, _ in members]
         self.holders = [h for _, h in members]
-        self.refs = [weakref.ref(p) for p in self.params]
         rank = get_rank()
         self.full, self.writes, self.groups = [], [], []
         by_dtype: dict = {}
@@ -203,7 +207,7 @@ class _Unit:
             if coord is not None:
                 ranks = spec.mesh.group_of(rank, (m,))
                 by_dtype.setdefault((ranks, p.dtype), []).append((i, spec.placements[m].dim))
-            _UNIT_OF[id(p)] = self
+            _UNIT_OF[id(p)] = weakref.ref(self, lambda ref, key=id(p): _UNIT_OF.pop(key) if _UNIT_OF.get(key) is ref else None)
         for (ranks, _), entries in by_dtype.items():
             idx = [i for i, _ in entries]
             layout = FlatShards([self.writes[i].shape for i in idx], [d for _, d in entries], len(ranks))
@@ -217,9 +221,6 @@ class _Unit:
         self._free_storage()
         layer.register_forward_pre_hook(lambda *_: self.before_forward())
         layer.register_forward_hook(lambda _m, _a, out: self.after_forward(out))
-
-    def holds(self, p) -> bool:
-        return any(ref() is p for ref in self.refs)
 
     # -- gathering --------------------------------------------------------------------------
     def _versions(self) -> list:
