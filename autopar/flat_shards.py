@@ -10,6 +10,8 @@ dim 0 the chunks need no padding and a whole bucket packs and unpacks in one op 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .spec import split_range
@@ -35,6 +37,12 @@ class FlatShards:
         self.numels = [[_numel(shapes[j]) for shapes in self.piece_shapes] for j in range(k)]
         self.chunk = max(sum(n) for n in self.numels)
         self.even = all(d == 0 and s[0] % k == 0 for s, d in zip(self.shapes, self.dims))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=1024)
+    def of(shapes: tuple, dims: tuple, k: int) -> "FlatShards":
+        """The layout, made once per (shapes, dims, k): buckets recur every step."""
+        return FlatShards(list(shapes), list(dims), k)
 
     def pack(self, tensors: list) -> torch.Tensor:
         """The full tensors as k chunks (a reduce-scatter's input)."""

@@ -156,7 +156,7 @@ class _Collective:
         self.layout = None
         if kind == REDUCE_SCATTER:
             cut = [s.placements[dims[0]].dim for s in placed]
-            self.layout = FlatShards([t.shape for t in locals_], cut, len(self.ranks))
+            self.layout = FlatShards.of(tuple(tuple(t.shape) for t in locals_), tuple(cut), len(self.ranks))
             self.me = self.ranks.index(rank)
 
     def start(self, locals_: list):

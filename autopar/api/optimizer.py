@@ -158,6 +158,7 @@ class _OptimizerSharding:
         self.shard_fn = shard_fn
         self.stage = getattr(shard_fn, "stage", None)
         self.shard_steps: dict = {}  # id(parameter) -> _ShardStep (ZeRO-1/2)
+        self.gathers: Optional[list] = None  # ZeRO-1/2: the all-gathers after the step, planned once
         self.states_sharded = False
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if self.stage == 3:
@@ -275,9 +276,19 @@ class _OptimizerSharding:
 
     def _publish(self) -> None:
         """ZeRO-1/2: all-gather the updated shards into the whole parameters, one collective
-        per bucket of parameters on the same ranks."""
+        per bucket."""
+        if self.gathers is None:
+            self.gathers = self._gather_buckets()
+        with torch.no_grad():
+            for ranks, me, bucket, layout in self.gathers:
+                gathered = all_gather_into(layout.pack_pieces([s.piece()[1] for s in bucket], me), ranks)
+                layout.unpack(gathered, [_full_local(s.param) for s in bucket])
+
+    def _gather_buckets(self) -> list:
+        """(ranks, this rank's index, shards, their chunk layout) per bucket of shards on the
+        same ranks and dtype, at most BUCKET_BYTES sent by each rank."""
         rank = get_rank()
-        buckets: dict = {}  # (ranks, dtype) -> buckets of at most BUCKET_BYTES sent per rank
+        buckets: dict = {}  # (ranks, dtype) -> [[bytes, shards...], ...]
         for shard in self.shard_steps.values():
             if rank not in shard.full.mesh or shard.full.mesh.shape[shard.mesh_dim] == 1:
                 continue  # (a mesh dim of one rank: the shard is the whole piece, updated in place)
@@ -289,14 +300,13 @@ class _OptimizerSharding:
                 filling.append([0])
             filling[-1][0] += nbytes
             filling[-1].append(shard)
-        with torch.no_grad():
-            for (ranks, _), bucket_list in buckets.items():
-                me = ranks.index(rank)
-                for _, *bucket in bucket_list:
-                    fulls = [_full_local(s.param) for s in bucket]
-                    layout = FlatShards([f.shape for f in fulls], [s.cut_dim for s in bucket], len(ranks))
-                    gathered = all_gather_into(layout.pack_pieces([s.piece()[1] for s in bucket], me), ranks)
-                    layout.unpack(gathered, fulls)
+        out = []
+        for (ranks, _), bucket_list in buckets.items():
+            for _, *bucket in bucket_list:
+                shapes = tuple(tuple(_full_local(s.param).shape) for s in bucket)
+                layout = FlatShards.of(shapes, tuple(s.cut_dim for s in bucket), len(ranks))
+                out.append((ranks, ranks.index(rank), bucket, layout))
+        return out
 
 
 def _placed(value: torch.Tensor, spec: DistSpec) -> DistTensor:

@@ -105,10 +105,12 @@ class _Model:
     def __init__(self, model: torch.nn.Module, owners: dict, params: dict, mesh_dim):
         blocks = _unit_roots(model)
         members: dict = {}  # unit root name -> [(parameter, [(layer dict, attribute)])]
+        layers = dict(model.named_modules())
         for pid, holders in owners.items():
             root = _common([blocks.get(name, name) for name, _, _ in holders])
+            while isinstance(layers[root], (torch.nn.ModuleList, torch.nn.ModuleDict)):  # (never called)
+                root = root.rpartition(".")[0]
             members.setdefault(root, []).append((params[pid], [(layer._parameters, attr) for _, layer, attr in holders]))
-        layers = dict(model.named_modules())
         self.units = [_Unit(self, layers[name], name, group, mesh_dim) for name, group in members.items()]
         self.order: list = []  # units in the order their forward starts
         self.last: Optional[_Unit] = None  # the unit whose forward ends last (kept for backward)
@@ -210,7 +212,7 @@ class _Unit:
             _UNIT_OF[id(p)] = weakref.ref(self, lambda ref, key=id(p): _UNIT_OF.pop(key) if _UNIT_OF.get(key) is ref else None)
         for (ranks, _), entries in by_dtype.items():
             idx = [i for i, _ in entries]
-            layout = FlatShards([self.writes[i].shape for i in idx], [d for _, d in entries], len(ranks))
+            layout = FlatShards.of(tuple(tuple(self.writes[i].shape) for i in idx), tuple(d for _, d in entries), len(ranks))
             self.groups.append((idx, ranks, ranks.index(rank), layout))
         self.trainable = sum(p.requires_grad for p in self.params)
         self.pending: list = []  # all-gathers in flight
