@@ -197,7 +197,7 @@ class _OptimizerSharding:
         """ZeRO-3: every parameter sharded over the mesh dim in place; the layers holding them
         gather them around their use."""
         sharded = []
-        for p in params:
+        for n, p in enumerate(params):
             spec = _param_spec(p, self.shard_fn.mesh)
             target = sharded_spec(spec, spec.mesh.dim_index(self.shard_fn.sharding_mesh_dim))
             if target is None:
@@ -208,7 +208,7 @@ class _OptimizerSharding:
                 p._spec = target
             else:
                 new = torch.nn.Parameter(new_dist(_piece_of_full(p.detach(), target), target), p.requires_grad)
-                convert_in_place(p, new, f"of shape {list(p.shape)}")
+                convert_in_place(p, new, f"#{n} of the optimizer")
             sharded.append(p)
         zero3.install(sharded, self.shard_fn.sharding_mesh_dim)
 
