@@ -11,6 +11,7 @@ dim 0 the chunks need no padding and a whole bucket packs and unpacks in one op 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -34,7 +35,7 @@ class FlatShards:
         self.piece_shapes = [
             [s[:d] + (b - a,) + s[d + 1:] for a, b in rows] for s, d, rows in zip(self.shapes, self.dims, self.rows)
         ]
-        self.numels = [[_numel(shapes[j]) for shapes in self.piece_shapes] for j in range(k)]
+        self.numels = [[math.prod(shapes[j]) for shapes in self.piece_shapes] for j in range(k)]
         self.chunk = max(sum(n) for n in self.numels)
         self.even = all(d == 0 and s[0] % k == 0 for s, d in zip(self.shapes, self.dims))
 
@@ -82,10 +83,3 @@ class FlatShards:
     def _padding(self, like: torch.Tensor, j: int) -> list:
         pad = self.chunk - sum(self.numels[j])
         return [like.new_zeros(pad)] if pad else []
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

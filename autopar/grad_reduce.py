@@ -28,6 +28,7 @@ places do it:
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Optional
 
@@ -111,7 +112,8 @@ def reduce_grads(pending: list) -> None:
 class GradReduction:
     """Gradients on their way to `grad_plan`'s placements: one collective per bucket of those
     that need only that one (started at once, in order: every rank builds the same buckets),
-    a reshard for the rest; `finish()` waits and returns them placed."""
+    a reshard for the rest; `finish()` waits and returns them placed.  A gradient is not kept
+    once its bucket has been packed."""
 
     def __init__(self, grads: list, plans: list):
         from .api.tensor import reshard
@@ -130,53 +132,49 @@ class GradReduction:
         for (mesh, how, _), entries in buckets.items():
             locals_ = [local for _, local, _ in entries]
             if how[1] and rank in mesh and sum(t.numel() for t in locals_):
-                collective = _Collective(how, mesh, [placed for _, _, placed in entries], locals_)
-                self.started.append((entries, collective, collective.start(locals_)))
+                collective = _Collective(how, mesh, [placed for _, _, placed in entries],
+                                         tuple(tuple(t.shape) for t in locals_))
+                self.started.append(([(n, placed) for n, _, placed in entries], collective, collective.start(locals_)))
+                for n, _, _ in entries:
+                    self.out[n] = None
             else:
                 for n, local, placed in entries:
                     self.out[n] = new_dist(local, placed)
 
     def finish(self) -> list:
         for entries, collective, pending in self.started:
-            locals_ = collective.result(pending.wait(), [local for _, local, _ in entries])
-            for (n, _, placed), local in zip(entries, locals_):
+            for (n, placed), local in zip(entries, collective.result(pending.wait())):
                 self.out[n] = new_dist(local, placed)
         self.started = []
         return self.out
 
 
 class _Collective:
-    """One bucket's collective over the gradients' local pieces: an all-reduce of their
-    concatenation, or a reduce-scatter of their chunk layout."""
+    """One bucket's collective over the gradients' local pieces (of `shapes`): an all-reduce
+    of their concatenation, or a reduce-scatter of their chunk layout."""
 
-    def __init__(self, how: tuple, mesh, placed: list, locals_: list):
+    def __init__(self, how: tuple, mesh, placed: list, shapes: tuple):
         kind, dims, self.op = how
         rank = get_rank()
         self.ranks = mesh.group_of(rank, dims)
+        self.shapes = shapes
         self.layout = None
         if kind == REDUCE_SCATTER:
             cut = [s.placements[dims[0]].dim for s in placed]
-            self.layout = FlatShards.of(tuple(tuple(t.shape) for t in locals_), tuple(cut), len(self.ranks))
+            self.layout = FlatShards.of(shapes, tuple(cut), len(self.ranks))
             self.me = self.ranks.index(rank)
 
     def start(self, locals_: list):
         if self.layout is None:
-            return all_reduce_start(_flatten(locals_), self.ranks, self.op)
+            return all_reduce_start(torch.cat([t.reshape(-1) for t in locals_]), self.ranks, self.op)
         return reduce_scatter_start(self.layout.pack(locals_), self.ranks, self.op)
 
-    def result(self, out: torch.Tensor, locals_: list) -> list:
-        """Each gradient's reduced piece, from the collective's output."""
-        if self.layout is None:
-            return _unflatten(out, locals_)
-        return self.layout.pieces_of(out, self.me)
-
-
-def _flatten(tensors: list) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unflatten(flat: torch.Tensor, like: list) -> list:
-    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+    def result(self, out: torch.Tensor) -> list:
+        """Each gradient's reduced piece, views into the collective's output."""
+        if self.layout is not None:
+            return self.layout.pieces_of(out, self.me)
+        sizes = [math.prod(shape) for shape in self.shapes]
+        return [piece.view(shape) for piece, shape in zip(out.split(sizes), self.shapes)]
 
 
 # -- reduction in backward -------------------------------------------------------------------
@@ -216,10 +214,11 @@ class _Bucket:
 
     def collective(self, members: list, placed: dict, grads: list) -> _Collective:
         """The collective over these members' gradients (kept for the usual case: all of them)."""
+        shapes = tuple(tuple(g.shape) for g in grads)
         if len(members) < len(self.members):  # some parameters got no gradient this time
-            return _Collective(self.how, self.mesh, [placed[i] for i in members], grads)
+            return _Collective(self.how, self.mesh, [placed[i] for i in members], shapes)
         if self.whole is None:
-            self.whole = _Collective(self.how, self.mesh, [placed[i] for i in members], grads)
+            self.whole = _Collective(self.how, self.mesh, [placed[i] for i in members], shapes)
         return self.whole
 
 
@@ -293,7 +292,7 @@ class BackwardReduction:
     def _reset(self) -> None:
         self.grads: dict = {}
         self.ready = {id(b): 0 for b in self.plan.buckets}
-        self.pending: dict = {}  # id(bucket) -> (its _Collective, the gradients, comm.Pending)
+        self.pending: dict = {}  # id(bucket) -> (its members that had gradients, its _Collective, comm.Pending)
 
     def watch(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """A view of parameter i's local piece whose gradient hook counts it ready."""
@@ -311,9 +310,9 @@ class BackwardReduction:
     def _start(self, b: _Bucket) -> None:
         mine = [i for i in b.members if i in self.grads]
         if mine:
-            grads = [self.grads[i] for i in mine]
+            grads = [self.grads.pop(i) for i in mine]  # (packed: not kept)
             collective = b.collective(mine, self.plan.placed, grads)
-            self.pending[id(b)] = (collective, grads, collective.start(grads))
+            self.pending[id(b)] = (mine, collective, collective.start(grads))
 
     def finish(self, grads: list) -> dict:
         """{parameter position: reduced gradient, placed where it is stepped}, once every
@@ -329,9 +328,8 @@ class BackwardReduction:
             entry = self.pending.get(id(b))
             if entry is None:
                 continue
-            collective, grads, pending = entry
-            mine = [i for i in b.members if i in self.grads]
-            for i, g in zip(mine, collective.result(pending.wait(), grads)):
+            mine, collective, pending = entry
+            for i, g in zip(mine, collective.result(pending.wait())):
                 out[i] = new_dist(g, self.plan.placed[i])
         self._reset()  # a second backward through the same graph (retain_graph) starts afresh
         return out

@@ -286,7 +286,7 @@ class _OptimizerSharding:
 
     def _gather_buckets(self) -> list:
         """(ranks, this rank's index, shards, their chunk layout) per bucket of shards on the
-        same ranks and dtype, at most BUCKET_BYTES sent by each rank."""
+        same ranks and dtype, at most BUCKET_BYTES gathered."""
         rank = get_rank()
         buckets: dict = {}  # (ranks, dtype) -> [[bytes, shards...], ...]
         for shard in self.shard_steps.values():
@@ -294,8 +294,8 @@ class _OptimizerSharding:
                 continue  # (a mesh dim of one rank: the shard is the whole piece, updated in place)
             ranks = shard.full.mesh.group_of(rank, (shard.mesh_dim,))
             filling = buckets.setdefault((ranks, shard.spec.meta.dtype), [[0]])
-            piece = shard.piece()[1]
-            nbytes = piece.numel() * piece.element_size()
+            full = _full_local(shard.param)
+            nbytes = full.numel() * full.element_size()
             if len(filling[-1]) > 1 and filling[-1][0] + nbytes > grad_reduce.BUCKET_BYTES:
                 filling.append([0])
             filling[-1][0] += nbytes
