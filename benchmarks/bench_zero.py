@@ -18,9 +18,11 @@ Per implementation (one record each, rank 0's view, max over ranks where it says
   median/min/max ms per step, interleaved with the others (ratio_time_vs_z0 / vs the torch peer);
   collectives and bytes sent per step (autopar: comm_log; torch: its c10d ops, priced with
   the same bandwidth-optimal formula);
-  memory: local bytes of parameters, gradients after backward, optimizer states; the peak
-  of the memory allocated during one step above the start (torch profiler's allocation
-  events on CPU, torch.cuda.max_memory_allocated on GPUs), max over ranks.
+  memory, max over ranks: local bytes of parameters, gradients after backward, optimizer
+  states; the peak of the parameter bytes held during a step (sharded pieces plus what
+  ZeRO-3 / FSDP2 has gathered, sampled wherever a layer starts its forward or backward); on
+  GPUs the peak of all memory allocated during a step above its start
+  (torch.cuda.max_memory_allocated; a CPU has no such counter).
 """
 from __future__ import annotations
 
@@ -98,31 +100,43 @@ def _pieces(tensors):
     return C.local_bytes([t for t in tensors if t is not None])
 
 
-def memory(runner) -> dict:
-    """Local bytes held after one step, the gradients right after backward, and the peak
-    allocated during the step above its start."""
-    model, opt = runner.model, runner.opt
-    grads = {}
-    torch_profile = not torch.cuda.is_available()
-    if torch_profile:
-        from torch.profiler import ProfilerActivity, profile
+def gathered_bytes(model) -> int:
+    """Bytes of the parameters ZeRO-3 (autopar's units) or FSDP2 holds gathered right now."""
+    from autopar.api import zero3
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            runner.step(lambda: grads.setdefault("b", _pieces(p.grad for p in model.parameters())))
-        events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
-        live = peak = 0
-        for e in events:
-            live += e.self_cpu_memory_usage
-            peak = max(peak, live)
-    else:
+    units = {id(u): u for u in (ref() for ref in zero3._UNIT_OF.values()) if u is not None}.values()
+    total = sum(w.untyped_storage().nbytes() for u in units for w in u.writes
+                if any(p is q for p in model.parameters() for q in u.params))
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        if group is not None:
+            total += sum(fp._unsharded_param.untyped_storage().nbytes() for fp in group.fsdp_params
+                         if hasattr(fp, "_unsharded_param"))
+    return total
+
+
+def memory(runner) -> dict:
+    """Local bytes held after one step, the gradients right after backward, and the peaks
+    during the step."""
+    model, opt = runner.model, runner.opt
+    grads, seen = {}, [0]
+    sharded = _pieces(model.parameters())
+    sample = lambda *_: seen.__setitem__(0, max(seen[0], sharded + gathered_bytes(model)))  # noqa: E731
+    hooks = [h for m in model.modules()
+             for h in (m.register_forward_pre_hook(sample), m.register_full_backward_pre_hook(sample))]
+    if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        runner.step(lambda: grads.setdefault("b", _pieces(p.grad for p in model.parameters())))
-        peak = torch.cuda.max_memory_allocated() - start
+    runner.step(lambda: grads.setdefault("b", _pieces(p.grad for p in model.parameters())))
+    peak = torch.cuda.max_memory_allocated() - start if torch.cuda.is_available() else -1
+    for h in hooks:
+        h.remove()
     states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    got = torch.tensor([_pieces(model.parameters()), grads["b"], _pieces(states), peak], dtype=torch.int64)
+    got = torch.tensor([sharded, grads["b"], _pieces(states), seen[0], peak], dtype=torch.int64)
     tdist.all_reduce(got, op=tdist.ReduceOp.MAX)
-    return dict(zip(("param_bytes", "grad_bytes_after_backward", "state_bytes", "peak_step_bytes"), got.tolist()))
+    keys = ("param_bytes", "grad_bytes_after_backward", "state_bytes", "peak_param_bytes", "peak_step_bytes")
+    return {k: v for k, v in zip(keys, got.tolist()) if v >= 0}
 
 
 def collectives(runner) -> tuple:
