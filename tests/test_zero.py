@@ -337,3 +337,22 @@ def test_optimizer_states_loaded_into_another_parallelization_land_like_their_pa
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         for k, v in ref_weights.items():
             torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5)
+
+
+def _hooks_survive_conversion():
+    """A gradient hook the user registered on a plain Parameter still fires (and only it)
+    after shard_layer converted the Parameter in place."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = _Stack()
+    seen = []
+    model.head.weight.register_hook(lambda g: seen.append(("tensor", type(g).__name__)))
+    model.head.bias.register_post_accumulate_grad_hook(lambda p: seen.append(("accumulated", type(p.grad).__name__)))
+    dist.shard_layer(model, mesh)
+    x = dist.shard_tensor(torch.randn(4, 16), mesh, [S0])
+    model(x).sum().backward()
+    return seen
+
+
+def test_gradient_hooks_survive_conversion_in_place():
+    for seen in run_dist(_hooks_survive_conversion, 2):
+        assert sorted(seen) == [("accumulated", "DistTensor"), ("tensor", "DistTensor")], seen

@@ -34,6 +34,10 @@ def convert_in_place(old: torch.Tensor, new: torch.Tensor, name: str) -> None:
             f"cannot convert parameter '{name}' (shape {list(old.shape)}) in place: {err}. Convert the model "
             f"before running it: a live autograd graph (or a weak reference) holds the parameter"
         ) from err
+    # the swap moves the gradient hooks with the tensor but leaves each object its hook dicts:
+    # install the Parameter's own hooks (a user's, registered before) on it again
+    old._backward_hooks = old._backward_hooks
+    old._post_accumulate_grad_hooks = old._post_accumulate_grad_hooks
 
 
 _MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
