@@ -150,21 +150,24 @@ def _backward(model, x, y, scale):
     return loss.item()
 
 
-def _steps(model, opt, data, mesh=None):
-    """Per step, a backward per micro-batch (the batch split over "dp" of `mesh`), then the step."""
+def _steps(model, opt, data, mesh=None, touch=None):
+    """Per step, a backward per micro-batch (the batch split over "dp" of `mesh`), `touch`
+    (which may read and change the gradients; its results are kept), then the step."""
     place = (lambda t: t) if mesh is None else (lambda t: dist.shard_tensor(t, mesh, [S0]))
     losses = []
     for batch in data:
         losses += [_backward(model, place(x), place(y), len(batch)) for x, y in batch]
+        if touch is not None:
+            losses.append(touch(model))
         opt.step()
         opt.zero_grad()
     return losses
 
 
-def _mlp_reference(data):
+def _mlp_reference(data, touch=None):
     model = _Stack()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    return _steps(model, opt, data), {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _steps(model, opt, data, touch=touch), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _zero_mlp(level, world):
@@ -222,18 +225,19 @@ def test_states_are_keyed_by_the_parameters_and_round_trip(level, tmp_path):
                 assert torch.equal(got[k], v), (how, k)
 
 
-def _accumulate(level):
+def _accumulate_and_clip(level):
     data = _data(3, micro=2)
     model, opt, mesh = _zero_mlp(level, 4)
-    return _steps(model, opt, data, mesh), _weights(model)
+    return _steps(model, opt, data, mesh, _touch_grads), _weights(model)
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
-def test_gradient_accumulation(level):
-    """Two micro-batches per step: ZeRO-1 keeps the sum whole until the step, ZeRO-2 and 3
-    reduce-scatter every backward and add the shards."""
-    ref_losses, ref_weights = _mlp_reference(_data(3, micro=2))
-    for losses, weights in run_dist(_accumulate, 4, level):
+@pytest.mark.parametrize("level", LEVELS)
+def test_gradient_accumulation_and_clipping(level):
+    """Two micro-batches per step (ZeRO-1 keeps the sum whole until the step, ZeRO-2 and 3
+    reduce-scatter every backward and add the shards), then the gradients clipped by norm
+    and by value and scaled by hand: the norms, losses and weights of one process."""
+    ref_losses, ref_weights = _mlp_reference(_data(3, micro=2), _touch_grads)
+    for losses, weights in run_dist(_accumulate_and_clip, 4, level):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         for k, v in ref_weights.items():
             torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5)
