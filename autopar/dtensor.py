@@ -42,6 +42,8 @@ class DistTensor(torch.Tensor):
 
     _local: torch.Tensor
     _spec: DistSpec
+    # no slots of its own: `torch.utils.swap_tensors` converts a plain Parameter in place
+    # (shard_layer) only into a class of the same layout
     __slots__ = ()
 
     @staticmethod
