@@ -15,8 +15,8 @@ whose storage holds data only around the unit's use:
   parameters; the unit before it started it: prefetch) and puts the full Parameters into its
   layers; the post-hook puts the sharded ones back and frees the storage, except in the
   unit that finishes last (its backward comes first);
-- backward: autograd reaches the unit's outputs first, where an identity Function gathers
-  the parameters again (and starts the previous unit's gather); when every full Parameter
+- backward: autograd reaches the unit's outputs first, where gradient hooks gather the
+  parameters again (and start the previous unit's gather); when every full Parameter
   has its gradient (post-accumulate-grad hooks) the unit starts one reduce-scatter of them
   and frees the storage; at the end of backward the shards are added to the sharded
   parameters' `.grad`.
@@ -36,7 +36,7 @@ import weakref
 from typing import Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from ..comm import all_gather_start, collectives, get_rank
 from ..dtensor import DistTensor, new_dist
@@ -167,22 +167,6 @@ class _Model:
             unit.free()
 
 
-class _BeforeBackward(torch.autograd.Function):
-    """Identity on a unit's outputs; its backward, which runs before the unit's, gathers the
-    unit's parameters again."""
-
-    @staticmethod
-    def forward(ctx, unit, *outs):
-        ctx.unit = unit
-        ctx.set_materialize_grads(False)
-        return tuple(o.view_as(o) for o in outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.unit.before_backward()
-        return (None, *grads)
-
-
 class _Unit:
     """A layer's parameters under ZeRO-3: sharded ones (the user's), full ones (used in the
     layer's forward and backward), one all-gather and one reduce-scatter per use."""
@@ -280,21 +264,17 @@ class _Unit:
         self._use(self.params)
         self.in_use = False
         self.model.unit_done(self)
-        flat, spec = tree_flatten(out)
-        which = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         grad = torch.is_grad_enabled()
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad] if grad else []
+        for t in outs:  # their gradients arrive before the unit's backward runs: gather there
+            t.register_hook(self.before_backward)
         # the unit whose backward comes first keeps its parameters, and so does one whose
         # outputs cannot carry the regather (none found): until the end of backward
-        self.keep = grad and (not which or self is self.model.last)
+        self.keep = grad and (not outs or self is self.model.last)
         if not self.keep:
             self.free()
-        if not grad or not which:
-            return out
-        for i, t in zip(which, _BeforeBackward.apply(self, *[flat[i] for i in which])):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
 
-    def before_backward(self) -> None:
+    def before_backward(self, _grad=None) -> None:
         if not collectives.CAPTURE_HOOKS:
             self.start_gather()  # (before the previous unit's prefetch)
         self.model.backward_started(self)
