@@ -44,7 +44,10 @@ class DistTensor(torch.Tensor):
     _spec: DistSpec
     # (storage address, offset, spec) of the piece a Partial tensor had before it was reduced
     # in place: views made earlier still look at that storage (dispatch._reduced_view)
-    __slots__ = ("_local", "_spec", "_reduced_from")
+    _reduced_from: tuple
+    # no slots of its own: `torch.utils.swap_tensors` converts a plain Parameter in place
+    # (shard_layer) only into a class of the same layout
+    __slots__ = ()
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: DistSpec, requires_grad: bool = False):

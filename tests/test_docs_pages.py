@@ -1,8 +1,7 @@
 """Every page of docs/ starts with a runnable example, and the suite runs it.
 
 A page whose first python block starts with `# ranks: N` runs here on an N-rank world (its
-asserts are the check); a page whose example needs the launcher names the test that runs
-it in its block's first lines."""
+asserts are the check); any other page has its own tests/test_docs_<page>.py."""
 import os
 import re
 
@@ -38,8 +37,7 @@ def test_page_example_runs(page):
     code = _first_example(page)
     ranks = re.match(r"#\s*ranks:\s*(\d+)", code)
     if ranks is None:
-        named = re.search(r"tests/(test_\w+\.py)", code + open(os.path.join(DOCS, page)).read())
-        assert named and os.path.exists(os.path.join(ROOT, "tests", named.group(1))), \
-            f"docs/{page}: its example has no '# ranks: N' line and names no test that runs it"
+        own_test = os.path.join(ROOT, "tests", f"test_docs_{page[:-3]}.py")
+        assert os.path.exists(own_test), f"docs/{page}: its example has no '# ranks: N' line and no {own_test} runs it"
         return
     assert all(run_dist(_run_example, int(ranks.group(1)), code))
