@@ -15,13 +15,16 @@ from .backend import (
     reset_groups,
 )
 from .collectives import (
+    Pending,
     all_gather,
     all_gather_into,
+    all_gather_start,
     all_reduce,
     all_reduce_start,
     all_to_all,
     broadcast,
     reduce_scatter,
+    reduce_scatter_start,
     send_recv,
 )
 from .log import CommRecord, comm_log
@@ -31,8 +34,10 @@ __all__ = [
     "CommError",
     "CommRecord",
     "P2PWork",
+    "Pending",
     "all_gather",
     "all_gather_into",
+    "all_gather_start",
     "all_reduce",
     "all_reduce_start",
     "all_to_all",
@@ -49,6 +54,7 @@ __all__ = [
     "irecv",
     "isend",
     "reduce_scatter",
+    "reduce_scatter_start",
     "reset_groups",
     "send_recv",
 ]
