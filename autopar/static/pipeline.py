@@ -27,8 +27,9 @@ from .stage_split import SplitError, StagedProgram, split_stages
 ORDERS = {"FThenB": fthenb, "1F1B": one_f_one_b, "ZBH1": zbh1}
 
 
-def check_settings(layer: torch.nn.Module, mode: str, m: int, vpp: int) -> tuple[int, int]:
-    """(pipeline ranks p, this rank's position) for a schedule the model can run; raises
+def check_settings(layer: torch.nn.Module, mode: str, m: int, vpp: int) -> tuple[int, int, frozenset]:
+    """(pipeline ranks p, this rank's position, the ranks of its stage mesh) for a schedule the
+    model can run; raises
     ValueError (on every rank alike: it depends on the annotations only) otherwise."""
     if mode not in (*ORDERS, "VPP"):
         raise ValueError(f"Strategy.pipeline.schedule_mode must be one of {[*ORDERS, 'VPP']}, got {mode!r}")
@@ -45,7 +46,7 @@ def check_settings(layer: torch.nn.Module, mode: str, m: int, vpp: int) -> tuple
                          f"accumulate_steps={m}")
     if mode == "VPP" and m % p:
         raise ValueError(f"Strategy.pipeline: VPP needs a multiple of the {p} stage meshes as accumulate_steps, got {m}")
-    return p, position
+    return p, position, frozenset(meshes[position].process_ids)
 
 
 def _rng_devices() -> list:
@@ -181,9 +182,12 @@ class PipelinedProgram:
         return head + "\n" + str(self.staged)
 
 
-def capture(forward: Callable, batch: tuple, inputs: list, holders: list, settings: tuple, p: int, position: int):
+def capture(forward: Callable, batch: tuple, inputs: list, holders: list, settings: tuple, p: int, position: int,
+            stage_ranks: frozenset):
     """Record one micro-batch's train step (`forward(batch)` -> loss) and cut it into parts.
-    `inputs`: the program inputs (parameters, buffers, the batch's tensors)."""
+    `inputs`: the program inputs (parameters, buffers, the batch's tensors); `stage_ranks`:
+    this rank's stage mesh (transfers among them, as `shard_tensor` from the mesh's first
+    rank, are steps of a part, not messages between stages)."""
     mode, m, vpp = settings
     for h in holders:
         h.grad = None
@@ -207,7 +211,7 @@ def capture(forward: Callable, batch: tuple, inputs: list, holders: list, settin
     problem, staged = None, None
     try:
         staged = split_stages(entries, backward, recorder.n_inputs, recorder.n_slots, outs, meta, me,
-                              zero_bubble=mode == "ZBH1")
+                              stage_ranks, zero_bubble=mode == "ZBH1")
         if staged.chunks != vpp:
             raise SplitError(f"rank {me}'s step holds {staged.chunks} stage(s) of the pipeline, but "
                              f"Strategy.pipeline asks for {vpp} per rank (vpp_degree)")

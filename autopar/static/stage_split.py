@@ -92,21 +92,24 @@ def _slots(v) -> list:
     return []
 
 
-def _p2p(e: Entry) -> Optional[list]:
-    """For a cross-mesh transfer: per argument ('send' or 'recv', peer); else None."""
+def _p2p(e: Entry, stage_ranks: frozenset) -> Optional[list]:
+    """For a transfer between stages: per argument ('send' or 'recv', peer); else None (a
+    transfer among the ranks of one stage runs in its part, as any collective)."""
     if not e.wire or e.fn.op != "send/recv":
         return None
     me_first = [(log[0], log[1][1] if log[0] == "send" else log[1][0]) for log in e.fn.logs]
+    if all(peer in stage_ranks for _, peer in me_first):
+        return None
     return me_first
 
 
-def _messages(entries: list, me: int, meta: Sequence) -> dict:
+def _messages(entries: list, me: int, meta: Sequence, stage_ranks: frozenset) -> dict:
     """{id(entry): [(slot, 'send'|'recv', Message)]} for every transfer, channels numbered
     per (sender, receiver) in program order."""
     count: dict = {}
     out: dict = {}
     for e in entries:
-        sides = _p2p(e)
+        sides = _p2p(e, stage_ranks)
         if sides is None:
             continue
         found = []
@@ -263,10 +266,10 @@ def split_input_and_weight(steps: list, n_slots: int) -> tuple[list, list]:
 
 # -- the pass -------------------------------------------------------------------------------
 def split_stages(entries: list, backward: set, n_inputs: int, n_slots: int, outputs: list, meta: Sequence,
-                 me: int, zero_bubble: bool) -> StagedProgram:
+                 me: int, stage_ranks: frozenset, zero_bubble: bool) -> StagedProgram:
     """Cut a captured micro-batch step (its entries, `backward`: ids of the backward's
     entries, `meta`: (shape, dtype) per slot) into parts; see the module doc."""
-    messages = _messages(entries, me, meta)
+    messages = _messages(entries, me, meta, stage_ranks)
     copied = _written_after_send(entries, messages, n_slots)
     forward = _segments([e for e in entries if id(e) not in backward], messages)
     backward_segments = _segments([e for e in entries if id(e) in backward], messages)
