@@ -46,6 +46,7 @@ from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard
 from .static import CaptureError, DistModel, Strategy, to_static
 from . import auto_parallel  # noqa: F401  (dist.auto_parallel.set_mesh)
+from . import pipelining  # noqa: F401  (dist.pipelining.PipelineStage, schedules)
 from . import dispatch as _dispatch  # noqa: F401  (installs the op dispatcher)
 
 __all__ = [

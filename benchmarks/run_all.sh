@@ -51,6 +51,8 @@ run gpt_3m7_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_gp
 run gpt_accum4_3m7_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_gpt.py" --dim 256 --layers 4 --vocab 1024 --heads 8 --seq 128 --batch 8 --reps 5 --accum 4
 run optim_2ranks    python -m autopar.launch --nproc_per_node 2 "$bench/bench_optim.py"
 run optim_small_2ranks python -m autopar.launch --nproc_per_node 2 "$bench/bench_optim.py" --dim 64 --layers 2
+# pipeline schedules, one rank per core: 1F1B x8 vs one micro-batch vs torch.distributed.pipelining
+run pipeline_2ranks python -m autopar.launch --nproc_per_node 2 "$bench/bench_pipeline.py"
 run scaling_1rank   python -m autopar.launch --nproc_per_node 1 "$bench/bench_scaling.py" --reps 7
 run scaling_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_scaling.py"
 run scaling_4ranks  python -m autopar.launch --nproc_per_node 4 "$bench/bench_scaling.py"

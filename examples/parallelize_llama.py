@@ -8,7 +8,8 @@ fused gate_up_proj and a down_proj) and an LM head whose weight is used as x @ w
 seed's plan places it: Megatron tensor parallel over "mp" (qkv/gate_up by columns, o/down
 by rows, the LM head by vocabulary), sequence parallel between the layers (activations
 [s, b, h] split on s, gathered around attention and the MLP), the layers cut into two
-pipeline stages over "pp", the batch split over "dp" with ZeRO-1.  autopar derives the rest.
+pipeline stages over "pp" that run each step as `--micro-batches` micro-batches in 1F1B
+order, the batch split over "dp" with ZeRO-1.  autopar derives the rest.
 """
 import argparse
 
@@ -105,8 +106,9 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.lm_head(self.llama(input_ids))
 
 
-def parallel_config(sharding_level=1):
-    """The seed's config: tensor + sequence parallel, pipeline over the layers, ZeRO."""
+def parallel_config(sharding_level=1, micro_batches=2):
+    """The seed's config: tensor + sequence parallel, pipeline over the layers (1F1B over
+    `micro_batches` micro-batches per step), ZeRO."""
     plan = {
         "llama.embed_tokens": [dist.ColWiseParallel(), dist.SequenceParallelBegin()],
         "llama.position_embedding": [dist.ColWiseParallel(), dist.SequenceParallelBegin()],
@@ -127,7 +129,7 @@ def parallel_config(sharding_level=1):
     return {
         "dp_config": {"sharding_level": sharding_level},
         "mp_config": {"parallelize_plan": plan},
-        "pp_config": {"split_spec": "llama.layers"},
+        "pp_config": {"split_spec": "llama.layers", "schedule_mode": "1F1B", "accumulate_steps": micro_batches},
     }
 
 
@@ -142,15 +144,18 @@ def batches(args):
 
 
 def train(args, mesh=None, config=None, static=False):
-    """Train from the seed; with a mesh, parallelized by `config` (default: the seed's), and
-    with `static` as a captured program (`to_static`: the first step is recorded, then replayed)."""
+    """Train from the seed; with a mesh, parallelized by `config` (default: the seed's), its
+    steps in micro-batches through the pipeline (`pipelining.build_schedule`, which reads the
+    schedule from pp_config), and with `static` as a captured program (`to_static`: the first
+    micro-batch's step is recorded and cut into the stages, then replayed in 1F1B order)."""
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(args.vocab, args.hidden, args.ffn, args.heads, args.layers, args.seq)
     # eps above the rounding noise of gradients that cancel to ~0 (causal attention has
     # some): Adam would turn such noise into a full step of random sign, on any machine
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=1e-6)
     if mesh is not None:
-        model, opt = dist.parallelize(model, opt, mesh, config or parallel_config())
+        config = config or parallel_config(micro_batches=args.micro_batches)
+        model, opt = dist.parallelize(model, opt, mesh, config)
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.reshape(-1, args.vocab), labels.reshape(-1))
@@ -158,10 +163,15 @@ def train(args, mesh=None, config=None, static=False):
     if static:
         step = dist.to_static(model, None, loss_fn, opt)
         return model, [float(step(x, y)) for x, y in batches(args)]
+    pipelined = mesh is not None and "schedule_mode" in config.get("pp_config", {})
+    schedule = dist.pipelining.build_schedule(model, loss_fn) if pipelined else None
     losses = []
     for x, y in batches(args):
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        if schedule is not None:
+            loss = schedule.step(x, target=y)  # forward and backward of every micro-batch
+        else:
+            loss = loss_fn(model(x), y)
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -180,6 +190,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (1F1B over the pp stages)")
     p.add_argument("--static", action="store_true", help="run the steps as a captured program (dist.to_static)")
     p.add_argument("--check", action="store_true", help="also run one process and compare")
     args = p.parse_args()

@@ -1,12 +1,17 @@
 """The main job: a small GPT trained with data x tensor parallelism on 4 CPU ranks.
 
     python -m autopar.launch --nproc_per_node 4 examples/train_gpt.py
+    python -m autopar.launch --nproc_per_node 4 examples/train_gpt.py --pp 2 --schedule 1F1B --micro-batches 4
 
 The model is plain PyTorch (token + position embedding, pre-norm blocks with causal
 self-attention and an MLP, a final layer norm, an untied LM head).  One annotation plan
 places it on a dp x mp mesh (Megatron layout: q/k/v and fc1 by output columns, the
 attention projection and fc2 by input rows, the vocabulary of the embedding and the
 head split over mp); the batch is split over dp.  autopar derives the rest.
+
+With `--pp N` the blocks are cut into N pipeline stages as well (`parallelize` with the
+same Megatron plan and a pp_config): each step runs `--micro-batches` micro-batches in the
+order of `--schedule` (FThenB or 1F1B; with `--static` also ZBH1, and VPP with `--vpp 2`).
 
 Data is generated, no downloads: every sequence counts up modulo the vocabulary with its
 own stride, so the next token is predictable from the context and the loss falls fast.
@@ -75,6 +80,16 @@ def megatron_plan(name: str, layer: torch.nn.Module, mesh: dist.ProcessMesh) -> 
         setattr(layer, pname, dist.shard_tensor(p, mesh, pl))
 
 
+def parallel_config(args) -> dict:
+    """The same Megatron layout for `parallelize`, with the blocks cut into pipeline stages."""
+    col, row = dist.ColWiseParallel(), dist.RowWiseParallel()
+    plan = {f"blocks.*.{name}": col for name in ("q", "k", "v", "fc1")}
+    plan.update({"blocks.*.proj": row, "blocks.*.fc2": row, "head": col, "tok": row})  # tok: vocabulary rows
+    pipeline = {"split_spec": "blocks", "schedule_mode": args.schedule, "accumulate_steps": args.micro_batches,
+                "vpp_degree": args.vpp}
+    return {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": plan}, "pp_config": pipeline}
+
+
 def batches(args, steps):
     """Sequences counting up modulo vocab with a per-sequence stride: learnable, generated."""
     g = torch.Generator().manual_seed(args.seed)
@@ -88,6 +103,8 @@ def batches(args, steps):
 def build(args, mesh):
     torch.manual_seed(args.seed)
     model = GPT(args.vocab, args.dim, args.heads, args.layers, args.seq)
+    if mesh is not None and "pp" in mesh.dim_names:
+        return dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=args.lr), mesh, parallel_config(args))
     if mesh is not None:
         dist.shard_layer(model, mesh, megatron_plan)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -96,9 +113,35 @@ def build(args, mesh):
     return model, opt
 
 
+def train_pipelined(args, mesh, progress=False, static=False):
+    """One loss per batch, each batch in micro-batches through the pipeline stages (dynamic:
+    `pipelining.build_schedule`; static: `to_static`, which reads the schedule from pp_config)."""
+    model, opt = build(args, mesh)
+    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))  # noqa: E731
+    step = dist.to_static(model, None, loss_fn, opt) if static else dist.pipelining.build_schedule(model, loss_fn)
+    if progress and not static:
+        print(step.format_order())
+    losses = []
+    bar = tqdm(batches(args, args.steps), total=args.steps, disable=not progress, desc="train", unit="step")
+    for x, y in bar:
+        if static:
+            losses.append(float(step(x, y)))
+        else:
+            losses.append(step.step(x, target=y).item())
+            opt.step()
+            opt.zero_grad()
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    times = None if static else step.format_times()  # (collective: every rank)
+    if progress:
+        print(step.dist_main_program().split("\n")[0] if static else f"the last step, per rank:\n{times}")
+    return model, losses
+
+
 def train(args, mesh, progress=False, static=False):
     """One loss per batch; with --merge K the optimizer steps once per K batches, on the mean
     of their gradients (dynamic: accumulated by backward; static: Strategy.gradient_merge)."""
+    if mesh is not None and "pp" in mesh.dim_names:
+        return train_pipelined(args, mesh, progress, static)
     model, opt = build(args, mesh)
     loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))  # noqa: E731
     # static: the same annotated model as a captured program (first step captured, then replayed)
@@ -131,7 +174,9 @@ def print_plan(model, mesh):
     for name, p in model.named_parameters():
         if ".blocks." in f".{name}" and not name.startswith("blocks.0."):
             continue
-        print(f"  {name:28s} {str(list(p.shape)):14s} {str(p.placements):32s} local {list(p.local_value().shape)}")
+        stage = f" on ranks {p.process_mesh.process_ids}" if p.process_mesh != mesh else ""
+        print(f"  {name:28s} {str(list(p.shape)):14s} {str(p.placements):32s} local {list(p.local_value().shape)}"
+              f"{stage}")
     print("  (blocks.1.. as blocks.0)")
 
 
@@ -155,12 +200,20 @@ def main():
     p.add_argument("--static", action="store_true", help="run the step as a captured program (dist.to_static)")
     p.add_argument("--merge", type=int, default=1, help="batches per optimizer step (gradient accumulation)")
     p.add_argument("--check", action="store_true", help="also run one process and compare every loss")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (the blocks cut evenly)")
+    p.add_argument("--schedule", default="1F1B", help="pipeline schedule: FThenB, 1F1B; static also ZBH1, VPP")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step with --pp")
+    p.add_argument("--vpp", type=int, default=1, help="stages per pipeline rank (with --schedule VPP)")
     args = p.parse_args()
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % args.mp:
-        raise SystemExit(f"--mp {args.mp} does not divide the world size {world}")
-    mesh = dist.ProcessMesh(torch.arange(world).reshape(world // args.mp, args.mp).tolist(), dim_names=["dp", "mp"])
+    if world % (args.mp * args.pp):
+        raise SystemExit(f"--mp {args.mp} x --pp {args.pp} does not divide the world size {world}")
+    dp = world // (args.mp * args.pp)
+    if args.pp > 1:
+        mesh = dist.ProcessMesh(torch.arange(world).reshape(args.pp, dp, args.mp).tolist(), dim_names=["pp", "dp", "mp"])
+    else:
+        mesh = dist.ProcessMesh(torch.arange(world).reshape(dp, args.mp).tolist(), dim_names=["dp", "mp"])
     if rank == 0:
         model, _ = build(args, mesh)
         print_plan(model, mesh)

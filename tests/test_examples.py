@@ -29,6 +29,10 @@ SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
         ("train_gpt.py", 4, ["--steps", "6", "--static"]),
         ("train_gpt.py", 4, ["--steps", "6", "--merge", "3"]),  # gradient accumulation
         ("train_gpt.py", 4, ["--steps", "6", "--merge", "3", "--static"]),  # Strategy.gradient_merge
+        # pipeline x tensor parallel: micro-batches in 1F1B order (dynamic), in VPP order (static)
+        ("train_gpt.py", 4, ["--steps", "4", "--pp", "2", "--schedule", "1F1B", "--micro-batches", "4"]),
+        ("train_gpt.py", 4, ["--steps", "4", "--pp", "2", "--schedule", "VPP", "--vpp", "2", "--layers", "4",
+                             "--micro-batches", "4", "--static"]),
     ],
 )
 def test_example_matches_single_process(script, nproc, args):

@@ -20,8 +20,8 @@ def test_strategy_sections_and_settings_are_checked():
     assert s.autocast_dtype() == torch.bfloat16
     with pytest.raises(AttributeError, match="Strategy.amp has no setting 'scale'"):
         s.amp.scale = 2.0
-    with pytest.raises(ValueError, match="no section 'pipeline'"):
-        dist.Strategy({"pipeline": {"enable": True}})
+    with pytest.raises(ValueError, match="no section 'recompute'"):
+        dist.Strategy({"recompute": {"enable": True}})
     s.amp.dtype = "float16"
     with pytest.raises(ValueError, match="float16 needs loss scaling"):
         s.autocast_dtype()

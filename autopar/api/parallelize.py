@@ -72,7 +72,7 @@ def _ancestors(name: str) -> list[str]:
 
 # -- pipeline stages -------------------------------------------------------------------------
 def _stage_starts(names: list[str], split_spec: Any, degree: int) -> set[str]:
-    """The layers that begin a new stage (stage 0 begins with the model)."""
+    """The layers that begin a new stage (stage 0 begins with the model), for `degree` stages."""
     if isinstance(split_spec, str):
         if split_spec not in names:
             raise ValueError(f"pp_config split_spec {split_spec!r} names no layer of the model")
@@ -114,7 +114,7 @@ def _stage_starts(names: list[str], split_spec: Any, degree: int) -> set[str]:
     if len(starts) != degree - 1:
         raise ValueError(
             f"pp_config split_spec {split_spec!r} cuts the model into {len(starts) + 1} stages "
-            f"(before {sorted(starts)}) but the mesh's 'pp' dim has {degree}"
+            f"(before {sorted(starts)}) but the pipeline has {degree} (the mesh's 'pp' dim times vpp_degree)"
         )
     return starts
 
@@ -128,7 +128,9 @@ def module_meshes(
     layer spanning several stages.  Layers are cut into stages at `split_spec`: a prefix
     string splits the children of that layer as evenly as possible (earlier stages take
     the extra ones; layers before it are stage 0, after it the last stage), a dict cuts at
-    exactly the named layers.
+    exactly the named layers.  With `vpp_degree` v the model is cut into v times as many
+    stages and stage k lives on slice k % (pp size): each slice holds v stages (a virtual
+    pipeline, for the VPP schedule).
 
     >>> mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "mp"])
     >>> names = ["", "emb", "layers", "layers.0", "layers.1", "head"]
@@ -138,10 +140,9 @@ def module_meshes(
     """
     if pp_config is None:
         return {n: mesh for n in names}
-    if not isinstance(pp_config, dict) or "split_spec" not in pp_config:
-        raise ValueError(f"pp_config must be a dict with a 'split_spec', got {pp_config!r}")
+    pipeline_settings(pp_config)
     degree = mesh.get_dim_size("pp")
-    starts = _stage_starts(names, pp_config["split_spec"], degree)
+    starts = _stage_starts(names, pp_config["split_spec"], degree * pp_config.get("vpp_degree", 1))
     global_spec = pp_config.get("global_spec")
     roots = match_names(global_spec, names) if global_spec is not None else []
     if global_spec is not None and not roots:
@@ -156,7 +157,7 @@ def module_meshes(
         marks[name] = stage
     spans = {a for n in names for a in _ancestors(n) if marks[a] != marks[n]}
     return {
-        n: None if n in spans else mesh if marks[n] == _GLOBAL else mesh.get_mesh_with_dim("pp", marks[n])
+        n: None if n in spans else mesh if marks[n] == _GLOBAL else mesh.get_mesh_with_dim("pp", marks[n] % degree)
         for n in names
     }
 
@@ -341,7 +342,11 @@ def parallelize(
       `PrepareLayerInput/Output`;
     - `"pp_config": {"split_spec": prefix or {name: SplitPoint}, "global_spec": name}`:
       pipeline stages on the slices of the mesh along "pp" (see `module_meshes`); compute
-      the loss from the model's output (on the last stage).
+      the loss from the model's output (on the last stage).  Its schedule keys
+      `"schedule_mode"` ("FThenB", "1F1B", "VPP", "ZBH1"), `"accumulate_steps"`
+      (micro-batches per step) and `"vpp_degree"` (stages per "pp" slice) are what
+      `dist.pipelining.build_schedule(model, loss)` (dynamic) and `dist.to_static` (static)
+      run the model with (docs/pipeline.md).
     Without a mesh or any of these keys, model and optimizer come back unchanged.  An
     optimizer must not have stepped yet; it keeps its Parameters, converted in place.
 
@@ -378,6 +383,8 @@ def parallelize(
         _hook_stage_entries(modules, meshes)
     for name, plan in dict.fromkeys((name, plan) for name, _, plan in plans):  # a plan hooks its layer once
         plan.apply(modules[name], meshes[name], name)
+    if pp:
+        model._autopar_pipeline = pipeline_settings(config["pp_config"])
     if "dp_config" in config:
         first_stage = mesh.get_mesh_with_dim("pp", 0) if pp else mesh
         model.register_forward_pre_hook(_shard_batch(first_stage), with_kwargs=True)
@@ -412,7 +419,35 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     mp_config = config.get("mp_config", {"parallelize_plan": {}})
     if not isinstance(mp_config, dict) or "parallelize_plan" not in mp_config:
         raise ValueError(f"mp_config must be a dict with a 'parallelize_plan', got {mp_config!r}")
+    if "pp_config" in config:
+        pipeline_settings(config["pp_config"])
     return config
 
 
-__all__ = ["match_names", "match_plans", "module_meshes", "parallelize"]
+PP_CONFIG_KEYS = ("split_spec", "global_spec", "schedule_mode", "accumulate_steps", "vpp_degree")
+SCHEDULE_MODES = ("FThenB", "1F1B", "VPP", "ZBH1")
+
+
+def pipeline_settings(pp_config: Any) -> dict:
+    """pp_config's schedule settings, checked: {schedule_mode, accumulate_steps, vpp_degree}
+    for the keys it has (what `build_schedule` and `to_static` run the model with).
+
+    >>> pipeline_settings({"split_spec": "layers", "schedule_mode": "1F1B", "accumulate_steps": 8})
+    {'schedule_mode': '1F1B', 'accumulate_steps': 8}
+    """
+    if not isinstance(pp_config, dict) or "split_spec" not in pp_config:
+        raise ValueError(f"pp_config must be a dict with a 'split_spec', got {pp_config!r}")
+    unknown = sorted(set(pp_config) - set(PP_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"pp_config: unknown keys {unknown} (known: {list(PP_CONFIG_KEYS)})")
+    mode = pp_config.get("schedule_mode", "1F1B")
+    if mode not in SCHEDULE_MODES:
+        raise ValueError(f"pp_config schedule_mode must be one of {list(SCHEDULE_MODES)}, got {mode!r}")
+    for key in ("accumulate_steps", "vpp_degree"):
+        n = pp_config.get(key, 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"pp_config {key} must be an int >= 1, got {n!r}")
+    return {k: pp_config[k] for k in ("schedule_mode", "accumulate_steps", "vpp_degree") if k in pp_config}
+
+
+__all__ = ["match_names", "match_plans", "module_meshes", "parallelize", "pipeline_settings"]

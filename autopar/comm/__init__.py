@@ -6,6 +6,7 @@ being ranks[i], so callers never translate between mesh and group order.
 """
 from .backend import (
     CommError,
+    channel_group,
     current_device,
     ensure_initialized,
     get_rank,
@@ -27,10 +28,12 @@ from .collectives import (
     send_recv,
 )
 from .log import CommRecord, comm_log
+from .p2p import P2PWork, deferred_sends, exchange, irecv, isend
 
 __all__ = [
     "CommError",
     "CommRecord",
+    "P2PWork",
     "Pending",
     "all_gather",
     "all_gather_into",
@@ -39,12 +42,17 @@ __all__ = [
     "all_reduce_start",
     "all_to_all",
     "broadcast",
+    "channel_group",
     "comm_log",
     "current_device",
+    "deferred_sends",
     "ensure_initialized",
+    "exchange",
     "get_rank",
     "get_world_size",
     "group_for",
+    "irecv",
+    "isend",
     "reduce_scatter",
     "reduce_scatter_start",
     "reset_groups",

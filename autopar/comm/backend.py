@@ -171,3 +171,21 @@ def reset_groups() -> None:
     """Forget cached sub-groups; the next use makes new ones under a fresh store prefix."""
     _GROUPS.clear()
     _GENERATION[0] += 1
+
+
+def channel_group(ranks: tuple, name: str):
+    """A process group of `ranks` (group rank i is `ranks[i]`) reserved for the transfers named
+    `name`, made on first use by its members only.  Transfers posted on one group are matched
+    in posting order on every backend (NCCL ignores tags), so a pipeline gives each stage edge
+    its own group and its messages can never be taken for another edge's."""
+    key = (ranks, name)
+    pg = _GROUPS.get(key)
+    if pg is None:
+        ensure_initialized()
+        me = tdist.get_rank()
+        if me not in ranks:
+            raise ValueError(f"rank {me} is not a member of channel {name!r} over ranks {list(ranks)}")
+        prefix = f"autopar/{_GENERATION[0]}/{'_'.join(map(str, ranks))}/{name}"
+        store = tdist.PrefixStore(prefix, tdist.distributed_c10d._get_default_store())
+        pg = _GROUPS[key] = _make_backend(store, ranks.index(me), len(ranks))
+    return pg

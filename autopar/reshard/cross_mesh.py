@@ -72,7 +72,7 @@ def cross_mesh(local: torch.Tensor, src: DistSpec, dst: DistSpec, rank: int, run
             # receive straight into the result where that part of it is contiguous
             buf = target if target.is_contiguous() else torch.empty_like(target)
             recvs.append((buf, sender, target))
-    comm.send_recv(sends, [(b, s) for b, s, _ in recvs])
+    comm.exchange(sends, [(b, s) for b, s, _ in recvs])
     for buf, _, target in recvs:
         if buf is not target:
             target.copy_(buf)

@@ -13,6 +13,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..dtensor import DistTensor, local_piece, new_dist
+from ..pipelining.microbatch import split_batch
+from .pipeline import capture as capture_pipeline
+from .pipeline import check_settings as check_pipeline
 from .program import CaptureError, Program, Recorder
 from .strategy import Strategy
 
@@ -51,8 +54,10 @@ class DistModel:
 
     A captured step must not branch on tensor values, and tensors it reads without
     computing them (other than parameters, buffers and the batch) are taken as constants.
-    With a `Strategy`, a train step may be one micro-batch of a merged step (gradient merge)
-    and the forward runs under autocast (amp).
+    With a `Strategy`, a train step may be one micro-batch of a merged step (gradient merge),
+    the forward runs under autocast (amp), and a pipelined model runs each train step as
+    micro-batches in a schedule's order (pipeline: its captured micro-batch step is cut into
+    stages at the cross-mesh transfers; eval and predict run the whole batch).
     """
 
     def __init__(self, layer: torch.nn.Module, loader=None, loss: Optional[Callable] = None,
@@ -62,6 +67,12 @@ class DistModel:
         self.optimizer = strategy.shard(layer, optimizer)
         self.merge_steps, self.amp_dtype = strategy.merge_steps(), strategy.autocast_dtype()
         self.merge_avg = bool(strategy.gradient_merge.avg)
+        self.pipeline = strategy.pipeline_settings(layer)
+        if self.pipeline is not None:
+            if self.merge_steps > 1:
+                raise ValueError("Strategy.pipeline and gradient_merge both split a step into micro-batches: "
+                                 "use pipeline.accumulate_steps alone")
+            self._pipeline_place = check_pipeline(layer, *self.pipeline)
         self._merged: list = []  # gradients summed over the micro-batches of the current step
         self._micro = 0
         self._programs: dict = {}
@@ -92,6 +103,8 @@ class DistModel:
     def __call__(self, *batch) -> Any:
         if len(batch) == 1 and isinstance(batch[0], (list, tuple)):
             batch = tuple(batch[0])
+        if self._mode == "train" and self.pipeline is not None:
+            return self._pipelined(batch)
         params = list(self.layer.parameters())
         grad_holders = params + self._optimizer_only_params(params)
         inputs = params + list(self.layer.buffers()) + _leaves(batch)  # tensors nested in dicts/lists too
@@ -111,6 +124,26 @@ class DistModel:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _pipelined(self, batch: tuple):
+        """One train step as micro-batches through the pipeline's stages (static/pipeline.py)."""
+        m = self.pipeline[1]
+        micro = split_batch(batch, m, "DistModel batch (Strategy.pipeline)")
+        params = list(self.layer.parameters())
+        holders = params + self._optimizer_only_params(params)
+        fixed = params + list(self.layer.buffers())
+        key = ("pipeline", self.layer.training, _autocast_state(),
+               tuple(_signature(t) for t in fixed + _leaves(micro[0])), repr(_structure(batch)))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = capture_pipeline(
+                self._forward, micro[0], fixed + _leaves(micro[0]), holders, self.pipeline, *self._pipeline_place)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = program.run([[local_piece(t) for t in fixed + _leaves(mb)] for mb in micro], holders)
+        self._last = program
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
 
     def _merge(self, holders: list) -> None:
         """Add this micro-batch's gradients to the step's; on the last micro-batch hand the

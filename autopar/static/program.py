@@ -18,7 +18,7 @@ or a collective outside autopar's comm layer.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -78,6 +78,43 @@ def _show(v) -> str:
     return repr(v)
 
 
+class Codegen:
+    """Python source for recorded entries: `slot(i)` spells slot i's variable, every other
+    value becomes a constant `c[n]`; `function` compiles the lines of `def f(..., c)`."""
+
+    def __init__(self, slot: Callable[[int], str]):
+        self.slot, self.consts = slot, []
+
+    def ref(self, v) -> str:
+        self.consts.append(v)
+        return f"c[{len(self.consts) - 1}]"
+
+    def expr(self, v) -> str:
+        if type(v) is Slot:
+            return self.slot(v.i)
+        if type(v) is list:
+            return "[" + ", ".join(self.expr(x) for x in v) + "]"
+        if type(v) is tuple:
+            return "(" + "".join(self.expr(x) + ", " for x in v) + ")"
+        return self.ref(v)
+
+    def line(self, e: Entry) -> str:
+        """`e` as one statement: its call, its outputs assigned."""
+        args = ", ".join([self.expr(a) for a in e.args] + [f"{k}={self.expr(v)}" for k, v in e.kwargs.items()])
+        call = f"{self.ref(e.call)}({args})"
+        if e.wire or not any(o is not None for o in e.outs):
+            return f"    {call}"
+        targets = [self.slot(o.i) if o is not None else "_" for o in e.outs]
+        return f"    {''.join(t + ', ' for t in targets) if e.seq else targets[0]} = {call}"
+
+    def function(self, lines: list, filename: str):
+        """Compile `lines` (a `def` taking the constants last) into a function of the other arguments."""
+        scope: dict = {}
+        exec(compile("\n".join(lines), filename, "exec"), scope)
+        fn, consts = next(v for k, v in scope.items() if k != "__builtins__"), self.consts
+        return lambda *args: fn(*args, consts)
+
+
 class Program:
     """A replayable step: `run(inputs)` returns the values of the `outputs` slots.
 
@@ -109,38 +146,15 @@ class Program:
             e.frees = tuple(sorted(frees.get(n, ())))
 
     def _compile(self):
-        consts: list = []
-
-        def ref(v) -> str:
-            consts.append(v)
-            return f"c[{len(consts) - 1}]"
-
-        def expr(v) -> str:
-            if type(v) is Slot:
-                return f"s{v.i}"
-            if type(v) is list:
-                return "[" + ", ".join(expr(x) for x in v) + "]"
-            if type(v) is tuple:
-                return "(" + "".join(expr(x) + ", " for x in v) + ")"
-            return ref(v)
-
+        gen = Codegen(lambda i: f"s{i}")
         names = [f"s{i}" for i in range(self.n_inputs)]
         lines = ["def replay(inputs, c):", f"    {''.join(n + ', ' for n in names)}= inputs" if names else "    pass"]
         for e in self.entries:
-            args = ", ".join([expr(a) for a in e.args] + [f"{k}={expr(v)}" for k, v in e.kwargs.items()])
-            call = f"{ref(e.call)}({args})"
-            if e.wire or not any(o is not None for o in e.outs):
-                lines.append(f"    {call}")
-            else:
-                targets = [f"s{o.i}" if o is not None else "_" for o in e.outs]
-                lines.append(f"    {''.join(t + ', ' for t in targets) if e.seq else targets[0]} = {call}")
+            lines.append(gen.line(e))
             if e.frees:
                 lines.append("    del " + ", ".join(f"s{i}" for i in e.frees))
-        lines.append("    return [" + ", ".join(expr(o) for o in self.outputs) + "]")
-        scope: dict = {}
-        exec(compile("\n".join(lines), "<autopar static program>", "exec"), scope)
-        fn = scope["replay"]
-        return lambda inputs: fn(inputs, consts)
+        lines.append("    return [" + ", ".join(gen.expr(o) for o in self.outputs) + "]")
+        return gen.function(lines, "<autopar static program>")
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list:
         # (the ops are called through torch's Python bindings: a user's torch-function mode must not see them)

@@ -1,6 +1,6 @@
 """Strategy: the pass settings `to_static` applies to the captured step.
 
-Three sections, each off until `enable` is set (Paddle's names):
+Four sections, each off until `enable` is set (Paddle's names):
 
 - `sharding` (`stage` 1/2/3, `degree`, `mesh_dim`): ZeRO over a mesh dim: `to_static`
   gives the optimizer `shard_optimizer(optimizer, ShardingStage<stage>(mesh_dim))`;
@@ -10,7 +10,11 @@ Three sections, each off until `enable` is set (Paddle's names):
 - `amp` (`dtype` "bfloat16", `level` "O1"): the forward and the loss are captured under
   autocast, so the program runs matmuls and other autocast ops in bfloat16 with float32
   parameters, gradients and optimizer states.  float16 would need loss scaling and O2
-  low-precision parameters: both are refused, not emulated.
+  low-precision parameters: both are refused, not emulated;
+- `pipeline` (`schedule_mode` "FThenB", "1F1B", "VPP" or "ZBH1", `accumulate_steps`,
+  `vpp_degree`): a model whose layers live on pipeline stages' meshes runs each train step as
+  `accumulate_steps` micro-batches in that schedule's order (the captured step is cut into
+  stages at its cross-mesh transfers; see `static/pipeline.py` and docs/pipeline.md).
 
 Sections are set by attribute or from a dict: `Strategy({"gradient_merge": {"enable": True,
 "k_steps": 4}})`.  An unknown section or key is an error, not a silent no-op.
@@ -49,7 +53,7 @@ class _Section:
 
 
 class Strategy:
-    """Pass settings for `to_static`: `sharding`, `gradient_merge`, `amp`.
+    """Pass settings for `to_static`: `sharding`, `gradient_merge`, `amp`, `pipeline`.
 
     >>> import autopar as dist
     >>> s = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": 2}})
@@ -58,19 +62,20 @@ class Strategy:
     (2, 'bfloat16', False)
     """
 
-    SECTIONS = ("sharding", "gradient_merge", "amp")
+    SECTIONS = ("sharding", "gradient_merge", "amp", "pipeline")
 
     def __init__(self, config: Optional[dict] = None):
         self.sharding = _Section("sharding", enable=False, stage=1, degree=None, mesh_dim="dp")
         self.gradient_merge = _Section("gradient_merge", enable=False, k_steps=1, avg=True)
         self.amp = _Section("amp", enable=False, dtype="bfloat16", level="O1")
+        self.pipeline = _Section("pipeline", enable=False, schedule_mode="1F1B", accumulate_steps=1, vpp_degree=1)
         for name, values in (config or {}).items():
             if name not in self.SECTIONS:
                 raise ValueError(f"Strategy has no section {name!r}; it has {list(self.SECTIONS)}")
             getattr(self, name).update(values)
 
     def __repr__(self) -> str:
-        return f"Strategy({self.sharding}, {self.gradient_merge}, {self.amp})"
+        return f"Strategy({self.sharding}, {self.gradient_merge}, {self.amp}, {self.pipeline})"
 
     # -- what to_static reads ----------------------------------------------------------------
     def merge_steps(self) -> int:
@@ -81,6 +86,16 @@ class Strategy:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"Strategy.gradient_merge.k_steps must be an int >= 1, got {k!r}")
         return k
+
+    def pipeline_settings(self, layer: torch.nn.Module) -> Optional[tuple]:
+        """(schedule_mode, accumulate_steps, vpp_degree) of the pipeline the train step runs, or
+        None: the pipeline section's when enabled, else what `parallelize`'s pp_config named."""
+        if self.pipeline.enable:
+            return self.pipeline.schedule_mode, self.pipeline.accumulate_steps, self.pipeline.vpp_degree
+        named = getattr(layer, "_autopar_pipeline", {})
+        if "schedule_mode" not in named and "accumulate_steps" not in named:
+            return None
+        return named.get("schedule_mode", "1F1B"), named.get("accumulate_steps", 1), named.get("vpp_degree", 1)
 
     def autocast_dtype(self) -> Optional[torch.dtype]:
         """The dtype the captured forward runs autocast ops in, or None (amp off)."""
