@@ -19,7 +19,7 @@ from .placement import Partial, Replicate
 from .reshard import piece_of_replicated, redistribute_local
 from .spec import DistSpec, TensorMeta
 from .spmd import engine
-from .spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS
+from .spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS, UNDECLARED_WRITES
 from .spmd.strategy import OpCall
 
 aten = torch.ops.aten
@@ -39,7 +39,8 @@ class Decision:
     tensors sit in the argument list, whether the result is one plain output)."""
 
     __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "out_alias", "kind",
-                 "member", "coord", "positions", "single", "out_local_shapes", "direct", "fast", "moved", "call")
+                 "member", "coord", "positions", "single", "out_local_shapes", "direct", "fast", "moved", "call",
+                 "reshapes")
 
     def __init__(self, mesh, in_specs, out_specs, kernel, local_args, mutated, out_alias, kind="op"):
         self.mesh = mesh
@@ -58,6 +59,7 @@ class Decision:
         self.fast = None
         self.call = None  # the local op (op_call.fast_op), where no kernel replaces it
         self.moved: tuple = ()  # inputs sent here from another mesh (they need no gradient)
+        self.reshapes = None  # an in-place view op (transpose_...): it changes its input's shape
         self.single = (
             out_alias is not None and out_alias[0] == "value" and isinstance(out_alias[1], torch.Tensor)
         )
@@ -172,6 +174,7 @@ def _mutated_inputs(func, args, kwargs) -> tuple[list[int], Any]:
     """Flat indices of inputs the op writes, and the (position, name) of the argument it returns."""
     schema = func._schema
     mutated, written = [], {}
+    undeclared = UNDECLARED_WRITES[func](args, kwargs) if func in UNDECLARED_WRITES else ()
     pos = 0
     for i, arg in enumerate(schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -179,6 +182,8 @@ def _mutated_inputs(func, args, kwargs) -> tuple[list[int], Any]:
         if arg.alias_info is not None and arg.alias_info.is_write:
             mutated.extend(range(pos, pos + n))
             written[frozenset(arg.alias_info.before_set)] = (i, arg.name)
+        elif arg.name in undeclared:
+            mutated.extend(range(pos, pos + n))
         pos += n
     alias = None
     for ret in schema.returns:
@@ -229,6 +234,8 @@ def decide(func, args, kwargs, flat) -> Decision:
         ("alias", alias) if alias is not None else ("value", meta_out),
     )
     dec.moved = moved
+    if torch.Tag.inplace_view in func.tags:
+        dec.reshapes = func
     if dec.member and kernel is None:
         dec.call = fast_op(func, args, kwargs)
     # the key holds each input's spec, so "no input moves" holds for every call with this key
@@ -393,7 +400,10 @@ def _wrap(dec: Decision, local_outs: list, args, kwargs):
     how, what = dec.out_alias
     if how == "alias":  # in-place / out= ops return the argument they wrote
         pos, name = what
-        return args[pos] if pos < len(args) else kwargs[name]
+        written = args[pos] if pos < len(args) else kwargs[name]
+        if dec.reshapes is not None:
+            _reshape_wrapper(written, dec.reshapes, args, kwargs, dec.out_specs[0])
+        return written
     if dec.mutated and not dec.out_specs:
         return what  # foreach in-place ops return None
     wrapped = [new_dist(loc, spec) for loc, spec in zip(local_outs, dec.out_specs)]
@@ -401,6 +411,20 @@ def _wrap(dec: Decision, local_outs: list, args, kwargs):
 
 
 # -- ops handled outside the rule path -------------------------------------------------------
+def _reshape_wrapper(t: DistTensor, func, args, kwargs, spec: DistSpec) -> None:
+    """An in-place view op (transpose_, unsqueeze_...) changes the tensor's own shape: the local
+    op changed the piece, so change the wrapper's sizes and strides the same way (run on its
+    metadata only, as torch's return_and_correct_aliasing does) and give it the new spec."""
+    with torch.utils._mode_utils.no_dispatch():
+        before = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(before)
+    t._spec = spec
+
+
 def _run_on_dense(func, args, kwargs, flat):
     """Run on the global values (ops returning Python values, in-place ops on plain tensors).
     Below autograd (the wrapper-level graph already holds the op), so the gather need not be
