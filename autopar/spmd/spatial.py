@@ -10,9 +10,11 @@ whole image on every rank.
 """
 from __future__ import annotations
 
-from ..placement import Replicate, Shard
+from ..placement import Partial, Replicate, Shard
 from .registry import register_kernel
 from .strategy import OpCall, Strategy
+
+_SUM_AVG = (Partial("sum"), Partial("avg"))
 
 
 def spatial_dims(shape, n_spatial: int) -> range:
@@ -45,3 +47,15 @@ def needs_halo_kernel(func, args, kwargs, in_specs, out_specs, coord):
         f"halos: shard the batch (Shard(0)) or the channels instead, or reshard the input to Replicate "
         f"on that mesh dim before this op"
     )
+
+
+def leading_strategies(call: OpCall, n_spatial: int, linear: bool = False, at: int = 0) -> list[Strategy]:
+    """Every leading dim d of input `at` shards alike on every tensor operand and output (an op
+    whose operands all share the image's leading dims: grad_output, self, indices); a linear
+    op also passes Partial(sum/avg) through its first operand with the others whole."""
+    n_in, n_out = len(call.inputs), len(call.outputs)
+    strategies = [Strategy((Shard(d),) * n_out, (Shard(d),) * n_in)
+                  for d in leading_dims(call.inputs[at].shape, n_spatial)]
+    if linear:
+        strategies += [Strategy((p,) * n_out, (p,) + (Replicate(),) * (n_in - 1)) for p in _SUM_AVG]
+    return strategies
