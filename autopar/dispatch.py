@@ -339,7 +339,10 @@ def dispatch(func, args, kwargs):
         out = dec.call(*largs, **lkwargs)
     if dec.single:
         return new_dist(out, dec.out_specs[0])
-    return _wrap(dec, _flatten_out(out, []), args, kwargs)
+    local_outs = _flatten_out(out, [])
+    if len(local_outs) != len(dec.out_specs):  # the local op left undefined what the meta kernel made
+        local_outs = _at_meta_leaves(dec.out_alias[1], out)
+    return _wrap(dec, local_outs, args, kwargs)
 
 
 def _local_of(a):
@@ -406,8 +409,20 @@ def _wrap(dec: Decision, local_outs: list, args, kwargs):
         return written
     if dec.mutated and not dec.out_specs:
         return what  # foreach in-place ops return None
-    wrapped = [new_dist(loc, spec) for loc, spec in zip(local_outs, dec.out_specs)]
+    wrapped = [None if loc is None else new_dist(loc, spec) for loc, spec in zip(local_outs, dec.out_specs)]
     return _rebuild_out(what, iter(wrapped))
+
+
+def _at_meta_leaves(meta, out, acc=None) -> list:
+    """The local result's tensors at the meta result's tensor leaves, None where the local op
+    returned none (native_batch_norm_backward's meta makes every gradient, masked or not)."""
+    acc = [] if acc is None else acc
+    if isinstance(meta, torch.Tensor):
+        acc.append(out if isinstance(out, torch.Tensor) else None)
+    elif isinstance(meta, (list, tuple)):
+        for m, o in zip(meta, out):
+            _at_meta_leaves(m, o, acc)
+    return acc
 
 
 # -- ops handled outside the rule path -------------------------------------------------------

@@ -141,7 +141,8 @@ def batch_norm_backward_rule(call: OpCall) -> list[Strategy]:
     if form.reserve is not None:
         kinds[form.reserve] = "r"
     mask = call.arg(form.mask, "output_mask") if form.mask is not None else (True, True, True)
-    out_kinds = tuple(k for k, wanted in zip(("dx", "g", "g"), mask) if wanted)
+    # (native_batch_norm_backward's meta kernel makes all three whatever the mask says)
+    out_kinds = tuple(k for k, wanted in zip(("dx", "g", "g"), mask) if wanted or len(call.outputs) == 3)
     strategies = []
     for d in _dims(call.inputs[form.input].shape):
         sharded = Shard(d)
