@@ -227,3 +227,85 @@ def test_recurrent_layers_over_a_split_batch():
     bidirectional, run op by op (LSTM: its fused op; GRU/RNN: their composite steps)."""
     for found in run_dist(_recurrent_ops, 2):
         assert found[("LSTM", True)] == [] and found[("LSTM", False)] == []
+
+
+# -- models ------------------------------------------------------------------------------------
+def _model(name: str):
+    torch.manual_seed(0)
+    if name == "resnet":
+        return ResNet(width=8, classes=10)
+    if name == "unet":
+        return UNetBlock(cin=3, width=8, cout=2)
+    return SequenceClassifier(cell=name, features=5, hidden=8, classes=3)
+
+
+def _batches(name: str, steps: int = 3):
+    g = torch.Generator().manual_seed(1)
+    if name == "resnet":
+        return [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(steps)]
+    if name == "unet":
+        return [(torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 2, 16, 16, generator=g)) for _ in range(steps)]
+    return [(torch.randn(4, 6, 5, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(steps)]
+
+
+def _loss(name: str, out, target):
+    return F.mse_loss(out, target) if name == "unet" else F.cross_entropy(out, target)
+
+
+def _train(name: str, data_parallel: bool):
+    """Three SGD steps (momentum); data parallel: shard_layer + batch Shard(0) + shard_optimizer."""
+    model = _model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mesh = dist.ProcessMesh(MESH, dim_names=["dp"])
+    if data_parallel:
+        model = dist.shard_layer(model, mesh)
+        opt = dist.shard_optimizer(opt)
+    losses, logs = [], []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="autopar: no sharding rule")
+        for x, y in _batches(name):
+            if data_parallel:
+                x, y = dist.shard_tensor(x, mesh, [S0]), dist.shard_tensor(y, mesh, [S0])
+            with dist.comm_log() as log:
+                loss = _loss(name, model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+            logs.append(_ops(log))
+    state = {k: (dist.unshard_dtensor(v) if dist.is_dist_tensor(v) else v).detach() for k, v in model.state_dict().items()}
+    return losses, state, logs
+
+
+def _reduced_elements(model) -> int:
+    """Gradient elements the data-parallel step all-reduces: every parameter's but BatchNorm's
+    (those come out of its backward whole)."""
+    bn = {id(p) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+          for p in m.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in bn)
+
+
+@pytest.mark.parametrize("name", ["resnet", "unet", "GRU", "LSTM"])
+def test_model_data_parallel_equals_one_process(name):
+    """Losses of every step and the final weights and running statistics equal the single
+    process's; nothing is gathered: per step the only collectives are BatchNorm's statistics
+    (one all-reduce of 2 x C values per layer, forward and backward), the loss's (sum, count),
+    the gradients' bucketed all-reduce (each element once) and 1-element verdicts of the
+    local-region verification."""
+    ref_losses, ref_state, _ = _train(name, False)
+    model = _model(name)
+    bn_channels = Counter((2, m.num_features) for m in model.modules()
+                          if isinstance(m, torch.nn.modules.batchnorm._BatchNorm))
+    for losses, state, logs in run_dist(_train, 2, name, True):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        assert state.keys() == ref_state.keys()
+        for k, v in state.items():
+            torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        for step, ops in enumerate(logs):
+            assert {op for op, _ in ops} == {"all_reduce"}, (step, ops)
+            shapes = Counter(shape for _, shape in ops)
+            for shape, n in bn_channels.items():
+                assert shapes.pop(shape) == 2 * n, (step, shape, ops)
+            gradients = sum(s[0] for s in shapes if len(s) == 1 and s[0] > 2)
+            assert gradients == _reduced_elements(model), (step, ops)
+            assert set(shapes) <= {(1,), (2,), ()} | {s for s in shapes if len(s) == 1 and s[0] > 2}, (step, ops)
