@@ -215,6 +215,19 @@ def test_resampling():
     assert _choose(call, S2)[1] == [S2] and _choose(call, S3)[1] != [S3]
 
 
+def test_grid_sample_and_fourier_transforms():
+    x, grid = _m(4, 6, 8, 8), _m(4, 5, 3, 2)
+    call = _call(aten.grid_sampler_2d.default, x, grid, 0, 0, False)
+    assert _choose(call, S0, S0)[1] == [S0] and _choose(call, S1, R)[1] == [S1]
+    assert _choose(call, R, S1)[1] == [S2]  # the grid's positions are the output's
+    call = _call(aten.grid_sampler_2d_backward.default, _m(4, 6, 5, 3), x, grid, 0, 0, False, [True, True])
+    assert _choose(call, S1, S1, R)[1] == [S1, P] and _choose(call, S2, R, S1)[1] == [P, S1]
+    call = _call(aten._fft_r2c.default, _m(4, 6, 16), [2], 0, True)
+    assert _choose(call, S0)[1] == [S0] and _choose(call, S2)[1] != [S2]
+    call = _call(aten.view_as_real.default, _m(4, 9, dtype=torch.complex64))
+    assert _choose(call, S1)[1] == [S1]
+
+
 # -- recurrent -----------------------------------------------------------------------------------
 def test_recurrent_ops_of_each_backend():
     w = [_m(24, 3), _m(24, 6), _m(24), _m(24)]
@@ -277,6 +290,9 @@ VISION_AUDIO_RECURRENT_OPS = [
     "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_nearest_exact2d", "_upsample_bilinear2d_aa",
     "upsample_nearest2d_backward", "upsample_bilinear2d_backward", "pixel_shuffle", "pixel_unshuffle", "im2col",
     "col2im", "reflection_pad1d", "reflection_pad2d", "replication_pad2d", "constant_pad_nd", "channel_shuffle",
+    "grid_sampler_2d", "grid_sampler_2d_backward", "grid_sampler_3d", "grid_sampler_3d_backward",
+    # spectra (audio front ends)
+    "_fft_r2c", "_fft_c2r", "_fft_c2c", "view_as_real", "view_as_complex",
     # recurrent
     "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward", "_cudnn_rnn", "_cudnn_rnn_backward", "_thnn_fused_lstm_cell",
     "_thnn_fused_lstm_cell_backward_impl", "_thnn_fused_gru_cell", "_thnn_fused_gru_cell_backward", "unsafe_split",

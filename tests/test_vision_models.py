@@ -128,7 +128,7 @@ def test_batch_norm_backward_reduces_once_and_is_no_local_region():
 
 def _pool_and_resample_ops():
     torch.manual_seed(0)
-    x = torch.randn(4, 6, 8, 8)
+    x, grid = torch.randn(4, 6, 8, 8), torch.rand(4, 5, 3, 2) * 2 - 1
     cases = {
         "max": lambda x: F.max_pool2d(x, 3, 2, 1),
         "max_indices": lambda x: F.max_pool2d(x, 2, return_indices=True)[0],
@@ -153,6 +153,9 @@ def _pool_and_resample_ops():
         "replicate": lambda x: F.pad(x, (1, 2, 2, 1), mode="replicate"),
         "constant": lambda x: F.pad(x, (1, 2, 2, 1), value=0.5),
         "channel_shuffle": lambda x: F.channel_shuffle(x, 3),
+        "grid_sample": lambda x: F.grid_sample(x, grid, align_corners=False),
+        "spectrum": lambda x: torch.fft.rfft(x, dim=-1).abs(),
+        "spectrum_2d": lambda x: torch.fft.irfft2(torch.fft.fft2(x)[..., :5]),
     }
     found = {}
     for name, fn in cases.items():
@@ -169,6 +172,7 @@ def _pool_and_resample_ops():
         "unfold_channels": (lambda x: F.unfold(x, 3), S1),
         "max_channels": (lambda x: F.max_pool2d(x, 3, 2, 1), S1),
         "bilinear_channels": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), S1),
+        "spectrum_channels": (lambda x: torch.fft.rfft(x, dim=-1).abs(), S1),
     }
     for name, (fn, p) in local.items():
         _, log = check(fn, [x], [[p]], MESH)

@@ -1,5 +1,5 @@
-"""Resampling and rearranging images: interpolate/upsample (every mode), pixel_shuffle/unshuffle,
-unfold/fold (im2col/col2im), padding, channel_shuffle; and their backward.
+"""Resampling and rearranging images: interpolate/upsample (every mode), grid_sample,
+pixel_shuffle/unshuffle, unfold/fold (im2col/col2im), padding, channel_shuffle; and their backward.
 
 All of them treat each (batch, channel) plane alone, so leading dims shard with no
 communication, and all are linear (a Partial input or grad_output passes).  Where an op maps
@@ -10,12 +10,14 @@ whole blocks of positions to whole blocks, a split there stays local too:
   whole groups of r^2, rows and columns into whole blocks;
   unfold/fold put a channel's patches in consecutive rows: channels split evenly.
 Other spatial splits need a halo (interpolation, overlapping patches): refused (`needs_halo`).
+grid_sample reads the input anywhere the grid points, so its input stays whole in space, but each
+output position is its grid point's alone: the grid's positions split the output's.
 """
 from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Shard
+from ..placement import Partial, Replicate, Shard
 from .registry import register
 from .spatial import halo_refusals, leading_strategies, spatial_dims
 from .strategy import OpCall, Strategy
@@ -28,7 +30,7 @@ _UPSAMPLE = {  # name stem -> spatial dims
     "upsample_nearest1d": 1, "upsample_nearest2d": 2, "upsample_nearest3d": 3,
     "_upsample_nearest_exact1d": 1, "_upsample_nearest_exact2d": 2, "_upsample_nearest_exact3d": 3,
     "upsample_linear1d": 1, "upsample_bilinear2d": 2, "upsample_trilinear3d": 3, "upsample_bicubic2d": 2,
-    "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2,
+    "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2, "_upsample_lanczos2d_aa": 2,
 }
 
 
@@ -158,3 +160,32 @@ def channel_shuffle_rule(call: OpCall) -> list[Strategy]:
     x = call.inputs[0].shape
     strategies = [Strategy((Shard(d),), (Shard(d),)) for d in range(len(x)) if d != 1 and x[d] != 1]
     return strategies + [Strategy((p,), (p,)) for p in _SUM_AVG]
+
+
+# -- grid_sample -----------------------------------------------------------------------------------
+@register([aten.grid_sampler_2d, aten.grid_sampler_3d])
+def grid_sampler_rule(call: OpCall) -> list[Strategy]:
+    """input (N, C, *space), grid (N, *out_space, k) -> (N, C, *out_space), einsum-like
+    "nc..,nO..->ncO..": batch on both, channels on the input, output positions on the grid;
+    linear in the input."""
+    x, grid = call.inputs[0].shape, call.inputs[1].shape
+    strategies = [Strategy((Shard(0),), (Shard(0),) * 2)] if x[0] != 1 else []
+    if x[1] != 1:
+        strategies.append(Strategy((Shard(1),), (Shard(1), Replicate())))
+    strategies += [Strategy((Shard(d + 1),), (Replicate(), Shard(d))) for d in range(1, len(grid) - 1) if grid[d] != 1]
+    return strategies + [Strategy((p,), (p, Replicate())) for p in _SUM_AVG]
+
+
+@register([aten.grid_sampler_2d_backward, aten.grid_sampler_3d_backward])
+def grid_sampler_backward_rule(call: OpCall) -> list[Strategy]:
+    """(grad_output, input, grid) -> (grad_input?, grad_grid): each forward letter backwards (the
+    grid's gradient sums over channels, the input's over output positions)."""
+    x, grid = call.inputs[1].shape, call.inputs[2].shape
+    with_input = len(call.outputs) == 2
+    outs = lambda gi, gg: (gi, gg) if with_input else (gg,)  # noqa: E731
+    strategies = [Strategy(outs(Shard(0), Shard(0)), (Shard(0),) * 3)] if x[0] != 1 else []
+    if x[1] != 1:
+        strategies.append(Strategy(outs(Shard(1), Partial()), (Shard(1), Shard(1), Replicate())))
+    strategies += [Strategy(outs(Partial(), Shard(d)), (Shard(d + 1), Replicate(), Shard(d)))
+                   for d in range(1, len(grid) - 1) if grid[d] != 1]
+    return strategies + [Strategy(outs(p, p), (p, Replicate(), Replicate())) for p in _SUM_AVG]
