@@ -226,7 +226,8 @@ def decide(func, args, kwargs, flat) -> Decision:
     mutated, alias = _mutated_inputs(func, args, kwargs)
     if set(mutated) & set(moved):
         raise ValueError(f"{func} writes an input that lives on another mesh than the op's {mesh}: reshard it first")
-    in_pl, out_pl, kernel = engine.choose(call, mesh, current, inplace=0 in mutated)
+    written_plain = tuple(i for i in mutated if type(flat[i]) is not DistTensor)
+    in_pl, out_pl, kernel = engine.choose(call, mesh, current, inplace=0 in mutated, pinned=written_plain)
     in_specs = [DistSpec(mesh, p, m) for p, m in zip(in_pl, in_metas)]
     out_specs = [DistSpec(mesh, p, m) for p, m in zip(out_pl, out_metas)]
     dec = Decision(

@@ -126,6 +126,24 @@ def test_batch_norm_backward_reduces_once_and_is_no_local_region():
         assert forward == "RegionForward" and regions == [None]  # it communicates: never a local region
 
 
+def _plain_running_statistics():
+    """A plain InstanceNorm (not shard_layer'd) over a split batch: instance_norm repeats its
+    running statistics into a plain tensor that batch norm writes; the engine must not cut it."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, 5) * 2 + 1
+    ref, norm = (torch.nn.InstanceNorm2d(3, affine=True, track_running_stats=True) for _ in range(2))
+    want = ref(x)
+    got = norm(dist.shard_tensor(x, dist.ProcessMesh(MESH), [S0]))
+    torch.testing.assert_close(dist.unshard_dtensor(got), want)
+    return norm.running_mean, norm.running_var, ref.running_mean, ref.running_var
+
+
+def test_a_plain_tensor_an_op_writes_stays_whole():
+    for mean, var, ref_mean, ref_var in run_dist(_plain_running_statistics, 2):
+        torch.testing.assert_close(mean, ref_mean)
+        torch.testing.assert_close(var, ref_var)
+
+
 def _pool_and_resample_ops():
     torch.manual_seed(0)
     x, grid = torch.randn(4, 6, 8, 8), torch.rand(4, 5, 3, 2) * 2 - 1

@@ -25,7 +25,7 @@ import torch
 from ..placement import Partial, ReduceType, Replicate, Shard
 from .einsum import einsum_strategies
 from .registry import register
-from .spatial import halo_refusals, spatial_dims
+from .spatial import halo_refusals, per_dim, spatial_dims
 from .strategy import OpCall, Strategy
 
 aten = torch.ops.aten
@@ -37,8 +37,8 @@ class _Conv:
     def __init__(self, x_shape, w_shape, stride, padding, output_padding, transposed: bool, groups: int):
         self.x_shape, self.w_shape = tuple(x_shape), tuple(w_shape)
         self.n_spatial = len(w_shape) - 2
-        self.stride, self.padding = _per_dim(stride, self.n_spatial), _per_dim(padding, self.n_spatial)
-        self.output_padding = _per_dim(output_padding, self.n_spatial)
+        self.stride, self.padding = per_dim(stride, self.n_spatial), per_dim(padding, self.n_spatial)
+        self.output_padding = per_dim(output_padding, self.n_spatial)
         self.transposed, self.groups = transposed, groups
 
     def letter_strategies(self, out_channels: int) -> list[tuple]:
@@ -62,11 +62,6 @@ class _Conv:
 
     def halo_dims(self) -> list[int]:
         return [d for j, d in enumerate(spatial_dims(self.x_shape, self.n_spatial)) if not self.pointwise_along(j)]
-
-
-def _per_dim(v, n: int) -> list[int]:
-    v = list(v) if isinstance(v, (list, tuple)) else [v]
-    return v * n if len(v) == 1 else v
 
 
 def _bias_for(out):

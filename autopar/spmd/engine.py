@@ -85,11 +85,12 @@ def candidates(call: OpCall) -> list[Strategy]:
     return out
 
 
-def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool):
+def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool, pinned: tuple = ()):
     """Pick placements per mesh dim.
 
-    `current[i]` is input i's placements now (plain tensors: all Replicate).  Returns
-    (input placements, output placements, kernel name or None).
+    `current[i]` is input i's placements now (plain tensors: all Replicate).  Inputs in `pinned`
+    must stay as they are, as input 0 of an in-place op (a plain tensor the op writes: it has
+    no placement to move to).  Returns (input placements, output placements, kernel name or None).
     """
     strategies = candidates(call)
     mesh_shape = mesh.shape
@@ -110,7 +111,7 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool)
                 changes += 1
                 gathers = gathers or (type(cur) is Shard and type(tgt) is Replicate)
                 c = conversion_cost(cur, tgt, _local_bytes(call.inputs[i], current[i], mesh_shape, m), k)
-                if inplace and i == 0:
+                if (inplace and i == 0) or i in pinned:
                     c += INPLACE_PENALTY
                 cost += c
             if gathers and any(type(current[i][m]) is Partial and t == current[i][m] for i, t in enumerate(s.inputs)):

@@ -14,7 +14,7 @@ import torch
 
 from ..placement import Shard
 from .registry import register
-from .spatial import halo_refusals, leading_strategies, spatial_dims
+from .spatial import halo_refusals, leading_strategies, per_dim, spatial_dims
 from .strategy import OpCall, Strategy
 
 aten = torch.ops.aten
@@ -25,16 +25,11 @@ def _n(name: str) -> int:
     return int(next(c for c in name.split("::")[-1] if c.isdigit()))
 
 
-def _per_dim(v, n: int) -> list[int]:
-    v = list(v) if isinstance(v, (list, tuple)) else [v]
-    return v * n if len(v) == 1 else v
-
-
 def _tiling_dims(shape, n_spatial: int, kernel, stride, padding) -> list[int]:
     """Spatial dims that windows tile exactly (kernel = stride, no padding, whole windows)."""
-    k = _per_dim(kernel, n_spatial)
-    s = _per_dim(stride, n_spatial) if stride else k  # stride=[] means the kernel size
-    p = _per_dim(padding, n_spatial)
+    k = per_dim(kernel, n_spatial)
+    s = per_dim(stride, n_spatial) if stride else k  # stride=[] means the kernel size
+    p = per_dim(padding, n_spatial)
     return [d for j, d in enumerate(spatial_dims(shape, n_spatial))
             if k[j] == s[j] and p[j] == 0 and shape[d] % s[j] == 0]
 

@@ -103,26 +103,17 @@ def pixel_shuffle_rule(call: OpCall) -> list[Strategy]:
 
 
 # -- unfold / fold ---------------------------------------------------------------------------------
-@register(aten.im2col)
-def im2col_rule(call: OpCall) -> list[Strategy]:
-    """(N, C, H, W) -> (N, C kh kw, L): batch, and channels split evenly (a channel's rows stay together)."""
-    x = call.inputs[0].shape
-    channel = len(x) - 3
-    strategies = leading_strategies(call, 3, linear=True)
-    if x[channel] != 1:
-        strategies += _blocks([channel], 1, (0,))
-    return strategies + halo_refusals(call, spatial_dims(x, 2))
-
-
-@register(aten.col2im)
-def col2im_rule(call: OpCall) -> list[Strategy]:
-    """(N, C kh kw, L) -> (N, C, H, W): batch, and channels split evenly; a split L needs a halo."""
-    out = call.outputs[0].shape
-    channel = len(out) - 3
-    strategies = leading_strategies(call, 2, linear=True)
-    if out[channel] != 1:
-        strategies += _blocks([channel], 1, (-1,))
-    return strategies + halo_refusals(call, spatial_dims(call.inputs[0].shape, 1))
+@register([aten.im2col, aten.col2im])
+def unfold_fold_rule(call: OpCall) -> list[Strategy]:
+    """im2col (N, C, H, W) -> (N, C kh kw, L), col2im back: batch, and channels split evenly on the
+    image's side (a channel's patch rows stay together); a split image or L needs a halo."""
+    unfold = call.func._schema.name == "aten::im2col"
+    image = call.inputs[0].shape if unfold else call.outputs[0].shape
+    channel = len(image) - 3
+    strategies = leading_strategies(call, 3 if unfold else 2, linear=True)
+    if image[channel] != 1:
+        strategies += _blocks([channel], 1, (0 if unfold else -1,))
+    return strategies + halo_refusals(call, spatial_dims(call.inputs[0].shape, 2 if unfold else 1))
 
 
 # -- padding and channel shuffle -----------------------------------------------------------------------

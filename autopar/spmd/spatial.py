@@ -22,6 +22,12 @@ def spatial_dims(shape, n_spatial: int) -> range:
     return range(len(shape) - n_spatial, len(shape))
 
 
+def per_dim(v, n: int) -> list[int]:
+    """An int-or-list argument (kernel_size=3, stride=[2, 2]) as one value per spatial dim."""
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return v * n if len(v) == 1 else v
+
+
 def leading_dims(shape, n_spatial: int) -> list[int]:
     """The dims before the spatial ones that are worth sharding (not of size 1)."""
     return [d for d in range(len(shape) - n_spatial) if shape[d] != 1]
