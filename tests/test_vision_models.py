@@ -331,3 +331,32 @@ def test_model_data_parallel_equals_one_process(name):
             gradients = sum(s[0] for s in shapes if len(s) == 1 and s[0] > 2)
             assert gradients == _reduced_elements(model), (step, ops)
             assert set(shapes) <= {(1,), (2,), ()} | {s for s in shapes if len(s) == 1 and s[0] > 2}, (step, ops)
+
+
+def _resnet_static_and_dynamic():
+    mesh = dist.ProcessMesh(MESH, dim_names=["dp"])
+    results = []
+    for static in (False, True):
+        model = dist.shard_layer(_model("resnet"), mesh)
+        opt = dist.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        step = dist.to_static(model, None, F.cross_entropy, opt) if static else None
+        losses = []
+        for x, y in _batches("resnet"):
+            x, y = dist.shard_tensor(x, mesh, [S0]), dist.shard_tensor(y, mesh, [S0])
+            if static:
+                losses.append(float(step(x, y)))
+            else:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        results.append((losses, dist.unshard_dtensor(model.layer2[0].bn2.running_var)))
+    return results
+
+
+def test_resnet_captured_by_to_static_gives_the_dynamic_numbers():
+    """The BatchNorm kernels (their all-reduces, the running statistics' updates) replay."""
+    for (dyn_losses, dyn_var), (st_losses, st_var) in run_dist(_resnet_static_and_dynamic, 2):
+        assert st_losses == dyn_losses
+        assert torch.equal(st_var, dyn_var)
