@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import comm
+from . import comm, rng
 from .dtensor import DistTensor, new_dist
 from .op_call import fast_op, meta_like
 from .placement import Partial, Replicate
@@ -40,7 +40,7 @@ class Decision:
 
     __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "out_alias", "kind",
                  "member", "coord", "positions", "single", "out_local_shapes", "direct", "fast", "moved", "call",
-                 "reshapes")
+                 "inplace_view")
 
     def __init__(self, mesh, in_specs, out_specs, kernel, local_args, mutated, out_alias, kind="op"):
         self.mesh = mesh
@@ -59,7 +59,7 @@ class Decision:
         self.fast = None
         self.call = None  # the local op (op_call.fast_op), where no kernel replaces it
         self.moved: tuple = ()  # inputs sent here from another mesh (they need no gradient)
-        self.reshapes = None  # an in-place view op (transpose_...): it changes its input's shape
+        self.inplace_view = None  # the op, for unsqueeze_, transpose_, ...: it changes its input's shape
         self.single = (
             out_alias is not None and out_alias[0] == "value" and isinstance(out_alias[1], torch.Tensor)
         )
@@ -84,6 +84,7 @@ def _rank() -> int:
 def clear_cache() -> None:
     _CACHE.clear()
     _STATE["rank"] = None
+    rng.forget()
 
 
 # -- flattening ------------------------------------------------------------------------
@@ -201,6 +202,8 @@ def _substitute(args, kwargs, new_flat):
 
 
 def decide(func, args, kwargs, flat) -> Decision:
+    if func in DRAWS_RANDOM:  # the first draw of a program: every rank takes rank 0's stream
+        rng.agree_once(kwargs.get("generator") or rng.default_generator(flat[0].device))
     mesh, moved = _mesh_of(func, flat)
     if func in GLOBAL_VALUE_OPS:
         if moved:
@@ -235,8 +238,7 @@ def decide(func, args, kwargs, flat) -> Decision:
         ("alias", alias) if alias is not None else ("value", meta_out),
     )
     dec.moved = moved
-    if torch.Tag.inplace_view in func.tags:
-        dec.reshapes = func
+    dec.inplace_view = func if torch.Tag.inplace_view in func.tags else None
     if dec.member and kernel is None:
         dec.call = fast_op(func, args, kwargs)
     # the key holds each input's spec, so "no input moves" holds for every call with this key
@@ -317,6 +319,8 @@ def dispatch(func, args, kwargs):
         return _run_on_dense(func, args, kwargs, flat)
     # execution (inlined: this is the per-op hot path)
     locals_ = [t._local for t in flat] if dec.direct else _inputs_in_place(dec, flat)
+    if dec.mutated:
+        _check_writes_reach_bases(func, dec, flat, locals_)
     if not dec.member:
         device = flat[0].device
         if func in DRAWS_RANDOM:  # keep this rank's generator on the single-process stream
@@ -369,10 +373,13 @@ def _inputs_in_place(dec: Decision, flat) -> list:
             src = t._spec
             if src is spec:
                 loc = t._local
+            elif _only_reduces(src, spec):  # same value: later reads skip the reduction
+                loc = _reduced_view(t, spec)
+                if loc is None:
+                    loc = redistribute_local(t._local, src, spec)
+                _keep_reduced(t, loc, spec)
             else:
                 loc = redistribute_local(t._local, src, spec)
-                if _only_reduces(src, spec):
-                    t._local, t._spec = loc, spec  # same value: later reads skip the reduction
         else:
             loc = _plain_to(t, spec, _rank())
         locals_.append(loc)
@@ -381,6 +388,63 @@ def _inputs_in_place(dec: Decision, flat) -> list:
         if type(t) is DistTensor and t._spec is not dec.in_specs[i]:
             t._local, t._spec = locals_[i], dec.in_specs[i]
     return locals_
+
+
+def _check_writes_reach_bases(func, dec: Decision, flat, locals_) -> None:
+    """An in-place op on a view of a distributed tensor must write into the base's piece: a
+    view that needed communication (a slice across the sharded dim, a reshape merging it)
+    holds a copy, and the write would be lost without a word."""
+    if not dec.member:
+        return
+    for i in dec.mutated:
+        t = flat[i]
+        if type(t) is not DistTensor or not t._is_view():
+            continue
+        base = t._base
+        if type(base) is DistTensor and locals_[i].untyped_storage().data_ptr() != base._local.untyped_storage().data_ptr():
+            raise ValueError(
+                f"{func} writes in place into a view of a distributed tensor of shape {list(base.shape)} placed "
+                f"{list(base._spec.placements)} on {base._spec.mesh}, but that view (shape {list(t.shape)}, "
+                f"{list(t._spec.placements)}) needed communication and holds a copy: the write would not reach the "
+                f"tensor. Reshard the tensor to Replicate() on that mesh dim first, or compute out of place "
+                f"(torch.where, index_put, cat)."
+            )
+
+
+def _keep_reduced(t: DistTensor, reduced: torch.Tensor, spec: DistSpec) -> None:
+    """`t` now holds its reduced piece; the address of the one it replaces is noted, so that
+    views made from `t` before are reduced from it rather than once more."""
+    old = t._local
+    if old is not reduced:
+        t._reduced_from = (old.untyped_storage().data_ptr(), old.storage_offset(), old.is_contiguous(), t._spec)
+    t._local, t._spec = reduced, spec
+
+
+def _reduced_view(t: DistTensor, spec: DistSpec):
+    """The reduced piece of `t`, a view of a Partial base tensor, taken from the base reduced
+    once for all its views (backward uses a gradient and its transpose: one all-reduce, not
+    two), or None when `t` is not such a view.  Only Partial -> Replicate reductions: the
+    view's elements keep their places in the base's contiguous piece."""
+    if not t._is_view() or any(type(b) is not Replicate for a, b in zip(t._spec.placements, spec.placements) if a != b):
+        return None
+    base = t._base
+    if type(base) is not DistTensor or base._spec.mesh != spec.mesh:
+        return None
+    view = t._local
+    ptr = view.untyped_storage().data_ptr()
+    if base._local.untyped_storage().data_ptr() == ptr and base._local.is_contiguous():
+        reduced = [Replicate() if a != b else p for a, b, p in zip(t._spec.placements, spec.placements, base._spec.placements)]
+        if any(type(p) is not Partial for a, b, p in zip(t._spec.placements, spec.placements, base._spec.placements) if a != b):
+            return None
+        target = base._spec.with_placements(reduced)
+        _keep_reduced(base, redistribute_local(base._local, base._spec, target), target)
+    before = getattr(base, "_reduced_from", None)
+    if before is None or before[0] != ptr or not before[2] or not base._local.is_contiguous():
+        return None
+    if any(a != b and before[3].placements[m] != a for m, (a, b) in enumerate(zip(t._spec.placements, spec.placements))):
+        return None  # the base was reduced over other mesh dims than this view needs
+    offset = base._local.storage_offset() + view.storage_offset() - before[1]
+    return base._local.as_strided(view.size(), view.stride(), offset)
 
 
 def _draw_and_discard(func, args, kwargs, flat) -> None:
@@ -405,8 +469,8 @@ def _wrap(dec: Decision, local_outs: list, args, kwargs):
     if how == "alias":  # in-place / out= ops return the argument they wrote
         pos, name = what
         written = args[pos] if pos < len(args) else kwargs[name]
-        if dec.reshapes is not None:
-            _reshape_wrapper(written, dec.reshapes, args, kwargs, dec.out_specs[0])
+        if dec.inplace_view is not None:
+            _reshape_wrapper(dec.inplace_view, written, dec.out_specs[0], args, kwargs)
         return written
     if dec.mutated and not dec.out_specs:
         return what  # foreach in-place ops return None
@@ -426,21 +490,22 @@ def _at_meta_leaves(meta, out, acc=None) -> list:
     return acc
 
 
-# -- ops handled outside the rule path -------------------------------------------------------
-def _reshape_wrapper(t: DistTensor, func, args, kwargs, spec: DistSpec) -> None:
-    """An in-place view op (transpose_, unsqueeze_...) changes the tensor's own shape: the local
-    op changed the piece, so change the wrapper's sizes and strides the same way (run on its
-    metadata only, as torch's return_and_correct_aliasing does) and give it the new spec."""
-    with torch.utils._mode_utils.no_dispatch():
-        before = torch._C._meta_in_tls_dispatch_include()
+def _reshape_wrapper(func, t: DistTensor, spec: DistSpec, args, kwargs) -> None:
+    """After an in-place shape op (`unsqueeze_`, `transpose_`): the wrapper's own sizes and
+    strides change as the op says (run on its metadata only), and so does its spec."""
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        meta = torch._C._meta_in_tls_dispatch_include()
         torch._C._set_meta_in_tls_dispatch_include(True)
         try:
             func(*args, **kwargs)
         finally:
-            torch._C._set_meta_in_tls_dispatch_include(before)
+            torch._C._set_meta_in_tls_dispatch_include(meta)
     t._spec = spec
 
 
+# -- ops handled outside the rule path -------------------------------------------------------
 def _run_on_dense(func, args, kwargs, flat):
     """Run on the global values (ops returning Python values, in-place ops on plain tensors).
     Below autograd (the wrapper-level graph already holds the op), so the gather need not be

@@ -42,7 +42,12 @@ class DistTensor(torch.Tensor):
 
     _local: torch.Tensor
     _spec: DistSpec
-    __slots__ = ("_local", "_spec")
+    # (storage address, offset, spec) of the piece a Partial tensor had before it was reduced
+    # in place: views made earlier still look at that storage (dispatch._reduced_view)
+    _reduced_from: tuple
+    # no slots of its own: `torch.utils.swap_tensors` converts a plain Parameter in place
+    # (shard_layer) only into a class of the same layout
+    __slots__ = ()
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: DistSpec, requires_grad: bool = False):
@@ -111,7 +116,9 @@ class DistTensor(torch.Tensor):
     def __deepcopy__(self, memo):
         new = DistTensor(self._local.detach().clone(), self._spec, requires_grad=self.requires_grad)
         if isinstance(self, torch.nn.Parameter) or getattr(self, "_is_param", False):
-            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
+            from .api.tensor import distributed_parameter
+
+            new = distributed_parameter(new, self.requires_grad)
         memo[id(self)] = new
         return new
 

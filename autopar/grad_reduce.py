@@ -1,109 +1,184 @@
-"""Gradients to their parameters' placements: bucketed all-reduces, overlapped with backward.
+"""Gradients to where the optimizer steps them: bucketed collectives, overlapped with backward.
 
 A data-parallel gradient arrives Partial (each rank holds its batch's share) and must be
-summed over the data-parallel ranks before the optimizer step.  Two places do it:
+summed over the data-parallel ranks before the optimizer step: all-reduced to its
+parameter's placements (no ZeRO), or reduce-scattered to the shard this rank steps (ZeRO-1/2:
+the parameter's placements with the data-parallel mesh dim sharding one tensor dim).  Two
+places do it:
 
-- `reduce_grads` (the optimizer's pre-step, `shard_optimizer`): gradients that only need an
-  all-reduce share one flat buffer per (mesh, reduced mesh dims, reduce op, dtype) and one
-  collective, as DDP's buckets do, instead of one per parameter;
-- `BucketPlan` (local regions, for parameters a ZeRO-less `shard_optimizer` steps): the
+- `reduce_grads` (the optimizer's pre-step, `shard_optimizer`): gradients that need one
+  collective of the same kind share one flat buffer per (mesh, collective, dtype), as DDP's
+  buckets do, instead of one collective per parameter (`flat_shards.py` lays the buffer of a
+  reduce-scatter out: piece j of every gradient in chunk j);
+- `BucketPlan` (local regions, for parameters registered with `reduce_in_backward`): the
   region's parameters are cut into DDP-sized buckets in reverse order (about the order
   backward produces their gradients).  Each backward through the region starts a bucket's
-  all-reduce as soon as its last gradient is ready, while backward goes on with the
+  collective as soon as its last gradient is ready, while backward goes on with the
   earlier layers (a model whose gradients fit one bucket has nothing to overlap: its
   bucket starts at the end); the region's last backward step waits for them and hands the
-  parameters gradients that are already placed like them, so the optimizer has nothing
-  left to reduce.
+  parameters gradients that are already placed where the optimizer steps them, so it has
+  nothing left to reduce.
   Every rank runs the same backward, so the buckets start in the same order everywhere.
   Gradient accumulation (a backward while the parameters still hold gradients) switches a
-  region's plan to deferred reduction for good: the gradients it already reduced become
-  Partial again without communication, later backwards leave them Partial (summed locally),
-  and the optimizer reduces the sum once per step, where reducing every backward (DDP
-  without `no_sync`) would cost one all-reduce per micro-batch.
+  bucket to deferred reduction for good, unless it was registered to reduce every backward
+  (ZeRO-2, whose point is that no full gradient stays): the gradients it already reduced
+  become Partial again without communication, later backwards leave them Partial (summed
+  locally), and the optimizer reduces the sum once per step, where reducing every backward
+  (DDP without `no_sync`) would cost one collective per micro-batch.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Optional
 
 import torch
 
-from .comm import all_reduce, all_reduce_start, get_rank
+from .comm import all_reduce_start, get_rank, reduce_scatter_start
 from .dtensor import DistTensor, new_dist
-from .placement import Partial, Replicate
+from .flat_shards import FlatShards
+from .placement import Partial, ReduceType, Replicate, Shard
 from .reshard import redistribute_local
 from .spec import DistSpec
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's: the last layers' gradients start moving early
 BUCKET_BYTES = 25 << 20
 
+ALL_REDUCE, REDUCE_SCATTER = "all_reduce", "reduce_scatter"
+
 _GRAD_PLANS: dict = {}
 
 
-def _reductions(src: DistSpec, dst: DistSpec):
-    """The (mesh dims, reduce op) of an all-reduce that alone takes src to dst's local
-    pieces, or None when src -> dst needs more than that.  Mesh dims of size 1 hold the
-    whole tensor whatever their placement, so they never differ."""
+def collective(src: DistSpec, dst: DistSpec) -> Optional[tuple]:
+    """The one collective that takes src's local pieces to dst's, as (kind, mesh dims, reduce
+    op), or None when src -> dst needs something else: an all-reduce where dst is Replicate on
+    the Partial mesh dims (one reduce op), a reduce-scatter where dst shards, on the one mesh
+    dim src is Partial on (sum or avg), a tensor dim no other mesh dim cuts.  Mesh dims of size
+    1 hold the whole tensor whatever their placement, so they never differ.
+
+    >>> from autopar.mesh import ProcessMesh
+    >>> from autopar.spec import TensorMeta
+    >>> spec = DistSpec(ProcessMesh([[0, 1], [2, 3]]), [Partial(), Shard(0)], TensorMeta.contiguous((4, 6), torch.float32))
+    >>> collective(spec, spec.with_placements([Replicate(), Shard(0)]))
+    ('all_reduce', (0,), 'sum')
+    >>> collective(spec, spec.with_placements([Shard(1), Shard(0)]))
+    ('reduce_scatter', (0,), 'sum')
+    """
     if src.mesh != dst.mesh:
         return None
-    dims, op = [], None
+    dims, op, scatter = [], None, False
     for m, (a, b) in enumerate(zip(src.placements, dst.placements)):
         if a == b or src.mesh.shape[m] == 1:
             continue
-        if type(a) is not Partial or type(b) is not Replicate or op not in (None, a.reduce_type):
+        if type(a) is not Partial or op not in (None, a.reduce_type):
+            return None
+        if type(b) is Shard:
+            if a.reduce_type not in (ReduceType.SUM, ReduceType.AVG) or dst.sharding_mesh_dims(b.dim) != [m]:
+                return None
+            scatter = True
+        elif type(b) is not Replicate:
             return None
         dims.append(m)
         op = a.reduce_type
-    return tuple(dims), op
+    if scatter and len(dims) != 1:
+        return None
+    return (REDUCE_SCATTER if scatter else ALL_REDUCE), tuple(dims), op
 
 
-def grad_plan(grad: DistSpec, param: DistSpec) -> tuple:
-    """(whether the gradient must move, the all-reduce that moves it or None for a general
-    reshard, its spec once placed like the parameter); specs are interned, so the plan of a
-    (gradient, parameter) spec pair is worked out once."""
-    plan = _GRAD_PLANS.get((grad, param))
+def grad_plan(grad: DistSpec, target: DistSpec) -> tuple:
+    """(whether the gradient must move, the collective that moves it or None for a general
+    reshard, its spec once placed like `target`); specs are interned, so the plan of a
+    (gradient, target) spec pair is worked out once."""
+    plan = _GRAD_PLANS.get((grad, target))
     if plan is None:
-        moves = grad.mesh != param.mesh or any(type(pl) is Partial for pl in grad.placements)
-        plan = (moves, _reductions(grad, param), DistSpec(param.mesh, param.placements, grad.meta))
-        _GRAD_PLANS[(grad, param)] = plan
+        placed = DistSpec(target.mesh, target.placements, grad.meta)
+        plan = (not grad.same_pieces(placed), collective(grad, placed), placed)
+        _GRAD_PLANS[(grad, target)] = plan
     return plan
 
 
 def reduce_grads(pending: list) -> None:
-    """Bring each parameter's gradient to the parameter's placements, given (parameter, its
-    `grad_plan`) pairs: one all-reduce per bucket of gradients that need only that, a
+    """Bring each parameter's gradient to where it is stepped, given (parameter, its
+    `grad_plan`) pairs: one collective per bucket of gradients that need only that, a
     reshard for the rest."""
-    from .api.tensor import reshard
-
-    buckets: dict = {}
     # last parameter first, as a region's backward buckets them: the same flat layout sums
     # each element in the same order (a ring all-reduce's order depends on the position)
-    for p, (_, how, placed) in reversed(pending):
-        g = p.grad
-        if how is None:
-            p.grad = reshard(g.detach(), p._spec.mesh, p._spec.placements)
-        else:
-            buckets.setdefault((p._spec.mesh, how, g.dtype), []).append((p, g._local, placed))
-    rank = get_rank()
-    for (mesh, (dims, op), _), entries in buckets.items():
-        locals_ = [local for _, local, _ in entries]
-        if dims and rank in mesh and sum(t.numel() for t in locals_):
-            flat = all_reduce(_flatten(locals_), mesh.group_of(rank, dims), op, inplace=True)
-            locals_ = _unflatten(flat, locals_)
-        for (p, _, placed), local in zip(entries, locals_):
-            p.grad = new_dist(local, placed)
+    pending = pending[::-1]
+    reduced = GradReduction([p.grad for p, _ in pending], [plan for _, plan in pending]).finish()
+    for (p, _), g in zip(pending, reduced):
+        p.grad = g
 
 
-def _flatten(tensors: list) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
+class GradReduction:
+    """Gradients on their way to `grad_plan`'s placements: one collective per bucket of those
+    that need only that one (started at once, in order: every rank builds the same buckets),
+    a reshard for the rest; `finish()` waits and returns them placed.  A gradient is not kept
+    once its bucket has been packed."""
+
+    def __init__(self, grads: list, plans: list):
+        from .api.tensor import reshard
+
+        self.out: list = list(grads)
+        buckets: dict = {}
+        for n, (g, (moves, how, placed)) in enumerate(zip(grads, plans)):
+            if not moves:
+                continue
+            if how is None:
+                self.out[n] = reshard(g.detach(), placed.mesh, placed.placements)
+            else:
+                buckets.setdefault((placed.mesh, how, g.dtype), []).append((n, g._local, placed))
+        rank = get_rank()
+        self.started = []
+        for (mesh, how, _), entries in buckets.items():
+            locals_ = [local for _, local, _ in entries]
+            if how[1] and rank in mesh and sum(t.numel() for t in locals_):
+                collective = _Collective(how, mesh, [placed for _, _, placed in entries],
+                                         tuple(tuple(t.shape) for t in locals_))
+                self.started.append(([(n, placed) for n, _, placed in entries], collective, collective.start(locals_)))
+                for n, _, _ in entries:
+                    self.out[n] = None
+            else:
+                for n, local, placed in entries:
+                    self.out[n] = new_dist(local, placed)
+
+    def finish(self) -> list:
+        for entries, collective, pending in self.started:
+            for (n, placed), local in zip(entries, collective.result(pending.wait())):
+                self.out[n] = new_dist(local, placed)
+        self.started = []
+        return self.out
 
 
-def _unflatten(flat: torch.Tensor, like: list) -> list:
-    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+class _Collective:
+    """One bucket's collective over the gradients' local pieces (of `shapes`): an all-reduce
+    of their concatenation, or a reduce-scatter of their chunk layout."""
+
+    def __init__(self, how: tuple, mesh, placed: list, shapes: tuple):
+        kind, dims, self.op = how
+        rank = get_rank()
+        self.ranks = mesh.group_of(rank, dims)
+        self.shapes = shapes
+        self.layout = None
+        if kind == REDUCE_SCATTER:
+            cut = [s.placements[dims[0]].dim for s in placed]
+            self.layout = FlatShards.of(shapes, tuple(cut), len(self.ranks))
+            self.me = self.ranks.index(rank)
+
+    def start(self, locals_: list):
+        if self.layout is None:
+            return all_reduce_start(torch.cat([t.reshape(-1) for t in locals_]), self.ranks, self.op)
+        return reduce_scatter_start(self.layout.pack(locals_), self.ranks, self.op)
+
+    def result(self, out: torch.Tensor) -> list:
+        """Each gradient's reduced piece, views into the collective's output."""
+        if self.layout is not None:
+            return self.layout.pieces_of(out, self.me)
+        sizes = [math.prod(shape) for shape in self.shapes]
+        return [piece.view(shape) for piece, shape in zip(out.split(sizes), self.shapes)]
 
 
 # -- reduction in backward -------------------------------------------------------------------
-_IN_BACKWARD: dict = {}  # id(parameter) -> weak reference (tensors compare elementwise: no WeakSet)
+_IN_BACKWARD: dict = {}  # id(parameter) -> (weak reference, target spec, reduce every backward)
 _GENERATION = [0]  # bumped by every registration: regions rebuild their bucket plans
 
 
@@ -112,26 +187,39 @@ def generation() -> int:
     return _GENERATION[0]
 
 
-def reduce_in_backward(params) -> None:
-    """Let local regions all-reduce these parameters' gradients during backward (the
-    parameters a ZeRO-less `shard_optimizer` steps: their gradients go to the parameters'
-    placements whole, so reducing them early changes nothing but the timing)."""
-    for p in params:
+def reduce_in_backward(targets: list, every_backward: bool = False) -> None:
+    """Let local regions reduce these (parameter, spec) pairs' gradients to the spec during
+    backward: the parameters `shard_optimizer` steps, with the placements their gradients are
+    stepped at (the parameter's own without ZeRO, this rank's shard with ZeRO-1/2), so
+    reducing them early changes nothing but the timing.  `every_backward`: keep reducing under
+    gradient accumulation (the reduced gradients add up) instead of deferring to the step."""
+    for p, spec in targets:
         if type(p) is DistTensor:
-            _IN_BACKWARD[id(p)] = weakref.ref(p, lambda _, key=id(p): _IN_BACKWARD.pop(key, None))
+            ref = weakref.ref(p, lambda _, key=id(p): _IN_BACKWARD.pop(key, None))
+            _IN_BACKWARD[id(p)] = (ref, spec, every_backward)
     _GENERATION[0] += 1
 
 
-def _reduced_in_backward(p) -> bool:
-    ref = _IN_BACKWARD.get(id(p))
-    return ref is not None and ref() is p
+def _registered(p) -> Optional[tuple]:
+    entry = _IN_BACKWARD.get(id(p))
+    return entry if entry is not None and entry[0]() is p else None
 
 
 class _Bucket:
-    __slots__ = ("members", "ranks", "op", "nbytes")
+    __slots__ = ("members", "how", "mesh", "every_backward", "nbytes", "whole")
 
-    def __init__(self, ranks: tuple, op):
-        self.members, self.ranks, self.op, self.nbytes = [], ranks, op, 0
+    def __init__(self, how: tuple, mesh, every_backward: bool):
+        self.members, self.how, self.mesh, self.every_backward, self.nbytes = [], how, mesh, every_backward, 0
+        self.whole: Optional[_Collective] = None
+
+    def collective(self, members: list, placed: dict, grads: list) -> _Collective:
+        """The collective over these members' gradients (kept for the usual case: all of them)."""
+        shapes = tuple(tuple(g.shape) for g in grads)
+        if len(members) < len(self.members):  # some parameters got no gradient this time
+            return _Collective(self.how, self.mesh, [placed[i] for i in members], shapes)
+        if self.whole is None:
+            self.whole = _Collective(self.how, self.mesh, [placed[i] for i in members], shapes)
+        return self.whole
 
 
 class BucketPlan:
@@ -143,26 +231,27 @@ class BucketPlan:
         # backward step reduces it (where DDP does too), placing the gradients once
         self.overlap = len(buckets) > 1
         self.bucket_of = {i: b for b in buckets for i in b.members}
-        self.deferred = False  # gradient accumulation seen: the optimizer reduces, once per step
+        self.active: "BucketPlan" = self  # what backward still reduces (deferred buckets left out)
 
     @staticmethod
     def build(params: list, grad_specs: list) -> Optional["BucketPlan"]:
         """None when no parameter's gradient is reduced in backward."""
         rank = get_rank()
-        filling: dict = {}  # (mesh, reduction, dtype) -> the bucket being filled
+        filling: dict = {}  # (mesh, collective, dtype, every backward) -> the bucket being filled
         buckets, placed = [], {}
         for i in reversed(range(len(params))):
             p, gs = params[i], grad_specs[i]
-            if not _reduced_in_backward(p) or not p.requires_grad or rank not in p._spec.mesh:
+            entry = _registered(p)
+            if entry is None or not p.requires_grad or rank not in p._spec.mesh:
                 continue
-            _, how, spec = grad_plan(gs, p._spec)
-            if how is None or not how[0]:
+            _, how, spec = grad_plan(gs, entry[1])
+            if how is None or not how[1]:
                 continue
-            key = (p._spec.mesh, how, gs.meta.dtype)
+            key = (spec.mesh, how, gs.meta.dtype, entry[2])
             nbytes = p._local.numel() * p._local.element_size()
             b = filling.get(key)
             if b is None or b.nbytes + nbytes > (FIRST_BUCKET_BYTES if b is buckets[0] else BUCKET_BYTES):
-                b = filling[key] = _Bucket(p._spec.mesh.group_of(rank, how[0]), how[1])
+                b = filling[key] = _Bucket(how, spec.mesh, entry[2])
                 buckets.append(b)
             b.members.append(i)
             b.nbytes += nbytes
@@ -172,21 +261,29 @@ class BucketPlan:
         return BucketPlan(buckets, placed)
 
     def reduction(self, params: list, grad_specs: list) -> Optional["BackwardReduction"]:
-        """The state for one forward's backward, or None once reduction is deferred.  A
-        parameter still holding a gradient means accumulation: defer from now on, and give
-        the gradients reduced so far back their Partial placement (a local step: one rank
-        keeps the value), so that the next gradients add to them without communication."""
-        if not self.deferred and any(params[i].grad is not None for i in self.placed):
-            self.deferred = True
-            for i, spec in self.placed.items():
-                g = params[i].grad
-                if type(g) is DistTensor and g._spec is spec:
-                    params[i].grad = new_dist(redistribute_local(g._local, spec, grad_specs[i]), grad_specs[i])
-        return None if self.deferred else BackwardReduction(self)
+        """The state for one forward's backward, or None once every bucket is deferred.  A
+        parameter of a deferrable bucket still holding a gradient means accumulation: defer
+        those buckets from now on, and give the gradients reduced so far back their Partial
+        placement (a local step: one rank keeps the value), so that the next gradients add to
+        them without communication."""
+        active = self.active
+        if active is not None and any(
+            params[i].grad is not None for b in active.buckets if not b.every_backward for i in b.members
+        ):
+            for b in active.buckets:
+                if b.every_backward:
+                    continue
+                for i in b.members:
+                    g, spec = params[i].grad, self.placed[i]
+                    if type(g) is DistTensor and g._spec is spec:
+                        params[i].grad = new_dist(redistribute_local(g._local, spec, grad_specs[i]), grad_specs[i])
+            kept = [b for b in active.buckets if b.every_backward]
+            self.active = BucketPlan(kept, {i: self.placed[i] for b in kept for i in b.members}) if kept else None
+        return None if self.active is None else BackwardReduction(self.active)
 
 
 class BackwardReduction:
-    """One forward's bucket state: gradients as hooks see them, all-reduces in flight."""
+    """One forward's bucket state: gradients as hooks see them, collectives in flight."""
 
     def __init__(self, plan: BucketPlan):
         self.plan = plan
@@ -195,7 +292,7 @@ class BackwardReduction:
     def _reset(self) -> None:
         self.grads: dict = {}
         self.ready = {id(b): 0 for b in self.plan.buckets}
-        self.pending: dict = {}  # id(bucket) -> PendingAllReduce
+        self.pending: dict = {}  # id(bucket) -> (its members that had gradients, its _Collective, comm.Pending)
 
     def watch(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """A view of parameter i's local piece whose gradient hook counts it ready."""
@@ -211,12 +308,14 @@ class BackwardReduction:
             self._start(b)
 
     def _start(self, b: _Bucket) -> None:
-        present = [self.grads[i] for i in b.members if i in self.grads]
-        if present:
-            self.pending[id(b)] = all_reduce_start(_flatten(present), b.ranks, b.op)
+        mine = [i for i in b.members if i in self.grads]
+        if mine:
+            grads = [self.grads.pop(i) for i in mine]  # (packed: not kept)
+            collective = b.collective(mine, self.plan.placed, grads)
+            self.pending[id(b)] = (mine, collective, collective.start(grads))
 
     def finish(self, grads: list) -> dict:
-        """{parameter position: reduced gradient, placed like its parameter}, once every
+        """{parameter position: reduced gradient, placed where it is stepped}, once every
         bucket is reduced (a bucket some of whose parameters got no gradient starts now)."""
         for b in self.plan.buckets:
             if id(b) not in self.pending:
@@ -226,11 +325,11 @@ class BackwardReduction:
                 self._start(b)
         out = {}
         for b in self.plan.buckets:
-            pending = self.pending.get(id(b))
-            if pending is None:
+            entry = self.pending.get(id(b))
+            if entry is None:
                 continue
-            mine = [i for i in b.members if i in self.grads]
-            for i, g in zip(mine, _unflatten(pending.wait(), [self.grads[i] for i in mine])):
+            mine, collective, pending = entry
+            for i, g in zip(mine, collective.result(pending.wait())):
                 out[i] = new_dist(g, self.plan.placed[i])
         self._reset()  # a second backward through the same graph (retain_graph) starts afresh
         return out

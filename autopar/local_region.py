@@ -21,16 +21,27 @@ resharded to the dual of the output placements once, at the boundary.
 A region holds while the module keeps the verified parameters (same objects, same specs)
 and settings (its plain attributes); a change makes the next call verify again.  State
 outside the module tree that the forward branches on (a global flag) is not seen.
+
+Saved-tensor hooks (non-reentrant activation checkpointing installs them) run code again
+later, in backward, outside the region: a checkpointed function recomputed there would see
+the distributed parameters with the local pieces the region had handed it, and the
+recomputed tensors must match the saved ones in number and shape.  So a module called
+while such hooks are active always goes op by op (its forward and its recomputation then
+take the same path), and a module whose forward installs them is not a region.  Nor is a
+module whose forward dispatches ops from inside an autograd Function's forward (reentrant
+checkpointing runs the function there and again in that Function's backward).
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import dispatch
+from .api.tensor import GradToPlacement
 from .comm import collectives
 from .dtensor import DistTensor, local_piece, new_dist
 from . import grad_reduce
@@ -78,7 +89,12 @@ class RegionForward:
         self.regions: dict = {}
 
     def __call__(self, *args, **kwargs):
-        if _STATE["inside"] or not _STATE["enabled"] or (collectives.CAPTURE_HOOKS and not self._vouched(args, kwargs)):
+        if (
+            _STATE["inside"]
+            or not _STATE["enabled"]
+            or (collectives.CAPTURE_HOOKS and not self._vouched(args, kwargs))
+            or _saved_tensor_hooks()
+        ):
             return self.inner(*args, **kwargs)
         key = _call_key(self.module, args, kwargs)
         if key is None:
@@ -109,6 +125,11 @@ class RegionForward:
 
 
 _UNSEEN = object()
+
+
+def _saved_tensor_hooks():
+    """The innermost active saved-tensor hooks (activation checkpointing's), or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def _call_key(module, args, kwargs) -> Optional[tuple]:
@@ -143,10 +164,11 @@ class _Watch:
     """Sees every dispatched op and every transfer of a module's first call (as a dispatch
     watcher and a capture hook): is each op local as it is, and does nothing move?"""
 
-    def __init__(self, mesh, protected: list):
+    def __init__(self, mesh, protected: list, frame):
         # the storages of the inputs, parameters and buffers: a write into one (also through
         # an alias such as `.data`) is a side effect the region must not repeat
         self.mesh, self.ops, self.local = mesh, 0, True
+        self.frame = frame  # the verification's own frame: the module's forward runs below it
         self.protected = {local_piece(t).untyped_storage().data_ptr() for t in protected}
 
     def enter_wire(self) -> None:  # an explicit reshard in the forward
@@ -166,7 +188,9 @@ class _Watch:
         if not self.local:
             return
         if (
-            dec is None or dec.kind != "op" or not dec.member or dec.mesh != self.mesh or func in DRAWS_RANDOM
+            _saved_tensor_hooks() is not None  # the forward checkpoints: recomputed outside the region
+            or self._inside_function()
+            or dec is None or dec.kind != "op" or not dec.member or dec.mesh != self.mesh or func in DRAWS_RANDOM
             or (dec.kernel is not None and not KERNEL_PLAIN_WHEN.get(dec.kernel, _never)(func, dec.in_specs, dec.coord))
         ):
             self.local = False
@@ -181,6 +205,19 @@ class _Watch:
             t = flat[i]
             if local_piece(t).untyped_storage().data_ptr() in self.protected:
                 self.local = False
+
+
+    def _inside_function(self) -> bool:
+        """Whether the op runs inside an autograd Function's forward called by the module."""
+        f = sys._getframe(2)
+        while f is not None and f is not self.frame:
+            if f.f_code is _FUNCTION_APPLY:
+                return True
+            f = f.f_back
+        return False
+
+
+_FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
 
 
 def _never(*_) -> bool:
@@ -244,7 +281,7 @@ def _verify(module, inner, args, kwargs):
         region = Region.build(mesh, settings, args, kwargs, slots, params, declared)
         if region is not None:
             return region.run(inner, args, kwargs), region
-    watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots])
+    watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots], sys._getframe())
     dispatch.WATCHERS.append(watch)
     collectives.CAPTURE_HOOKS.append(watch)  # (sublayers meanwhile run op by op, unverified)
     try:
@@ -503,7 +540,7 @@ def _deliver(params: list, grads: list, edges: tuple) -> list:
     autograd to accumulate."""
     for j, (p, g, (node, _)) in enumerate(zip(params, grads, edges)):
         if (
-            g is None or p.grad is not None or p._backward_hooks or p._post_accumulate_grad_hooks is not None
+            g is None or p.grad is not None or _user_hooks(p) or p._post_accumulate_grad_hooks is not None
             or type(node) is not _ACCUMULATE_GRAD or node.variable is not p
             or g._spec.meta.stride != p._spec.meta.stride
         ):
@@ -516,6 +553,13 @@ def _deliver(params: list, grads: list, edges: tuple) -> list:
         p.grad = g
         grads[j] = None
     return grads
+
+
+def _user_hooks(p) -> bool:
+    """Gradient hooks on `p` besides its own placement hook (a region's gradients are placed
+    like their parameters already: that one would do nothing)."""
+    hooks = p._backward_hooks
+    return bool(hooks) and any(type(h) is not GradToPlacement for h in hooks.values())
 
 
 def _accumulate_grad_type() -> type:

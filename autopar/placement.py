@@ -2,7 +2,10 @@
 
 `Replicate` - every rank of that mesh dim holds the whole (sub)tensor;
 `Shard(d)` - tensor dim `d` is split across the ranks of that mesh dim;
-`Partial(r)` - every rank holds a term; the value is the reduction `r` of all terms.
+`Partial(r)` - every rank holds a term; the value is the reduction `r` of all terms;
+`StridedShard(d, f)` - tensor dim `d` read as [f, n/f] blocks, the inner part split
+  (what merging an outer dim into a sharded one makes, such as attention heads merged into
+  the batch for a batched matmul; produced by the view rules, not written by users).
 Placements are immutable values: `Shard(0) == Shard(0)` and they hash.
 """
 from __future__ import annotations
@@ -105,6 +108,42 @@ class Shard(Placement):
 
     def __repr__(self) -> str:
         return f"Shard({self.dim})"
+
+
+class StridedShard(Placement):
+    """Tensor dim `dim`, read as `split_factor` equal blocks, has each block split alike over
+    the ranks of the mesh dim: rank i holds piece i of every block, blocks in order.
+
+    A [b, h] tensor sharded on h, viewed as [b * h], is StridedShard(0, split_factor=b): the
+    merged dim of a batched matmul over heads.  Each block must split evenly.
+
+    >>> StridedShard(0, 4)
+    StridedShard(0, split_factor=4)
+    """
+
+    __slots__ = ("dim", "split_factor")
+
+    def __init__(self, dim: int, split_factor: int):
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "split_factor", split_factor)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("placements are immutable")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __reduce__(self):
+        return (StridedShard, (self.dim, self.split_factor))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is StridedShard and other.dim == self.dim and other.split_factor == self.split_factor
+
+    def __hash__(self) -> int:
+        return hash(("SS", self.dim, self.split_factor))
+
+    def __repr__(self) -> str:
+        return f"StridedShard({self.dim}, split_factor={self.split_factor})"
 
 
 class Partial(Placement):

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from .mesh import ProcessMesh
-from .placement import Partial, Placement, Replicate, Shard
+from .placement import Partial, Placement, Replicate, Shard, StridedShard
 
 
 def split_range(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -20,6 +20,64 @@ def split_range(size: int, parts: int, index: int) -> tuple[int, int]:
     q, r = divmod(size, parts)
     start = index * q + min(index, r)
     return start, start + q + (1 if index < r else 0)
+
+
+def global_shape_of_pieces(mesh: ProcessMesh, placements: Sequence[Placement], pieces: dict) -> tuple[int, ...]:
+    """The global shape whose pieces under `placements` are `pieces` ({rank: local shape},
+    one per rank of the mesh), or ValueError naming a rank whose piece does not fit: a
+    sharded dim is the sum of its pieces along the mesh dims that shard it, which must
+    follow the split rule (the first pieces one longer, never shorter); other dims agree.
+
+    >>> mesh = ProcessMesh([0, 1, 2])
+    >>> global_shape_of_pieces(mesh, [Shard(0)], {0: (3, 2), 1: (3, 2), 2: (2, 2)})
+    (8, 2)
+    """
+    ranks = mesh.process_ids
+    ndims = {len(pieces[r]) for r in ranks}
+    if len(ndims) != 1:
+        raise ValueError(f"pieces on {mesh} have different numbers of dims: {[pieces[r] for r in ranks]}")
+    ndim = ndims.pop()
+    shape = []
+    for d in range(ndim):
+        sharding = [m for m, p in enumerate(placements) if type(p) is Shard and p.dim == d]
+        # one rank per distinct coordinate on the sharding mesh dims
+        firsts: dict = {}
+        for r in ranks:
+            coord = mesh.coordinate(r)
+            firsts.setdefault(tuple(coord[m] for m in sharding), r)
+        shape.append(sum(pieces[r][d] for r in firsts.values()))
+    shape = tuple(shape)
+    spec = DistSpec(mesh, placements, TensorMeta.contiguous(shape, torch.float32))
+    for r in ranks:
+        want = spec.local_shape(mesh.coordinate(r))
+        if tuple(pieces[r]) != want:
+            raise ValueError(
+                f"the pieces held on {mesh} with placements {list(placements)} do not form one tensor: rank {r} "
+                f"holds {list(pieces[r])}, but a {list(shape)} tensor cut by the split rule (the first pieces one "
+                f"longer) gives it {list(want)}; pass the global shape or fix the pieces"
+            )
+    return shape
+
+
+def strided_cuts_valid(placements: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    """Every StridedShard(d, f) is the last cut of dim d, the Shard cuts of d before it keep
+    its blocks whole, and each block splits evenly over its mesh dim."""
+    for m, p in enumerate(placements):
+        if type(p) is not StridedShard or mesh_shape[m] == 1:
+            continue
+        n, f, d = shape[p.dim], p.split_factor, p.dim
+        if f <= 0 or n % f or (n // f) % mesh_shape[m]:
+            return False
+        before = 1
+        for m2, q in enumerate(placements):
+            if mesh_shape[m2] == 1 or type(q) not in (Shard, StridedShard) or q.dim != d or m2 == m:
+                continue
+            if m2 > m or type(q) is StridedShard:
+                return False
+            before *= mesh_shape[m2]
+        if f % before:
+            return False
+    return True
 
 
 class TensorMeta:
@@ -108,6 +166,9 @@ class DistSpec:
         key = (mesh, tuple(placements), meta)
         spec = cls._POOL.get(key)
         if spec is None:
+            if any(type(p) is StridedShard for p in key[1]) and not strided_cuts_valid(key[1], meta.shape, mesh.shape):
+                raise ValueError(f"placements {list(key[1])} on {mesh} do not cut a {list(meta.shape)} tensor into "
+                                 f"pieces (a StridedShard must be its dim's last cut, over whole blocks)")
             spec = object.__new__(cls)
             spec.mesh, spec.placements, spec.meta = key
             spec._boxes = {}
@@ -161,6 +222,13 @@ class DistSpec:
 
     def local_box(self, coord: Sequence[int]) -> list[tuple[int, int]]:
         """[start, stop) per tensor dim of the piece held at mesh coordinate `coord`."""
+        if self.strided_dims():
+            raise ValueError(f"{self}: a strided piece is not a box; reshard it (to Shard or Replicate) first")
+        return self.block_box(coord)
+
+    def block_box(self, coord: Sequence[int]) -> list[tuple[int, int]]:
+        """The box the Shard placements cut at `coord` (StridedShard dims left whole: their
+        blocks are then split inside it, see `strided_dims`)."""
         coord = tuple(coord)
         box = self._boxes.get(coord)
         if box is None:
@@ -174,8 +242,20 @@ class DistSpec:
             self._boxes[coord] = box
         return box
 
+    def strided_dims(self) -> list[tuple[int, StridedShard]]:
+        """(mesh dim, placement) of every StridedShard on a mesh dim of size > 1.  Each is the
+        last cut of its tensor dim: the blocks of the box's extent along it are split evenly."""
+        return [(m, p) for m, p in enumerate(self.placements) if type(p) is StridedShard and self.mesh.shape[m] > 1]
+
+    def without_strided(self) -> "DistSpec":
+        """The same spec with every StridedShard made Replicate."""
+        return self.with_placements([Replicate() if type(p) is StridedShard else p for p in self.placements])
+
     def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.local_box(coord))
+        shape = [b - a for a, b in self.block_box(coord)]
+        for m, p in self.strided_dims():
+            shape[p.dim] //= self.mesh.shape[m]
+        return tuple(shape)
 
     def max_local_numel(self) -> int:
         """Elements in the biggest piece (the first coordinate holds it under array_split)."""

@@ -1,21 +1,28 @@
-"""ZeRO on the seed MLP: autopar ShardingStage1/2/3 vs torch FSDP2 (fully_shard) vs one process.
+"""ZeRO levels 0-3 against torch FSDP2 and DDP on one model, in one interleaved run.
 
-    python -m autopar.launch --nproc_per_node 2 benchmarks/bench_zero.py
     python -m autopar.launch --nproc_per_node 4 benchmarks/bench_zero.py
+    python -m autopar.launch --nproc_per_node 2 benchmarks/bench_zero.py --layers 2 --reps 5 --levels 2,3
 
-Model: two bias-free nn.Linear (1024->4096, 4096->1024), x 4x128x1024 split by batch over the
-ranks, loss = z.mean(), AdamW(lr=1e-3); one step = forward, backward, optimizer step,
+Model: HuggingFace LlamaForCausalLM built from a config (no download; --hidden, --layers,
+--vocab, ...), trained by `model(input_ids=ids, labels=ids).loss`, AdamW(lr=1e-3), a batch of
+--batch sequences split over the ranks.  One step = forward, backward, optimizer step,
 zero_grad, loss.item().
-  autopar_z3 : shard_layer(model, mesh) (replicated), shard_optimizer(opt, ShardingStage3("dp")),
-               x = shard_tensor(x, mesh, [Shard(0)]).
-  autopar_z1/z2 : the same with ShardingStage1/2 (with --stages 1,2,3).
-  fsdp2      : fully_shard on each Linear and the root, 1-D DeviceMesh, each rank feeds its
-               batch slice; the logged loss is the all-reduced mean of the local losses.
-  plain      : the single-process step on rank 0 (other ranks wait in a barrier).
-Checks: every impl's per-step losses agree with the single-process run (rtol 1e-5, atol 1e-5).
-Bytes: per-rank local bytes of params + grads + optimizer states (exp_avg, exp_avg_sq) right
-after an optimizer step, before zero_grad (plus grads right after backward, the stage-1 peak) (autopar: `t._local` of DistTensors; FSDP2:
-`to_local()` of DTensors).
+  autopar_z0..z3 : `parallelize(model, opt, mesh, {"dp_config": {"sharding_level": L}})`.
+  ddp            : torch DistributedDataParallel (what level 0 does).
+  fsdp2          : `fully_shard` on every decoder layer and the model (what ZeRO-3 does).
+  fsdp2_keep     : the same with reshard_after_forward=False (parameters stay gathered from
+                   forward to backward: the ZeRO-2 comparison in FSDP2's terms).
+  plain          : the single-process step on rank 0 (the others wait).
+Checks: every implementation's losses equal the single-process run's (rtol 1e-5).
+Per implementation (one record each, rank 0's view, max over ranks where it says so):
+  median/min/max ms per step, interleaved with the others (ratio_time_vs_z0 / vs the torch peer);
+  collectives and bytes sent per step (autopar: comm_log; torch: its c10d ops, priced with
+  the same bandwidth-optimal formula);
+  memory, max over ranks: local bytes of parameters, gradients after backward, optimizer
+  states; the peak of the parameter bytes held during a step (sharded pieces plus what
+  ZeRO-3 / FSDP2 has gathered, sampled wherever a layer starts its forward or backward); on
+  GPUs the peak of all memory allocated during a step above its start
+  (torch.cuda.max_memory_allocated; a CPU has no such counter).
 """
 from __future__ import annotations
 
@@ -31,148 +38,204 @@ import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import autopar as dist  # noqa: E402
 
 
-def make_mlp(w0, w1):
-    m = torch.nn.Sequential(torch.nn.Linear(w0.shape[0], w0.shape[1], bias=False),
-                            torch.nn.Linear(w1.shape[0], w1.shape[1], bias=False))
-    with torch.no_grad():
-        m[0].weight.copy_(w0.t())
-        m[1].weight.copy_(w1.t())
-    return m
+def llama(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.heads // 2, max_position_embeddings=args.seq,
+                      attn_implementation="eager")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
 
 
-def opt_params(opt):
-    return [p for g in opt.param_groups for p in g["params"]]
+class C10dCounter(TorchDispatchMode):
+    """torch's own collectives (DDP's and FSDP2's c10d ops) with the bytes this rank sends,
+    priced like autopar's comm_log: all-gather its input to each peer, reduce-scatter and
+    all-reduce (k-1)/k and 2(k-1)/k of the buffer."""
 
+    def __init__(self):
+        super().__init__()
+        self.records: list = []
 
-def mem_breakdown(model, opt) -> dict:
-    params = list(model.parameters())
-    extra = [p for p in opt_params(opt) if all(p is not q for q in params)]  # ZeRO-1/2 shards
-    grads = [p.grad for p in params] + [p.grad for p in extra]
-    states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    pb, gb, sb = C.local_bytes(params), C.local_bytes(grads), C.local_bytes(states)
-    return {"param_bytes": pb, "grad_bytes": gb, "state_bytes": sb, "total_bytes": pb + gb + sb}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func._schema.name.split("::")[-1]
+            k = tdist.get_world_size()
+            if name == "_allgather_base_":
+                self.records.append(("all_gather", C._nbytes(args[1]) * (k - 1)))
+            elif name == "_reduce_scatter_base_":
+                self.records.append(("reduce_scatter", C._nbytes(args[0]) * (k - 1)))
+            elif name == "allreduce_":
+                self.records.append(("all_reduce", sum(2 * (k - 1) * C._nbytes(t) // k for t in args[0])))
+            elif name not in ("barrier", "monitored_barrier"):
+                self.records.append((name, 0))
+        return func(*args, **(kwargs or {}))
 
 
 class Runner:
-    def __init__(self, name, model, opt, inputs, loss_fn=None):
-        self.name, self.model, self.opt, self.inputs = name, model, opt, inputs
-        self.loss_fn = loss_fn or (lambda loss: float(loss.item()))
-        self.losses: list[float] = []
-        self.mem = None
+    def __init__(self, name, model, opt, batches, loss_of=None):
+        self.name, self.model, self.opt, self.batches = name, model, opt, batches
+        self.loss_of = loss_of or (lambda loss: float(loss.item()))
+        self.losses: list = []
 
-    def step(self, measure=False):
-        x = self.inputs[len(self.losses) % len(self.inputs)]
-        loss = self.model(x).mean()
+    def step(self, after_backward=None):
+        ids = self.batches[len(self.losses) % len(self.batches)]
+        loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
-        if measure:
-            grads_bw = mem_breakdown(self.model, self.opt)["grad_bytes"]
+        if after_backward is not None:
+            after_backward()
         self.opt.step()
-        if measure:
-            self.mem = mem_breakdown(self.model, self.opt)
-            self.mem["grad_bytes_after_backward"] = grads_bw
         self.opt.zero_grad()
-        self.losses.append(self.loss_fn(loss))
+        self.losses.append(self.loss_of(loss))
+
+
+def _pieces(tensors):
+    return C.local_bytes([t for t in tensors if t is not None])
+
+
+def gathered_bytes(model) -> int:
+    """Bytes of the parameters ZeRO-3 (autopar's units) or FSDP2 holds gathered right now."""
+    from autopar.api import zero3
+
+    units = {id(u): u for u in (ref() for ref in zero3._UNIT_OF.values()) if u is not None}.values()
+    total = sum(w.untyped_storage().nbytes() for u in units for w in u.writes
+                if any(p is q for p in model.parameters() for q in u.params))
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        if group is not None:
+            total += sum(fp._unsharded_param.untyped_storage().nbytes() for fp in group.fsdp_params
+                         if hasattr(fp, "_unsharded_param"))
+    return total
+
+
+def memory(runner) -> dict:
+    """Local bytes held after one step, the gradients right after backward, and the peaks
+    during the step."""
+    model, opt = runner.model, runner.opt
+    grads, seen = {}, [0]
+    sharded = _pieces(model.parameters())
+    sample = lambda *_: seen.__setitem__(0, max(seen[0], sharded + gathered_bytes(model)))  # noqa: E731
+    hooks = [h for m in model.modules()
+             for h in (m.register_forward_pre_hook(sample), m.register_full_backward_pre_hook(sample))]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    runner.step(lambda: grads.setdefault("b", _pieces(p.grad for p in model.parameters())))
+    peak = torch.cuda.max_memory_allocated() - start if torch.cuda.is_available() else -1
+    for h in hooks:
+        h.remove()
+    states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    got = torch.tensor([sharded, grads["b"], _pieces(states), seen[0], peak], dtype=torch.int64)
+    tdist.all_reduce(got, op=tdist.ReduceOp.MAX)
+    keys = ("param_bytes", "grad_bytes_after_backward", "state_bytes", "peak_param_bytes", "peak_step_bytes")
+    return {k: v for k, v in zip(keys, got.tolist()) if v >= 0}
+
+
+def collectives(runner) -> tuple:
+    if runner.name.startswith("autopar"):
+        with dist.comm_log() as log:
+            runner.step()
+        return len(log), log.total_bytes(), sorted({r.op for r in log})
+    counter = C10dCounter()
+    with counter:
+        runner.step()
+    # the loss read of a torch peer (an all-reduce of one number) is not part of training
+    records = [r for r in counter.records if r[1] > 8]
+    return len(records), sum(b for _, b in records), sorted({op for op, _ in records})
 
 
 def main():
     p = argparse.ArgumentParser()
-    C.add_mlp_sizes(p)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--stages", default="3", help="autopar ZeRO stages to run, e.g. 1,2,3")
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=4, help="steps before timing (local regions verify in the first three)")
+    p.add_argument("--levels", "--stages", default="0,1,2,3", help="autopar ZeRO levels besides 0, e.g. 1,3")
     p.add_argument("--no-plain", action="store_true")
     args = p.parse_args()
     rank, k = C.setup()
-    warnings.simplefilter("default")
+    warnings.simplefilter("ignore")
     C.check(args.batch % k == 0, f"batch {args.batch} not divisible by {k} ranks")
-    mesh = dist.ProcessMesh(list(range(k)), dim_names=["dp"])
-    dmesh = init_device_mesh("cpu", (k,), mesh_dim_names=("dp",))
     gen = torch.Generator().manual_seed(2024)
-    w0 = torch.randn(args.hidden, args.ffn, generator=gen) * args.hidden ** -0.5
-    w1 = torch.randn(args.ffn, args.hidden, generator=gen) * args.ffn ** -0.5
-    batches = [torch.rand(args.batch, args.seq, args.hidden, generator=gen) for _ in range(4)]
-    C.emit({"bench": "env", **C.env_info(), "ranks": k})
-
-    runners: dict[str, Runner] = {}
-    for stage in sorted(int(s) for s in args.stages.split(",")):
-        model = dist.shard_layer(make_mlp(w0, w1), mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        shard_fn = {1: dist.ShardingStage1, 2: dist.ShardingStage2, 3: dist.ShardingStage3}[stage]("dp")
-        opt = dist.shard_optimizer(opt, shard_fn)
-        xs = [dist.shard_tensor(x, mesh, [dist.Shard(0)]) for x in batches]
-        runners[f"autopar_z{stage}"] = Runner(f"autopar_z{stage}", model, opt, xs)
-
-    fmodel = make_mlp(w0, w1)
-    fully_shard(fmodel[0], mesh=dmesh)
-    fully_shard(fmodel[1], mesh=dmesh)
-    fully_shard(fmodel, mesh=dmesh)
-    fopt = torch.optim.AdamW(fmodel.parameters(), lr=1e-3)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(4)]
     per = args.batch // k
+    mine = [b[rank * per:(rank + 1) * per] for b in batches]
+    C.emit({"bench": "env", **C.env_info(), "ranks": k, "model": vars(args)})
 
-    def global_loss(loss):
+    def global_loss(loss):  # torch peers see their own batch slice: the global mean loss
         t = loss.detach().clone()
         tdist.all_reduce(t)
         return float(t.item()) / k
 
-    runners["fsdp2"] = Runner("fsdp2", fmodel, fopt, [x[rank * per:(rank + 1) * per] for x in batches], global_loss)
+    runners: dict = {}
+    mesh = dist.ProcessMesh(list(range(k)), dim_names=["dp"])
+    for level in sorted({0} | {int(s) for s in args.levels.split(",")}):
+        model = llama(args)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": level}})
+        runners[f"autopar_z{level}"] = Runner(f"autopar_z{level}", model, opt, batches)
+    ddp = DistributedDataParallel(llama(args))
+    runners["ddp"] = Runner("ddp", ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), mine, global_loss)
+    dmesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (k,), mesh_dim_names=("dp",))
+    for name, reshard in (("fsdp2", True), ("fsdp2_keep", False)):
+        model = llama(args)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dmesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=dmesh, reshard_after_forward=reshard)
+        runners[name] = Runner(name, model, torch.optim.AdamW(model.parameters(), lr=1e-3), mine, global_loss)
     if not args.no_plain:
-        pm = make_mlp(w0, w1)
-        runners["plain"] = Runner("plain", pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), batches)
-        if rank != 0:
-            runners["plain"].step = lambda measure=False: None
+        model = llama(args)
+        runners["plain"] = Runner("plain", model, torch.optim.AdamW(model.parameters(), lr=1e-3), batches)
 
-    # first step: untimed, with the memory measurement
+    # warmup steps (untimed): local regions verify, FSDP2 lazily initialises; then one step each
+    # for the collectives and one for the memory
+    facts = {}
     for name, r in runners.items():
+        for _ in range(args.warmup):
+            C.barrier()
+            if name != "plain" or rank == 0:
+                r.step()
         C.barrier()
-        if name == "plain" and rank != 0:
-            continue
-        r.step(measure=True)
+        if name != "plain":
+            facts[name] = collectives(r), memory(r)
+        elif rank == 0:
+            r.step(), r.step()
     C.barrier()
 
     fns = {name: r.step for name, r in runners.items()}
-    times = C.interleaved(fns, reps=args.reps, warmup=args.warmup, only_rank0=frozenset({"plain"}))
+    times = C.interleaved(fns, reps=args.reps, warmup=1, only_rank0=frozenset({"plain"}))
 
-    # correctness: losses per step against the single-process run (rank 0 holds it)
     names = [n for n in runners if n != "plain"]
-    ref = runners.get("plain")
-    max_rel = 0.0
-    if rank == 0 and ref is not None:
+    if rank == 0 and "plain" in runners:
+        ref = runners["plain"].losses
         for n in names:
-            got = runners[n].losses
-            C.assert_close(torch.tensor(got), torch.tensor(ref.losses), f"{n} vs single-process losses")
-            max_rel = max(max_rel, max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref.losses)))
-    for n in names[1:]:
-        C.assert_close(torch.tensor(runners[n].losses), torch.tensor(runners[names[0]].losses),
-                       f"{n} vs {names[0]} losses")
-
+            C.assert_close(torch.tensor(runners[n].losses), torch.tensor(ref), f"{n} vs single-process losses")
     st = {n: C.stats_ms(v) for n, v in times.items()}
-    mem = {}
-    for n in names:
-        m = runners[n].mem
-        keys = ("param_bytes", "grad_bytes", "state_bytes", "total_bytes", "grad_bytes_after_backward")
-        t = torch.tensor([m[key] for key in keys], dtype=torch.int64)
-        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-        mem[n] = dict(zip(keys, t.tolist()))
-    full = (w0.numel() + w1.numel()) * 4
+    peers = {"autopar_z0": "ddp", "autopar_z1": "ddp", "autopar_z2": "fsdp2_keep", "autopar_z3": "fsdp2"}
+    peers = {n: peer for n, peer in peers.items() if n in runners}
     for n in runners:
-        rec = {"bench": "zero_mlp_step", "impl": n, "ranks": 1 if n == "plain" else k, "world": k, **st[n],
-               "steps_checked": len(runners[names[0]].losses), "max_rel_loss_diff_vs_plain": max_rel}
-        if n in mem:
-            rec.update({f"{key}_per_rank_max": v for key, v in mem[n].items()})
-        else:
-            rec.update(param_bytes_per_rank_max=full, grad_bytes_per_rank_max=full,
-                       state_bytes_per_rank_max=2 * full, total_bytes_per_rank_max=4 * full)
-        if n.startswith("autopar"):
-            rec["ratio_time_vs_fsdp2"] = round(st[n]["median_ms"] / st["fsdp2"]["median_ms"], 3)
-            rec["ratio_bytes_vs_fsdp2"] = round(mem[n]["total_bytes"] / mem["fsdp2"]["total_bytes"], 3)
-        if "plain" in st and n != "plain":
-            rec["ratio_time_vs_plain"] = round(st[n]["median_ms"] / st["plain"]["median_ms"], 3)
+        rec = {"bench": "zero_llama_step", "impl": n, "ranks": 1 if n == "plain" else k, **st[n]}
+        if n in facts:
+            (count, sent, ops), mem = facts[n]
+            rec.update(collectives_per_step=count, bytes_sent_per_step=sent, ops=ops, **mem)
+        if n != "plain":
+            rec["ratio_time_vs_autopar_z0"] = round(st[n]["median_ms"] / st["autopar_z0"]["median_ms"], 3)
+        if n in peers:
+            rec[f"ratio_time_vs_{peers[n]}"] = round(st[n]["median_ms"] / st[peers[n]]["median_ms"], 3)
         C.emit(rec)
-    C.emit({"bench": "rules_missing", "ranks": k, "ops": C.rule_warnings()})
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ run dispatch_4ranks python -m autopar.launch --nproc_per_node 4 "$bench/bench_di
 run reshard_4ranks  python -m autopar.launch --nproc_per_node 4 "$bench/bench_reshard.py"
 run tp_mlp_2ranks   python -m autopar.launch --nproc_per_node 2 "$bench/bench_tp_mlp.py"
 run tp_mlp_4ranks   python -m autopar.launch --nproc_per_node 4 "$bench/bench_tp_mlp.py"
-run zero_2ranks     python -m autopar.launch --nproc_per_node 2 "$bench/bench_zero.py" --stages 1,2,3
-run zero_4ranks     python -m autopar.launch --nproc_per_node 4 "$bench/bench_zero.py" --stages 1,2,3
+run zero_2ranks     python -m autopar.launch --nproc_per_node 2 "$bench/bench_zero.py"
+run zero_4ranks     python -m autopar.launch --nproc_per_node 4 "$bench/bench_zero.py"
 run gpt_4ranks      python -m autopar.launch --nproc_per_node 4 "$bench/bench_gpt.py"
 # the same tiny GPT with one rank per core (4 ranks share 2 cores above: every wait is a context switch)
 run gpt_2ranks      python -m autopar.launch --nproc_per_node 2 "$bench/bench_gpt.py" --reps 30

@@ -46,8 +46,9 @@ def check(fn, inputs, placements, mesh, grad=True, rtol=1e-5, atol=1e-5, seed=12
         floats_out = [o for o, r in zip(outs, ref_out) if r.is_floating_point() and r.requires_grad]
         if floats_ref:
             sum((r * w).sum() for r, w in zip(floats_ref, weights)).backward()
-            # through a view: a Partial output reduced for the loss keeps its own placements
-            sum((o.view_as(o) * w).sum() for o, w in zip(floats_out, weights)).backward()
+            # through a copy: a Partial output reduced for the loss keeps its own placements
+            # (reducing a view reduces the tensor it views)
+            sum((o.clone() * w).sum() for o, w in zip(floats_out, weights)).backward()
             for i, (x, d, w) in enumerate(zip(ref_in, dist_in, wants)):
                 if not w:
                     continue

@@ -500,6 +500,20 @@ def test_corrupted_metadata_and_header(tmp_path):
     _assert_everywhere(run_dist(_load_expecting_failure, 2, path), "rank00001.safetensors", "tensor '")
 
 
+def test_edited_metadata_that_stays_valid_is_caught(tmp_path):
+    """Swapping the boxes of two pieces keeps metadata.json valid, would load the rows in the
+    wrong places, and is caught by the metadata's own checksum on every rank."""
+    path = str(tmp_path / "ckpt")
+    run_dist(_save_small, 2, path)
+    meta_path = os.path.join(path, "metadata.json")
+    meta = json.load(open(meta_path))
+    pieces = meta["tensors"]["layer.weight"]["pieces"]
+    assert len(pieces) == 2
+    pieces[0]["box"], pieces[1]["box"] = pieces[1]["box"], pieces[0]["box"]
+    json.dump(meta, open(meta_path, "w"), indent=1)
+    _assert_everywhere(run_dist(_load_expecting_failure, 2, path), "metadata.json", "does not match its checksum")
+
+
 def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path):
     path = str(tmp_path / "ckpt")
     run_dist(_save_small, 2, path)

@@ -125,10 +125,15 @@ def test_gradient_accumulation_defers_reduction_to_one_per_step():
         assert len(starts) == 3  # only step 2's first backward reduced (three buckets)
 
 
-def test_zero_stage_1_keeps_its_reduce_scatter():
-    """ZeRO reduce-scatters gradients onto shards: backward leaves them Partial."""
+def test_zero_stage_1_reduce_scatters_buckets_during_backward():
+    """ZeRO-1 reduce-scatters the gradients onto this rank's shards, bucket by bucket while
+    backward runs (after the first step, which verifies the region op by op: the optimizer
+    reduces its gradients in one bucket), and all-gathers the updated shards, one bucket (of
+    the same size cap) each."""
     ref = _reference()
     for got in run_dist(_dp, 4, stage=1):
         _check_numbers(got, ref)
-        assert got[2] == [[str([Partial()])]] * 3
-        assert got[4] == []  # no bucket was reduced in backward
+        assert got[2] == [[str([Partial()])]] + [[str([Shard(0)])]] * 2
+        assert len(got[4]) == 2 * 3  # three buckets reduce-scattered in each later backward
+        gathers = ["all_gather"] * 3
+        assert got[3] == [["reduce_scatter"] + gathers, gathers, gathers], got[3]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar as dist
-from autopar.placement import Partial, Replicate, Shard
+from autopar.placement import Partial, Replicate, Shard, StridedShard
 from autopar.spmd import engine
 from autopar.spmd.strategy import OpCall
 from autopar.spec import TensorMeta
@@ -118,12 +118,14 @@ def test_core_ops_2d_mesh():
 
 
 def test_uneven_merge_falls_back_to_a_correct_layout():
-    """(5, 6) -> (30,): 5 rows on 2 ranks do not cut (30,) into array_split pieces: no shard kept."""
+    """(5, 6) -> (30,): 5 rows on 2 ranks do not cut (30,) into array_split pieces, so the
+    shard cannot stay on the rows; moving it to the 6 columns (an all-to-all, half the bytes
+    of a gather) and merging gives every row's block split alike: StridedShard(0, 5)."""
     meta_in, meta_out = TensorMeta.contiguous((5, 6), torch.float32), TensorMeta.contiguous((30,), torch.float32)
     call = OpCall(torch.ops.aten.view.default, (meta_in, [30]), {}, [meta_in], [meta_out])
     mesh = dist.ProcessMesh([0, 1])
     in_pl, out_pl, _ = engine.choose(call, mesh, [(S0,)], False)
-    assert out_pl == [(R,)] and in_pl == [(R,)]
+    assert out_pl == [(StridedShard(0, 5),)] and in_pl == [(S1,)]
     even_in = TensorMeta.contiguous((4, 6), torch.float32)
     call = OpCall(torch.ops.aten.view.default, (even_in, [24]), {}, [even_in], [TensorMeta.contiguous((24,), torch.float32)])
     assert engine.choose(call, mesh, [(S0,)], False)[1] == [(S0,)]

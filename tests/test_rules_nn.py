@@ -110,8 +110,9 @@ def _softmax_rank(world):
         xd = dist.shard_tensor(x.clone(), mesh, [Shard(1)], stop_gradient=False)
         out = fn(xd, 1)
         g = torch.randn(5, 7)
+        gd = dist.shard_tensor(g, mesh, [Shard(1)])
         with dist.comm_log() as log:
-            out.backward(dist.shard_tensor(g, mesh, [Shard(1)]))
+            out.backward(gd)
         assert _comm(log) == [("all_reduce", (5, 1))], _comm(log)
         xr = x.clone().requires_grad_()
         fn(xr, 1).backward(g)

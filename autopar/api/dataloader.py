@@ -2,19 +2,30 @@
 
 When the loader has a batch sampler and a map-style dataset, each rank fetches only the
 samples of its own piece of every batch (the split rule of spec.py), so no rank reads or
-collates the whole batch.  Otherwise the batch is read whole and cut locally.
+collates the whole batch.  Otherwise the batch is read whole (rank 0's batch is the one
+cut, see `shard_tensor`).
+
+Shuffling: each rank iterates its own copy of the loader, so every rank must draw the same
+order.  Before every epoch the generator the sampler draws from (its own, or torch's global
+one) takes rank 0's state: every rank cuts rank 0's permutation, which is the one a single
+process seeded like rank 0 draws.  `set_epoch(e)` is passed on to a sampler that has one.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence, Union
 
 import torch
 
+from .. import rng
 from ..comm import get_rank
 from ..mesh import ProcessMesh
 from ..placement import Replicate, Shard
 from ..spec import split_range
 from .tensor import dtensor_from_local, shard_tensor
+
+
+_INFERRED = object()  # a batch item's global size comes from every rank's piece
 
 
 class ShardDataloader:
@@ -45,6 +56,35 @@ class ShardDataloader:
     def __call__(self):
         return iter(self)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch on to the loader's samplers that take one (DistributedSampler-style
+        samplers reshuffle by epoch); a sampler drawing from a generator needs none."""
+        for sampler in self._samplers():
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+
+    # -- one order on every rank -------------------------------------------------------------
+    def _samplers(self) -> list:
+        loader = self.loader
+        found = []
+        for s in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+            if s is not None and all(s is not f for f in found):
+                found.append(s)
+        return found
+
+    def _same_order_on_every_rank(self) -> None:
+        """Give every generator the loader's samplers draw from rank 0's state."""
+        for sampler in self._samplers():
+            if isinstance(sampler, torch.utils.data.DistributedSampler) and sampler.num_replicas > 1:
+                raise ValueError(
+                    f"shard_dataloader: the loader's DistributedSampler already splits the data over "
+                    f"{sampler.num_replicas} replicas; shard_dataloader splits each batch itself: give the loader "
+                    f"a plain sampler, or pass is_dataset_splitted=True if each rank's loader yields its own part"
+                )
+            if hasattr(sampler, "generator"):
+                rng.agree_with_rank0(sampler.generator or torch.default_generator)
+
     # -- placement of each batch item -------------------------------------------------------
     def _mesh_for(self, index: int, count: int) -> int:
         """Inputs to the first mesh, labels (the last item) to the last mesh."""
@@ -59,14 +99,16 @@ class ShardDataloader:
             placements[dim] = Shard(0)
         return placements
 
-    def _wrap(self, t, m: int, global_rows: Optional[int]):
+    def _wrap(self, t, m: int, global_rows):
+        """`global_rows`: the global batch size of this rank's piece `t`; None: `t` is the whole
+        batch; _INFERRED: a piece whose global size the pieces of all ranks tell."""
         if not isinstance(t, torch.Tensor):
             return t
         mesh = self.meshes[m]
         placements = self._placements(m, t)
-        if global_rows is None:  # the full batch on every rank: cut locally
+        if global_rows is None:
             return shard_tensor(t, mesh, placements)
-        shape = (global_rows,) + tuple(t.shape[1:])
+        shape = None if global_rows is _INFERRED else (global_rows,) + tuple(t.shape[1:])
         return dtensor_from_local(t, mesh, placements, shape=shape)
 
     def _items(self, batch):
@@ -90,8 +132,9 @@ class ShardDataloader:
     def __iter__(self):
         if self.is_dataset_splitted:
             for batch in self.loader:
-                yield self._convert(batch, self._splitted_rows(batch))
+                yield self._convert(batch, _INFERRED)
             return
+        self._same_order_on_every_rank()
         sampler = getattr(self.loader, "batch_sampler", None)
         dataset = getattr(self.loader, "dataset", None)
         if sampler is None or not hasattr(dataset, "__getitem__") or self._needs_whole_batch():
@@ -99,7 +142,11 @@ class ShardDataloader:
                 yield self._convert(batch, None)
             return
         collate = self.loader.collate_fn
-        for indices in sampler:
+        batches = iter(sampler)
+        # the draw a DataLoader iterator makes (its workers' base seed) before its sampler's:
+        # the random stream then goes on as when the loader itself is iterated
+        torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
+        for indices in batches:
             mine = self._my_indices(list(indices))
             yield self._convert(collate([dataset[i] for i in mine]), len(indices))
 
@@ -123,15 +170,6 @@ class ShardDataloader:
         a, b = split_range(len(indices), parts, index)
         return indices[a:b]
 
-    def _splitted_rows(self, batch) -> int:
-        """Global batch size when each rank's loader yields its own part (all parts equal)."""
-        items, _ = self._items(batch)
-        first = next((v for _, v in items if isinstance(v, torch.Tensor)), None)
-        if first is None or first.dim() == 0:
-            return None
-        _, parts = self._piece(0, get_rank())
-        return first.shape[0] * parts
-
 
 def shard_dataloader(
     dataloader,
@@ -145,7 +183,8 @@ def shard_dataloader(
     Each tensor is sharded on its batch dim (dim 0) over mesh dim `shard_dims` (a name or
     index per mesh; None replicates).  With several meshes (pipeline), inputs go to the
     first mesh and labels (the last batch item) to the last.  A batch that does not divide
-    evenly is split with the library's uneven rule (first pieces one row longer).
+    evenly is split with the library's uneven rule (first pieces one row longer).  A shuffled
+    loader gives every rank rank 0's order (collective: every rank iterates the loader).
 
     >>> import torch, autopar as dist
     >>> loader = torch.utils.data.DataLoader(torch.arange(8.).reshape(4, 2), batch_size=2)

@@ -10,7 +10,7 @@ from .. import local_region
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Replicate
-from .tensor import shard_tensor
+from .tensor import GradToPlacement, shard_tensor
 
 
 def replicate_params(module: torch.nn.Module, mesh: ProcessMesh) -> None:
@@ -23,10 +23,38 @@ def replicate_params(module: torch.nn.Module, mesh: ProcessMesh) -> None:
             module._buffers[name] = shard_tensor(b, mesh, [Replicate()] * mesh.ndim)
 
 
-def record_replacement(old: torch.nn.Parameter, new: torch.nn.Parameter, name: str) -> None:
-    """Note on a Parameter that `new` took its place in the model, so that an optimizer built
-    before the model was converted steps `new` (`shard_optimizer` follows the note)."""
-    old._autopar_replaced_by = (name, weakref.ref(new))
+def convert_in_place(old: torch.Tensor, new: torch.Tensor, name: str) -> None:
+    """Give the Parameter `old` the contents of `new` (class, data, attributes) and keep the
+    Python object: the model, an optimizer built before the model was converted, and any
+    reference a user holds all see the distributed parameter (`torch.utils.swap_tensors`)."""
+    try:
+        torch.utils.swap_tensors(old, new)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"cannot convert parameter '{name}' (shape {list(old.shape)}) in place: {err}. Convert the model "
+            f"before running it: a live autograd graph (or a weak reference) holds the parameter"
+        ) from err
+    # the swap moves the gradient hooks with the tensor but leaves each object its hook dicts:
+    # install the Parameter's own hooks (a user's, registered before) on it again
+    old._backward_hooks = old._backward_hooks
+    old._post_accumulate_grad_hooks = old._post_accumulate_grad_hooks
+    hooks = old._backward_hooks or {}
+    if isinstance(old, DistTensor) and old.requires_grad and not any(type(h) is GradToPlacement for h in hooks.values()):
+        old.register_hook(GradToPlacement(old))  # (the one `new` had is bound to the object it left)
+
+
+_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def register_model(model: torch.nn.Module) -> None:
+    """Note a model converted by `shard_layer` or `parallelize`: ZeRO-3 finds in it the layers
+    that hold the parameters it shards."""
+    _MODELS.add(model)
+
+
+def models() -> list:
+    """The converted models that are still alive."""
+    return list(_MODELS)
 
 
 def shard_layer(
@@ -63,10 +91,16 @@ def shard_layer(
         if shard_fn is not None:
             shard_fn(name, sub, process_mesh)
         replicate_params(sub, process_mesh)
+    converted: dict = {}  # id(new Parameter) -> the original object now holding it (tied weights)
     for qualname, sub, name, p in before:
         new = sub._parameters.get(name)
-        if new is not None and new is not p:
-            record_replacement(p, new, qualname)
+        if new is None or new is p:
+            continue
+        if id(new) not in converted:
+            convert_in_place(p, new, qualname)
+            converted[id(new)] = (p, new)  # (new kept alive: its id stays unique)
+        sub._parameters[name] = converted[id(new)][0]
+    register_model(layer)
     if input_fn is not None:
         layer.register_forward_pre_hook(lambda _m, inputs: input_fn(inputs, process_mesh))
     if output_fn is not None:

@@ -5,9 +5,11 @@ parameter, its gradient and its states.  When a group's gradients and states are
 exactly like their parameters (which `shard_optimizer` arranges before every step), the step
 on the local pieces *is* the step on the global tensors, so the torch optimizer can run on
 plain tensors, as fast as on one device, instead of sending every foreach op through the
-dispatch (a decision lookup and a wrapper per op and group).  `swap` puts the local pieces
-into the optimizer for one step; `restore` puts the parameters back and wraps the states the
-step created as distributed tensors placed like their parameters.  The local step runs with
+dispatch (a decision lookup and a wrapper per op and group).  Under ZeRO-1/2 the piece a
+parameter is stepped at is this rank's shard of it (a view into its local piece), with its
+gradient and states placed like that shard.  `swap` puts the local pieces into the optimizer
+for one step; `restore` puts the parameters back and wraps the states the step created as
+distributed tensors placed like the pieces.  The local step runs with
 the group's own `foreach` choice (`shard_optimizer` turns foreach on only for steps through
 the dispatch), so torch picks its implementation from the local tensors as on one device:
 its for-loop on CPU is faster than foreach for large tensors, foreach on GPUs.  A group that
@@ -34,13 +36,14 @@ def _placed_like(t, spec: DistSpec) -> bool:
     return type(t) is DistTensor and t._spec.same_pieces(spec)
 
 
-def _stand_in(p, grad, state: dict):
-    """What the step on local pieces uses for `p`: its local piece (itself when plain), or
-    None when p, its gradient and its tensor states are not distributed alike."""
-    if type(p) is not DistTensor:
+def _stand_in(p, piece, grad, state: dict):
+    """What the step on local pieces uses for `p` stepped at `piece` (spec, local tensor; None
+    for a plain parameter): the local tensor (p itself when plain), or None when the piece,
+    the gradient and the tensor states are not distributed alike."""
+    if piece is None:
         plain = type(grad) is not DistTensor and not any(type(v) is DistTensor for v in state.values())
         return p if plain else None
-    spec = p._spec
+    spec, local = piece
     if not spec.same_pieces(spec.without_partial()) or (grad is not None and not _placed_like(grad, spec)):
         return None
     for v in state.values():
@@ -49,7 +52,7 @@ def _stand_in(p, grad, state: dict):
                 return None
         elif isinstance(v, torch.Tensor) and v.dim() > 0:
             return None
-    return p._local
+    return local
 
 
 _NO_STATE: dict = {}
@@ -65,23 +68,33 @@ class _Pair:
     from step to step while the step updates the states in place (every step after the
     first), so a swap neither re-checks their placements nor rebuilds the dict."""
 
-    __slots__ = ("spec", "state", "values", "local", "local_values")
+    __slots__ = ("piece", "state", "values", "local", "local_values")
 
-    def __init__(self, spec, state: dict, local: dict):
-        self.spec, self.state, self.values = spec, state, tuple(state.values())
+    def __init__(self, piece: tuple, state: dict, local: dict):
+        self.piece, self.state, self.values = piece, state, tuple(state.values())
         self.local, self.local_values = local, tuple(local.values())
 
-    def holds(self, p, state: dict) -> bool:
-        return self.state is state and self.spec is p._spec and _same(state, self.values)
+    def holds(self, piece: tuple, state: dict) -> bool:
+        return (
+            self.state is state and self.piece[0] is piece[0] and self.piece[1] is piece[1]
+            and _same(state, self.values)
+        )
+
+
+def whole_piece(p):
+    """Where a parameter is stepped without ZeRO: (its spec, its local piece), None when plain."""
+    return (p._spec, p._local) if type(p) is DistTensor else None
 
 
 class LocalStep:
-    """Swaps an optimizer's distributed parameters for their local pieces around a step."""
+    """Swaps an optimizer's distributed parameters for their local pieces around a step;
+    `piece_of(p)` says where each is stepped: (spec, local tensor), or None for a plain one."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dispatch_foreach: tuple = ()):
+    def __init__(self, optimizer: torch.optim.Optimizer, dispatch_foreach: tuple = (), piece_of=whole_piece):
         self.optimizer = optimizer
+        self.piece_of = piece_of
         self.dispatch_foreach = dispatch_foreach  # groups whose foreach is on for dispatched steps only
-        # (group, its params, their stand-ins, their _Pair or states before the step, foreach forced)
+        # (group, its params, their pieces, their stand-ins, their _Pair or states before the step, foreach forced)
         self.swapped: list = []
         self.pairs: dict = {}  # id(parameter) -> _Pair, from the last step that updated in place
 
@@ -93,17 +106,18 @@ class LocalStep:
         self.pairs = {}
         for group in self.optimizer.param_groups:
             params = group["params"]
-            stand_ins, states = [], []
+            pieces, stand_ins, states = [], [], []
             for p in params:
-                grad, st = p.grad, state.get(p, _NO_STATE)
+                grad, st, piece = p.grad, state.get(p, _NO_STATE), self.piece_of(p)
                 pair = pairs.get(id(p))
-                if pair is not None and pair.holds(p, st):
-                    local = p._local if grad is None or _placed_like(grad, p._spec) else None
+                if pair is not None and piece is not None and pair.holds(piece, st):
+                    local = piece[1] if grad is None or _placed_like(grad, piece[0]) else None
                     st = pair
                 else:
-                    local = _stand_in(p, grad, st)
+                    local = _stand_in(p, piece, grad, st)
                 if local is None:
                     break
+                pieces.append(piece)
                 stand_ins.append(local)
                 states.append(st)
             else:
@@ -119,15 +133,15 @@ class LocalStep:
                 forced = any(g is group for g in self.dispatch_foreach)
                 if forced:
                     group["foreach"] = None
-                self.swapped.append((group, params, stand_ins, states, forced))
+                self.swapped.append((group, params, pieces, stand_ins, states, forced))
 
     def restore(self) -> None:
         state = self.optimizer.state
-        for group, params, stand_ins, states, forced in self.swapped:
+        for group, params, pieces, stand_ins, states, forced in self.swapped:
             group["params"] = params
             if forced:
                 group["foreach"] = True
-            for p, local, old in zip(params, stand_ins, states):
+            for p, piece, local, old in zip(params, pieces, stand_ins, states):
                 if local is p:
                     continue
                 local.grad = None
@@ -140,9 +154,9 @@ class LocalStep:
                         continue
                     old = old.state
                 if _updated_in_place(old, new):
-                    self.pairs[id(p)] = _Pair(p._spec, old, new)
+                    self.pairs[id(p)] = _Pair(piece, old, new)
                 else:
-                    state[p] = {k: _as_state(v, p, old.get(k)) for k, v in new.items()}
+                    state[p] = {k: _as_state(v, piece, old.get(k)) for k, v in new.items()}
         self.swapped = []
 
 
@@ -153,14 +167,15 @@ def _updated_in_place(old: dict, new: dict) -> bool:
     )
 
 
-def _as_state(value, p: DistTensor, old):
+def _as_state(value, piece: tuple, old):
     """A state the local step wrote: the existing distributed state when it updated that one
-    in place, a new one placed like its parameter when it made a tensor of the piece's shape."""
+    in place, a new one placed like the piece when it made a tensor of the piece's shape."""
     if type(old) is DistTensor and old._local is value:
         return old
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p._local.shape:
-        meta = p._spec.meta
+    spec, local = piece
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local.shape:
+        meta = spec.meta
         if value.dtype != meta.dtype:
             meta = type(meta).contiguous(meta.shape, value.dtype)
-        return DistTensor(value, DistSpec(p._spec.mesh, p._spec.placements, meta))
+        return DistTensor(value, DistSpec(spec.mesh, spec.placements, meta))
     return value

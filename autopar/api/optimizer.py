@@ -1,19 +1,24 @@
 """shard_optimizer and ZeRO stages 1/2/3 over one mesh dim.
 
-The returned optimizer is the torch optimizer itself, with step hooks:
-- any stage: a gradient that arrived Partial is reduced once, to its parameter's placements,
-  before the update (so an update op never reduces the same gradient twice); without a stage,
-  local regions reduce data-parallel gradients during backward already (`grad_reduce.py`).
-  Then an elementwise optimizer (Adam, SGD, ...) steps the local pieces as plain tensors
+The returned optimizer is the torch optimizer itself, stepping the user's Parameters (so
+`opt.state[p]`, `state_dict()` and `load_state_dict()` are torch's), with step hooks:
+- any stage: every gradient is brought to where its parameter is stepped before the update
+  (Partial ones reduced once, in buckets: `grad_reduce.py`) unless backward already did; an
+  elementwise optimizer (Adam, SGD, ...) then steps the local pieces as plain tensors
   (`local_step.py`): as fast as on one device;
-- stage 1: the optimizer steps a *shard* of each parameter (a view into this rank's slice)
-  so its states are sharded over the mesh dim; gradients are reduce-scattered before the
-  step and the updated slices all-gathered after it;
-- stage 2: as stage 1, but each gradient is reduce-scattered as soon as backward produced
-  it, so full gradients never stay alive;
-- stage 3: the parameters themselves become sharded over the mesh dim (in place: the model
-  and the optimizer keep the same Parameter objects); ops gather them when they need them
-  and free them after; gradients are reduce-scattered as they are produced.
+- no stage: data-parallel gradients are all-reduced during backward, as DDP does;
+- stage 1: each rank steps its shard of every parameter (the parameter's placements with the
+  sharding mesh dim cutting one tensor dim): gradients are reduce-scattered to the shards
+  during backward, one collective per bucket, so `.grad` holds the shard (a distributed
+  tensor); the states are the shard's size, and the updated shards are all-gathered back
+  into the parameters, one collective per bucket.  Under gradient accumulation the
+  gradients stay whole (Partial) until the step, which reduce-scatters their sum once;
+- stage 2: as stage 1, but gradients are reduce-scattered in every backward (they add up as
+  shards): no whole gradient outlives its backward;
+- stage 3: the parameters themselves are sharded over the mesh dim, in place (the model, the
+  optimizer and the user keep the same Parameter objects); each layer gathers its
+  parameters just before it runs and frees them after, gathers them again for its backward
+  and reduce-scatters their gradients (`zero3.py`).
 """
 from __future__ import annotations
 
@@ -21,21 +26,26 @@ from typing import Callable, Optional
 
 import torch
 
-from ..dtensor import DistTensor
+from ..comm import all_gather_into, get_rank
+from ..dtensor import DistTensor, new_dist
+from ..flat_shards import FlatShards
+from .. import grad_reduce
 from ..grad_reduce import grad_plan, reduce_grads, reduce_in_backward
 from ..mesh import ProcessMesh
 from ..placement import Replicate, Shard
-from ..reshard import redistribute_local
 from ..spec import DistSpec, TensorMeta
-from .local_step import LocalStep
-from .tensor import reshard
+from . import zero3
+from .layer import convert_in_place
+from .local_step import LocalStep, whole_piece
+from .tensor import _piece_of_full, reshard
 
 
 class ShardingStage:
     """Shard optimizer state (and more, by stage) over mesh dim `sharding_mesh_dim`.
 
     `mesh` is needed only for plain (non-distributed) parameters, which are treated as
-    Replicate on it.  Pass an instance as `shard_fn` of `shard_optimizer`.
+    Replicate on it (stage 3 converts them in place).  Pass an instance as `shard_fn` of
+    `shard_optimizer`.
     """
 
     stage = 0
@@ -63,7 +73,7 @@ class ShardingStage1(ShardingStage):
 
 
 class ShardingStage2(ShardingStage):
-    """ZeRO-2: optimizer states and gradients sharded (gradients reduce-scattered in backward)."""
+    """ZeRO-2: optimizer states and gradients sharded (gradients reduce-scattered in every backward)."""
 
     stage = 2
 
@@ -86,7 +96,8 @@ def _param_spec(p: torch.Tensor, fallback_mesh: Optional[ProcessMesh]) -> DistSp
 
 
 def sharded_spec(spec: DistSpec, mesh_dim: int) -> Optional[DistSpec]:
-    """`spec` with mesh dim `mesh_dim` sharding the first free tensor dim that is big enough."""
+    """`spec` with mesh dim `mesh_dim` sharding the first free tensor dim that is big enough
+    (None when the mesh dim is not Replicate or no dim is free)."""
     if type(spec.placements[mesh_dim]) is not Replicate:
         return None
     k = spec.mesh.shape[mesh_dim]
@@ -101,120 +112,159 @@ def sharded_spec(spec: DistSpec, mesh_dim: int) -> Optional[DistSpec]:
     return spec.with_placements(placements)
 
 
-class _Zero12:
-    """Stage 1/2 bookkeeping for one parameter: the shard the optimizer steps."""
-
-    def __init__(self, param: torch.Tensor, spec: DistSpec, shard_spec: DistSpec, rank: int):
-        self.param, self.spec = param, spec
-        full = param._local if isinstance(param, DistTensor) else param.data
-        if rank in spec.mesh:
-            coord = spec.mesh.coordinate(rank)
-            view = full
-            for d, ((a, _), (b0, b1)) in enumerate(zip(spec.local_box(coord), shard_spec.local_box(coord))):
-                if b1 - b0 != view.shape[d]:
-                    view = view.narrow(d, b0 - a, b1 - b0)
-        else:
-            view = full.new_empty(0)
-        self.shard = torch.nn.Parameter(DistTensor(view, shard_spec), requires_grad=True)
-
-    def take_grad(self) -> None:
-        """Move the parameter's gradient onto the shard (reduce-scatter a Partial one)."""
-        g = self.param.grad
-        if g is None:
-            return
-        if not isinstance(g, DistTensor):
-            g = DistTensor(_cut(g, self.spec), self.spec)
-        g = reshard(g.detach(), self.shard._spec.mesh, self.shard._spec.placements)
-        self.shard.grad = g if self.shard.grad is None else self.shard.grad + g
-        self.param.grad = None
-
-    def publish(self) -> None:
-        """All-gather the updated slices back into the full parameter."""
-        full = redistribute_local(self.shard._local, self.shard._spec, self.spec)
-        with torch.no_grad():
-            target = self.param._local if isinstance(self.param, DistTensor) else self.param.data
-            if target.numel():
-                target.copy_(full)
+def _full_local(p: torch.Tensor) -> torch.Tensor:
+    return p._local if type(p) is DistTensor else p.data
 
 
-def _cut(full: torch.Tensor, spec: DistSpec) -> torch.Tensor:
-    from .tensor import _piece_of_full
+class _ShardStep:
+    """A ZeRO-1/2 parameter: stepped at this rank's shard (`spec`), a view into the local piece
+    of the whole parameter (`full`)."""
 
-    return _piece_of_full(full, spec)
+    __slots__ = ("param", "full", "spec", "mesh_dim", "view", "key")
+
+    def __init__(self, param: torch.Tensor, full: DistSpec, spec: DistSpec, mesh_dim: int):
+        self.param, self.full, self.spec, self.mesh_dim = param, full, spec, mesh_dim
+        self.view, self.key = None, None
+
+    def piece(self) -> tuple:
+        """(spec, this rank's shard of the parameter's current local piece)."""
+        local = _full_local(self.param)
+        key = (local.data_ptr(), local.shape, local.stride())  # (the view keeps an old piece alive)
+        if key != self.key:
+            self.key, self.view = key, _piece_within(local, self.full, self.spec)
+        return self.spec, self.view
+
+    @property
+    def cut_dim(self) -> int:
+        return self.spec.placements[self.mesh_dim].dim
+
+
+def _piece_within(local: torch.Tensor, outer: DistSpec, inner: DistSpec) -> torch.Tensor:
+    """This rank's piece of `inner` as a view into its piece of `outer` (inner cuts finer)."""
+    rank = get_rank()
+    if rank not in outer.mesh:
+        return local
+    coord = outer.mesh.coordinate(rank)
+    view = local
+    for d, ((a, _), (b0, b1)) in enumerate(zip(outer.local_box(coord), inner.local_box(coord))):
+        if b1 - b0 != view.shape[d]:
+            view = view.narrow(d, b0 - a, b1 - b0)
+    return view
 
 
 class _OptimizerSharding:
     def __init__(self, optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], dispatch_foreach: tuple = ()):
-        from ..comm import get_rank
-
         self.optimizer = optimizer
         self.shard_fn = shard_fn
         self.stage = getattr(shard_fn, "stage", None)
-        self.zero12: list[_Zero12] = []
-        self.local_step = LocalStep(optimizer, dispatch_foreach)
+        self.shard_steps: dict = {}  # id(parameter) -> _ShardStep (ZeRO-1/2)
+        self.gathers: Optional[list] = None  # ZeRO-1/2: the all-gathers after the step, planned once
         self.states_sharded = False
-        rank = get_rank()
-        if self.stage is None:  # gradients go to the parameters' placements whole: reduce them in backward
-            reduce_in_backward([p for group in optimizer.param_groups for p in group["params"]])
-        if self.stage in (1, 2, 3):
-            for group in optimizer.param_groups:
-                for i, p in enumerate(group["params"]):
-                    spec = _param_spec(p, shard_fn.mesh)
-                    dim = spec.mesh.dim_index(shard_fn.sharding_mesh_dim)
-                    target = sharded_spec(spec, dim)
-                    if target is None:
-                        continue
-                    if self.stage == 3:
-                        self._shard_in_place(p, target)
-                    else:
-                        z = _Zero12(p, spec, target, rank)
-                        self.zero12.append(z)
-                        group["params"][i] = z.shard
-                        if self.stage == 2:
-                            p.register_post_accumulate_grad_hook(lambda _p, z=z: z.take_grad())
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.stage == 3:
+            self._shard_parameters(params)
+        elif self.stage in (1, 2):
+            for p in params:
+                spec = _param_spec(p, shard_fn.mesh)
+                dim = spec.mesh.dim_index(shard_fn.sharding_mesh_dim)
+                target = sharded_spec(spec, dim)
+                if target is not None:
+                    self.shard_steps[id(p)] = _ShardStep(p, spec, target, dim)
+        # gradients go to where they are stepped: reduce them during backward (stage 3: its layers do)
+        targets = [(p, self.step_spec(p)) for p in params if type(p) is DistTensor]
+        reduce_in_backward([(p, s) for p, s in targets if s is not None and not zero3.gathers(p)],
+                           every_backward=self.stage == 2)
+        self.local_step = LocalStep(optimizer, dispatch_foreach, self.piece_of)
+        self.place_states()
+        self.arrived: list = []  # ZeRO-2: parameters whose gradients backward left unreduced
+        if self.stage == 2:
+            for p, spec in targets:
+                if spec is not None and p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._grad_arrived)
 
-    @staticmethod
-    def _shard_in_place(p: torch.Tensor, target: DistSpec) -> None:
-        if not isinstance(p, DistTensor):
-            raise ValueError(
-                f"ShardingStage3 shards parameters in place and needs distributed parameters; the parameter "
-                f"of shape {list(p.shape)} is a plain tensor: shard_layer(model, mesh) first"
-            )
-        with torch.no_grad():
-            p._local = redistribute_local(p._local, p._spec, target)
-        p._spec = target
+    def _grad_arrived(self, p: torch.Tensor) -> None:
+        """ZeRO-2 keeps no whole gradient past its backward: gradients that backward left
+        unreduced (a first call of a local region runs op by op; a model outside regions) are
+        reduced in buckets where the backward ends."""
+        g = p.grad
+        if type(g) is DistTensor and not grad_plan(g._spec, self.step_spec(p))[0]:
+            return
+        if not self.arrived:
+            torch.autograd.Variable._execution_engine.queue_callback(self.prepare_grads)
+        self.arrived.append(p)
 
-        def reduce_grad(param):
-            g = param.grad
-            if isinstance(g, DistTensor) and g._spec != param._spec:
-                param.grad = reshard(g.detach(), param._spec.mesh, param._spec.placements)
+    def _shard_parameters(self, params: list) -> None:
+        """ZeRO-3: every parameter sharded over the mesh dim in place; the layers holding them
+        gather them around their use."""
+        sharded = []
+        for n, p in enumerate(params):
+            spec = _param_spec(p, self.shard_fn.mesh)
+            target = sharded_spec(spec, spec.mesh.dim_index(self.shard_fn.sharding_mesh_dim))
+            if target is None:
+                continue
+            if type(p) is DistTensor:
+                with torch.no_grad():
+                    p._local = _piece_within(p._local, spec, target).clone()
+                p._spec = target
+            else:
+                new = torch.nn.Parameter(new_dist(_piece_of_full(p.detach(), target), target), p.requires_grad)
+                convert_in_place(p, new, f"#{n} of the optimizer")
+            sharded.append(p)
+        zero3.install(sharded, self.shard_fn.sharding_mesh_dim)
 
-        p.register_post_accumulate_grad_hook(reduce_grad)
+    # -- where each parameter is stepped ----------------------------------------------------
+    def step_spec(self, p: torch.Tensor) -> Optional[DistSpec]:
+        """The placements p's gradient and states have at the step (None: a plain parameter
+        stepped whole)."""
+        shard = self.shard_steps.get(id(p))
+        if shard is not None:
+            return shard.spec
+        return p._spec if type(p) is DistTensor else None
 
+    def piece_of(self, p: torch.Tensor):
+        shard = self.shard_steps.get(id(p))
+        return shard.piece() if shard is not None else whole_piece(p)
+
+    def place_states(self) -> None:
+        """Put every tensor state where its parameter is stepped: states made for another
+        placement (an optimizer that stepped before the model was converted; a checkpoint of a
+        differently parallelized model, `opt.load_state_dict`) are resharded, plain ones cut."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                spec = self.step_spec(p)
+                state = self.optimizer.state.get(p)
+                if spec is None or not state:
+                    continue
+                for key, value in list(state.items()):
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == spec.shape:
+                        state[key] = _placed(value, spec)
+
+    # -- the step ---------------------------------------------------------------------------
     def pre_step(self, optimizer, args, kwargs) -> None:
         self.prepare_grads()
         self.local_step.swap()
 
     def prepare_grads(self) -> None:
-        """Bring every gradient to where the step reads it (ZeRO-1/2: onto the shard;
-        Partial ones reduced, data-parallel ones in buckets).  Idempotent: the static mode
-        runs it inside the captured program, then the step's own call finds nothing to do."""
-        for z in self.zero12:
-            z.take_grad()
+        """Bring every gradient to where its parameter is stepped (Partial ones reduced, in
+        buckets).  Idempotent: the static mode runs it inside the captured program, then the
+        step's own call finds nothing to do."""
+        self.arrived = []
         pending = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                g = p.grad
-                if type(g) is DistTensor and type(p) is DistTensor and g._spec is not p._spec:
-                    plan = grad_plan(g._spec, p._spec)
-                    if plan[0]:
-                        pending.append((p, plan))
+                g, spec = p.grad, self.step_spec(p)
+                if g is None or spec is None:
+                    continue
+                if type(g) is not DistTensor:  # a plain gradient is the global value
+                    g = p.grad = _placed(g, spec)
+                plan = grad_plan(g._spec, spec)
+                if plan[0]:
+                    pending.append((p, plan))
         reduce_grads(pending)
 
     def post_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore()
-        for z in self.zero12:
-            z.publish()
+        self._publish()
         if self.shard_fn is not None and self.stage is None and not self.states_sharded:
             self.states_sharded = True
             for group in optimizer.param_groups:
@@ -224,49 +274,72 @@ class _OptimizerSharding:
                         if isinstance(value, torch.Tensor) and value.dim() > 0:
                             state[key] = self.shard_fn(key, p, value)
 
+    def _publish(self) -> None:
+        """ZeRO-1/2: all-gather the updated shards into the whole parameters, one collective
+        per bucket."""
+        if self.gathers is None:
+            self.gathers = self._gather_buckets()
+        with torch.no_grad():
+            for ranks, me, bucket, layout in self.gathers:
+                gathered = all_gather_into(layout.pack_pieces([s.piece()[1] for s in bucket], me), ranks)
+                layout.unpack(gathered, [_full_local(s.param) for s in bucket])
 
-def _current(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """The Parameter that took p's place in its module, when `shard_layer` or `parallelize`
-    replaced p after the optimizer was built (`layer.record_replacement`): stepping the old
-    plain tensor would train nothing."""
-    while True:
-        replaced = getattr(p, "_autopar_replaced_by", None)
-        if replaced is None:
-            return p
-        name, ref = replaced
-        new = ref()
-        if p in optimizer.state or new is None:
-            why = "it already has state for it" if p in optimizer.state else "that parameter no longer exists"
-            raise ValueError(
-                f"shard_optimizer: parameter '{name}' (shape {list(p.shape)}) of this optimizer was replaced by "
-                f"shard_layer with a distributed tensor, and {why}; build the optimizer from model.parameters() "
-                f"after shard_layer"
-            )
-        p = new
+    def _gather_buckets(self) -> list:
+        """(ranks, this rank's index, shards, their chunk layout) per bucket of shards on the
+        same ranks and dtype, at most BUCKET_BYTES gathered."""
+        rank = get_rank()
+        buckets: dict = {}  # (ranks, dtype) -> [[bytes, shards...], ...]
+        for shard in self.shard_steps.values():
+            if rank not in shard.full.mesh or shard.full.mesh.shape[shard.mesh_dim] == 1:
+                continue  # (a mesh dim of one rank: the shard is the whole piece, updated in place)
+            ranks = shard.full.mesh.group_of(rank, (shard.mesh_dim,))
+            filling = buckets.setdefault((ranks, shard.spec.meta.dtype), [[0]])
+            full = _full_local(shard.param)
+            nbytes = full.numel() * full.element_size()
+            if len(filling[-1]) > 1 and filling[-1][0] + nbytes > grad_reduce.BUCKET_BYTES:
+                filling.append([0])
+            filling[-1][0] += nbytes
+            filling[-1].append(shard)
+        out = []
+        for (ranks, _), bucket_list in buckets.items():
+            for _, *bucket in bucket_list:
+                shapes = tuple(tuple(_full_local(s.param).shape) for s in bucket)
+                layout = FlatShards.of(shapes, tuple(s.cut_dim for s in bucket), len(ranks))
+                out.append((ranks, ranks.index(rank), bucket, layout))
+        return out
+
+
+def _placed(value: torch.Tensor, spec: DistSpec) -> DistTensor:
+    """`value` (a distributed tensor, or a plain one holding the global value) placed like
+    `spec`, in its own dtype."""
+    target = DistSpec(spec.mesh, spec.placements, TensorMeta.contiguous(spec.shape, value.dtype))
+    if type(value) is not DistTensor:
+        return new_dist(_piece_of_full(value.detach(), target), target)
+    if value._spec.same_pieces(target):
+        return value
+    return reshard(value.detach(), target.mesh, target.placements)
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable] = None) -> torch.optim.Optimizer:
     """Make `optimizer` work over distributed parameters; with a ShardingStage, apply ZeRO.
 
     Returns the same torch optimizer (step, zero_grad, param_groups, state, state_dict all
-    as usual).  Optimizer states are distributed tensors with their parameter's placements.
-    An optimizer built before `shard_layer` is pointed at the Parameters that replaced its
-    own (as for the optimizer `parallelize` is given), as long as it has not stepped.
+    as usual, keyed by the model's Parameters).  Optimizer states are distributed tensors
+    placed like the piece of their parameter each rank steps (its shard under ZeRO); states
+    loaded or made for other placements are moved there.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["dp"])
     >>> w = dist.shard_tensor(torch.nn.Parameter(torch.ones(4, 2)), mesh, [dist.Replicate()])
     >>> opt = dist.shard_optimizer(torch.optim.AdamW([w], lr=0.1), dist.ShardingStage1("dp"))
     >>> w.sum().backward(); opt.step()
-    >>> opt.state[opt.param_groups[0]["params"][0]]["exp_avg"].placements
+    >>> opt.state[w]["exp_avg"].placements   # keyed by the Parameter; its shard over "dp"
     [Shard(0)]
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"shard_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if getattr(optimizer, "_autopar_sharding", None) is not None:
         raise ValueError("shard_optimizer was already applied to this optimizer")
-    for group in optimizer.param_groups:
-        group["params"] = [_current(p, optimizer) for p in group["params"]]
     dispatch_foreach = []
     for group in optimizer.param_groups:
         # a step through the dispatch (a group the local step cannot take) runs foreach ops:
@@ -279,4 +352,5 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callabl
     optimizer._autopar_sharding = sharding
     optimizer.register_step_pre_hook(sharding.pre_step)
     optimizer.register_step_post_hook(sharding.post_step)
+    optimizer.register_load_state_dict_post_hook(lambda opt: sharding.place_states())
     return optimizer

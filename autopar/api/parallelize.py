@@ -6,12 +6,11 @@ One config turns a single-device model and optimizer into a distributed pair, in
   Layers entered from another stage move their distributed inputs onto their own mesh in a
   forward pre-hook (`reshard` across meshes, so gradients travel back in backward);
 - `mp_config` applies the plans of `plans.py` to the layers and parameters its keys name;
-- every parameter becomes a distributed Parameter on its layer's mesh: split over "mp"
-  where a plan says, Replicate elsewhere;
+- every parameter becomes a distributed Parameter on its layer's mesh, in place (the same
+  Parameter objects): split over "mp" where a plan says, Replicate elsewhere;
 - `dp_config` splits the model's plain tensor inputs on their batch dim over "dp" and picks
   the optimizer's ZeRO stage;
-- the optimizer's param_groups are rebuilt with the new Parameters and it is wrapped with
-  `shard_optimizer`.
+- the optimizer (holding those same Parameters) is wrapped with `shard_optimizer`.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from ..mesh import ProcessMesh
 from ..placement import Shard
 from ..spec import split_range
 from .global_mesh import get_mesh
-from .layer import record_replacement, replicate_params
+from .layer import convert_in_place, register_model, replicate_params
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
 from .tensor import reshard, shard_tensor
@@ -253,8 +252,8 @@ def _parameter_targets(model: torch.nn.Module, meshes: dict, plans: list) -> lis
 
 
 def _place_parameters(model: torch.nn.Module, meshes: dict, targets: list) -> None:
-    """Make every parameter distributed as `targets` says and every buffer Replicate on its
-    layer's mesh; each replaced Parameter records its replacement (for the optimizer)."""
+    """Make every parameter distributed as `targets` says, in place (the optimizer and every
+    holder keep the Parameter object), and every buffer Replicate on its layer's mesh."""
     for holders, mesh, placements in targets:
         layer, layer_name, pname = holders[0]
         p = getattr(layer, pname)
@@ -264,9 +263,7 @@ def _place_parameters(model: torch.nn.Module, meshes: dict, targets: list) -> No
             raise ValueError(
                 f"parameter {_join(layer_name, pname)!r} of shape {list(p.shape)} on mesh {mesh} as {placements}: {err}"
             ) from err
-        for holder, _, name in holders:
-            holder._parameters[name] = new
-        record_replacement(p, new, _join(layer_name, pname))
+        convert_in_place(p, new, _join(layer_name, pname))
     for layer_name, layer in model.named_modules():
         if meshes[layer_name] is not None:
             replicate_params(layer, meshes[layer_name])  # the buffers (parameters are placed already)
@@ -307,7 +304,7 @@ def _shard_batch(mesh: ProcessMesh):
 
 # -- optimizer -------------------------------------------------------------------------------
 def _check_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> None:
-    """Refuse an optimizer whose param_groups cannot simply be rebuilt (before the model changes)."""
+    """Refuse an optimizer that has stepped (before the model changes)."""
     if optimizer is None:
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -320,8 +317,7 @@ def _check_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> None:
 
 
 def _parallel_optimizer(optimizer: torch.optim.Optimizer, sharding_level: int, mesh: ProcessMesh):
-    """The optimizer sharded; `shard_optimizer` points its groups at the new Parameters (same
-    groups, order and settings)."""
+    """The optimizer sharded (it holds the model's Parameters, converted in place)."""
     shard_fn = _STAGES[sharding_level]("dp", mesh) if sharding_level else None
     return shard_optimizer(optimizer, shard_fn)
 
@@ -347,7 +343,7 @@ def parallelize(
       pipeline stages on the slices of the mesh along "pp" (see `module_meshes`); compute
       the loss from the model's output (on the last stage).
     Without a mesh or any of these keys, model and optimizer come back unchanged.  An
-    optimizer must not have stepped yet: its param_groups are rebuilt with the new Parameters.
+    optimizer must not have stepped yet; it keeps its Parameters, converted in place.
 
     >>> import torch, autopar as dist
     >>> dist.set_mesh(dist.ProcessMesh([[0]], dim_names=["dp", "mp"]))
@@ -386,6 +382,7 @@ def parallelize(
         first_stage = mesh.get_mesh_with_dim("pp", 0) if pp else mesh
         model.register_forward_pre_hook(_shard_batch(first_stage), with_kwargs=True)
     local_region.install(model)  # as shard_layer: layers that turn out not to communicate run as plain torch
+    register_model(model)
     if optimizer is not None:
         level = config["dp_config"].get("sharding_level", 0) if "dp_config" in config else 0
         optimizer = _parallel_optimizer(optimizer, level, mesh)

@@ -7,12 +7,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .. import comm
 from ..comm import get_rank, get_world_size
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
-from ..placement import Partial, Placement, Replicate, normalize_placements
+from ..placement import Partial, Placement, Replicate, Shard, normalize_placements
 from ..reshard import piece_of_replicated, redistribute_local
-from ..spec import DistSpec, TensorMeta
+from ..spec import DistSpec, TensorMeta, global_shape_of_pieces
 
 
 def _check_mesh(mesh: ProcessMesh, what: str) -> None:
@@ -33,17 +34,35 @@ def _piece_of_full(full: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     return out.clone(memory_format=torch.contiguous_format) if out.shape != full.shape else out.contiguous()
 
 
+def _piece_from_source(full: torch.Tensor, spec: DistSpec, src: int | None) -> torch.Tensor:
+    """This rank's piece of `spec` cut from rank `src`'s `full` (None: from this rank's own
+    copy, no communication).  Ranks receive only their pieces, point to point (a broadcast
+    when every rank needs the whole); a Partial is then made locally from the value."""
+    if src is None or spec.mesh.size == 1:
+        return _piece_of_full(full, spec)
+    flat = spec.without_partial()
+    rank = get_rank()
+    if flat.is_replicated():
+        if rank not in spec.mesh:
+            return full.new_empty(0)
+        out = full if rank == src else torch.empty(flat.shape, dtype=full.dtype, device=full.device)
+        out = comm.broadcast(out, src, tuple(spec.mesh.process_ids))
+    else:
+        source = DistSpec(ProcessMesh([src]), [Replicate()], flat.meta)
+        out = redistribute_local(full if rank == src else full.new_empty(0), source, flat)
+    return out if flat is spec else redistribute_local(out, flat, spec)
+
+
 class _FromFull(torch.autograd.Function):
-    """Dense (same on every rank) -> distributed; the gradient comes back dense."""
+    """Dense -> distributed, cut from rank `src`'s value; the gradient comes back dense."""
 
     @staticmethod
-    def forward(ctx, full, spec):
-        ctx.spec = spec
-        return DistTensor(_piece_of_full(full.detach(), spec), spec)
+    def forward(ctx, full, spec, src):
+        return DistTensor(_piece_from_source(full.detach(), spec, src), spec)
 
     @staticmethod
     def backward(ctx, grad):
-        return full_value(grad), None
+        return full_value(grad), None, None
 
 
 class _Reshard(torch.autograd.Function):
@@ -112,6 +131,38 @@ def gather_everywhere(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     return redistribute_local(local, spec, target)
 
 
+class GradToPlacement:
+    """The gradient hook of a distributed Parameter: a gradient that arrives Replicate on a
+    mesh dim where the parameter is sharded (the sum of a sharded output, say) is cut to the
+    parameter's piece there, which needs no communication, so that a gradient is never
+    larger than its parameter.  Partial dims stay Partial (the optimizer or the
+    data-parallel buckets reduce them), and nothing here moves bytes."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, param: torch.Tensor):
+        self.param = param  # (a cycle through the hook dict, which the garbage collector sees)
+
+    def __call__(self, grad):
+        spec = getattr(self.param, "_spec", None)
+        if type(grad) is not DistTensor or spec is None or grad._spec.mesh != spec.mesh:
+            return None
+        have = grad._spec.placements
+        target = [
+            q if type(p) is Replicate and type(q) is Shard and k > 1 else p
+            for p, q, k in zip(have, spec.placements, spec.mesh.shape)
+        ]
+        return None if tuple(target) == tuple(have) else reshard(grad, spec.mesh, target)
+
+
+def distributed_parameter(t: DistTensor, requires_grad: bool) -> torch.nn.Parameter:
+    """`t` as a Parameter whose gradients arrive placed like it (see GradToPlacement)."""
+    p = torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        p.register_hook(GradToPlacement(p))
+    return p
+
+
 # -- public API ----------------------------------------------------------------------------
 def shard_tensor(
     data,
@@ -119,9 +170,17 @@ def shard_tensor(
     placements: Sequence[Placement],
     dtype: torch.dtype | None = None,
     stop_gradient: bool | None = None,
+    *,
+    src_data_rank: int | None = 0,
 ) -> torch.Tensor:
-    """Distribute `data` (the same full value on every rank) over `mesh` with `placements`.
+    """Distribute `data` over `mesh` with `placements`.
 
+    The value is the data of the mesh's rank `src_data_rank` (an index into
+    `mesh.process_ids`, the first rank by default): it sends every other rank of the mesh
+    its piece, so data that differs between ranks (a model initialised under per-rank
+    seeds, a batch read differently) still gives one consistent tensor.  With
+    `src_data_rank=None` every rank cuts its piece from its own `data` without
+    communication, which is right only when all ranks hold the same value.
     A Parameter stays a Parameter (trainable, registrable in a Module); a tensor that is part
     of an autograd graph stays differentiable; a DistTensor is resharded.
 
@@ -136,7 +195,7 @@ def shard_tensor(
     if isinstance(data, DistTensor):
         placements = normalize_placements(placements, mesh.ndim, data.dim(), f"tensor of shape {list(data.shape)}")
         out = reshard(data, mesh, placements)
-        return torch.nn.Parameter(out.detach(), requires_grad=data.requires_grad) if is_param else out
+        return distributed_parameter(out.detach(), data.requires_grad) if is_param else out
     if not isinstance(data, torch.Tensor):
         if isinstance(data, (np.ndarray, list, tuple, int, float, bool)):
             data = torch.as_tensor(data)
@@ -146,13 +205,37 @@ def shard_tensor(
         data = data.to(dtype)
     placements = normalize_placements(placements, mesh.ndim, data.dim(), f"tensor of shape {list(data.shape)}")
     spec = DistSpec(mesh, placements, TensorMeta.contiguous(data.shape, data.dtype))
+    src = _source_rank(mesh, src_data_rank)
     requires_grad = data.requires_grad if stop_gradient is None else not stop_gradient
     if data.requires_grad and not data.is_leaf:
-        return _FromFull.apply(data, spec)
-    out = DistTensor(_piece_of_full(data.detach(), spec), spec, requires_grad=requires_grad and not is_param)
+        return _FromFull.apply(data, spec, src)
+    out = DistTensor(_piece_from_source(data.detach(), spec, src), spec, requires_grad=requires_grad and not is_param)
     if is_param:
-        return torch.nn.Parameter(out, requires_grad=requires_grad)
+        return distributed_parameter(out, requires_grad)
     return out
+
+
+def _source_rank(mesh: ProcessMesh, index: int | None) -> int | None:
+    if index is None:
+        return None
+    if not isinstance(index, int) or not 0 <= index < mesh.size:
+        raise ValueError(f"shard_tensor: src_data_rank={index!r} is not an index into the {mesh.size} ranks of {mesh}")
+    return mesh.process_ids[index]
+
+
+def _gathered_shape(local: torch.Tensor, mesh: ProcessMesh, placements) -> tuple[int, ...]:
+    """The global shape the pieces of the mesh's ranks form (a small all-gather over the job:
+    every rank, on the mesh or not, needs the global meta)."""
+    width = 2 + 32
+    if local.dim() > 32:
+        raise ValueError(f"dtensor_from_local: a {local.dim()}-D piece needs shape= (32 dims at most inferred)")
+    mine = torch.zeros(width, dtype=torch.int64, device=local.device)
+    mine[0], mine[1] = int(get_rank() in mesh), local.dim()
+    mine[2:2 + local.dim()] = torch.tensor(local.shape, dtype=torch.int64)
+    world = tuple(range(get_world_size()))
+    rows = comm.all_gather(mine, world) if len(world) > 1 else [mine]
+    pieces = {r: tuple(row[2:2 + int(row[1])].tolist()) for r, row in zip(world, rows) if int(row[0])}
+    return global_shape_of_pieces(mesh, placements, pieces)
 
 
 def dtensor_from_local(
@@ -160,8 +243,10 @@ def dtensor_from_local(
 ) -> torch.Tensor:
     """Wrap each rank's own piece (for Partial: its term) as one distributed tensor.
 
-    The global shape is `shape` when given, else the local shape times the shard counts
-    (even pieces).
+    The global shape is `shape` when given; otherwise, when some mesh dim shards the tensor,
+    it is found from every rank's piece (a small all-gather of their shapes over the job),
+    so uneven pieces that follow the split rule work, and pieces that do not fit together
+    raise the same error on every rank.  Without sharding, the local shape is the global one.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0])
@@ -170,13 +255,12 @@ def dtensor_from_local(
     """
     _check_mesh(mesh, "dtensor_from_local")
     placements = normalize_placements(placements, mesh.ndim, local.dim(), f"local tensor of shape {list(local.shape)}")
-    if shape is None:
-        global_shape = list(local.shape)
-        for m, p in enumerate(placements):
-            if p.is_shard():
-                global_shape[p.dim] *= mesh.shape[m]
-    else:
+    if shape is not None:
         global_shape = list(shape)
+    elif any(p.is_shard() and k > 1 for p, k in zip(placements, mesh.shape)):
+        global_shape = list(_gathered_shape(local, mesh, placements))
+    else:
+        global_shape = list(local.shape)
     spec = DistSpec(mesh, placements, TensorMeta.contiguous(global_shape, local.dtype))
     rank = get_rank()
     if rank in mesh and tuple(local.shape) != spec.local_shape(mesh.coordinate(rank)):

@@ -4,7 +4,9 @@ A checkpoint is a directory:
 
     metadata.json           written by rank 0: every tensor's global shape, dtype, the mesh and
                             placements it was saved with, its pieces (file, key, global box,
-                            crc32), each data file's size, and the non-tensor values
+                            crc32), each data file's size, the non-tensor values, and a
+                            sha256 of all that (an edit that keeps the JSON valid, such as
+                            two swapped boxes, would otherwise load wrong rows silently)
     rank00000.safetensors   the pieces rank 0 wrote (only ranks that wrote something have one)
     rank00003.safetensors   ...
 
@@ -14,6 +16,7 @@ non-str keys), so `betas=(0.9, 0.999)` comes back a tuple.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -27,7 +30,7 @@ from ..mesh import ProcessMesh
 from ..placement import Partial, Placement, Replicate, Shard
 
 FORMAT = "autopar-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the metadata carries its own checksum (version 1 files are read without it)
 METADATA_FILE = "metadata.json"
 
 Box = list  # [[start, stop], ...]
@@ -145,8 +148,16 @@ def _hashable(k):
 
 
 # -- the metadata file ---------------------------------------------------------------------------
+def metadata_checksum(meta: dict) -> str:
+    """sha256 of the metadata's canonical JSON, its own checksum left out."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
 def write_metadata(directory: str, meta: dict) -> None:
     path = os.path.join(directory, METADATA_FILE)
+    meta = {**meta, "checksum": metadata_checksum(meta)}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)
         f.flush()
@@ -167,8 +178,13 @@ def read_metadata(directory: str) -> dict:
         raise MetadataError(f"checkpoint metadata {path} is not valid JSON ({e}): the file is corrupted") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise MetadataError(f"{path} is not an autopar checkpoint metadata file (no format {FORMAT!r})")
-    if meta.get("version") != VERSION:
-        raise MetadataError(f"{path} has checkpoint format version {meta.get('version')!r}; this autopar reads {VERSION}")
+    if meta.get("version") not in (1, VERSION):
+        raise MetadataError(f"{path} has checkpoint format version {meta.get('version')!r}; this autopar reads 1 and {VERSION}")
+    if meta["version"] >= 2 and meta.get("checksum") != metadata_checksum(meta):
+        raise MetadataError(
+            f"checkpoint metadata {path} does not match its checksum: it was edited or corrupted after it was "
+            f"written, and its tensor layout cannot be trusted"
+        )
     try:
         _validate(meta)
     except (KeyError, TypeError, ValueError) as e:

@@ -14,13 +14,16 @@ from .backend import (
     reset_groups,
 )
 from .collectives import (
+    Pending,
     all_gather,
     all_gather_into,
+    all_gather_start,
     all_reduce,
     all_reduce_start,
     all_to_all,
     broadcast,
     reduce_scatter,
+    reduce_scatter_start,
     send_recv,
 )
 from .log import CommRecord, comm_log
@@ -28,8 +31,10 @@ from .log import CommRecord, comm_log
 __all__ = [
     "CommError",
     "CommRecord",
+    "Pending",
     "all_gather",
     "all_gather_into",
+    "all_gather_start",
     "all_reduce",
     "all_reduce_start",
     "all_to_all",
@@ -41,6 +46,7 @@ __all__ = [
     "get_world_size",
     "group_for",
     "reduce_scatter",
+    "reduce_scatter_start",
     "reset_groups",
     "send_recv",
 ]

@@ -83,15 +83,19 @@ def _wire(op: str, ranks, run, tensors: tuple, sent: int = 0, received: int = 0,
 
 def all_gather_into(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
     """Every member's `t` (all the same shape) concatenated along dim 0, in mesh order."""
-    k = len(ranks)
-    if k == 1:
+    if len(ranks) == 1:
         return t
-    t = t.contiguous().reshape(t.shape if t.dim() else (1,))
-    out = torch.empty((k * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    n = _nbytes(t) * (k - 1)
+    t, out, n = _all_gather_buffers(t, len(ranks))
     _wire("all_gather", ranks, lambda o, i: group_for(ranks)._allgather_base(o, i).wait(), (out, t), n, n,
           tuple(t.shape))
     return out
+
+
+def _all_gather_buffers(t: torch.Tensor, k: int) -> tuple:
+    """(`t` as sent, the output, the bytes each member sends)."""
+    t = t.contiguous().reshape(t.shape if t.dim() else (1,))
+    out = torch.empty((k * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    return t, out, _nbytes(t) * (k - 1)
 
 
 def all_gather(t: torch.Tensor, ranks: tuple) -> list[torch.Tensor]:
@@ -138,13 +142,14 @@ def all_reduce(
     return _all_reduced(out, reduce_type, k)
 
 
-class PendingAllReduce:
-    """An all-reduce in flight (`all_reduce_start`): `wait()` returns the reduced tensor."""
+class Pending:
+    """A collective in flight (`all_reduce_start`, `reduce_scatter_start`, `all_gather_start`):
+    `wait()` returns its result, logged once it has arrived."""
 
-    __slots__ = ("out", "work", "ranks", "reduce_type")
+    __slots__ = ("op", "out", "work", "ranks", "log", "finish")
 
-    def __init__(self, out: torch.Tensor, work, ranks: tuple, reduce_type: ReduceType):
-        self.out, self.work, self.ranks, self.reduce_type = out, work, ranks, reduce_type
+    def __init__(self, op: str, out: torch.Tensor, work, ranks: tuple, log: tuple = (), finish=None):
+        self.op, self.out, self.work, self.ranks, self.log, self.finish = op, out, work, tuple(ranks), log, finish
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -152,25 +157,75 @@ class PendingAllReduce:
             try:
                 work.wait()
             except RuntimeError as e:
-                _fail("all_reduce", self.ranks, e)
-            k = len(self.ranks)
-            moved = _all_reduce_bytes(self.out, k)
-            record("all_reduce", self.ranks, moved, moved, tuple(self.out.shape))
-            _all_reduced(self.out, self.reduce_type, k)
+                _fail(self.op, self.ranks, e)
+            record(self.op, self.ranks, *self.log)
+            if self.finish is not None:
+                self.out = self.finish(self.out)
         return self.out
 
 
-def all_reduce_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> PendingAllReduce:
-    """Start reducing `t` (contiguous and the caller's: reduced in place) over the members and
-    return at once, so that computation goes on while the bytes move.  Under a graph capture
-    (which replays transfers one by one) the reduction happens right away."""
-    if len(ranks) == 1 or CAPTURE_HOOKS or not t.is_contiguous():
-        return PendingAllReduce(all_reduce(t, ranks, reduce_type, inplace=True), None, tuple(ranks), reduce_type)
+def _done(op: str, out: torch.Tensor, ranks) -> Pending:
+    return Pending(op, out, None, ranks)
+
+
+def _started(op: str, ranks: tuple, post, out: torch.Tensor, log: tuple, finish=None) -> Pending:
     try:
-        work = group_for(ranks).allreduce([t], _all_reduce_options(reduce_type))
+        work = post()
     except RuntimeError as e:
-        _fail("all_reduce", ranks, e)
-    return PendingAllReduce(t, work, tuple(ranks), reduce_type)
+        _fail(op, ranks, e)
+    return Pending(op, out, work, ranks, log, finish)
+
+
+def _synchronous(ranks) -> bool:
+    """Run a `*_start` collective at once: nothing to overlap, or a graph capture (which replays
+    transfers one by one) is listening."""
+    return len(ranks) == 1 or bool(CAPTURE_HOOKS)
+
+
+def all_reduce_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> Pending:
+    """Start reducing `t` (contiguous and the caller's: reduced in place) over the members and
+    return at once, so that computation goes on while the bytes move."""
+    if _synchronous(ranks) or not t.is_contiguous():
+        return _done("all_reduce", all_reduce(t, ranks, reduce_type, inplace=True), ranks)
+    k = len(ranks)
+    moved = _all_reduce_bytes(t, k)
+    opts = _all_reduce_options(reduce_type)
+    return _started("all_reduce", ranks, lambda: group_for(ranks).allreduce([t], opts), t,
+                    (moved, moved, tuple(t.shape)), lambda out: _all_reduced(out, reduce_type, k))
+
+
+def reduce_scatter_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> Pending:
+    """`reduce_scatter`, started: `wait()` returns this member's piece."""
+    k = len(ranks)
+    if _synchronous(ranks) or reduce_type not in (ReduceType.SUM, ReduceType.AVG):
+        return _done("reduce_scatter", reduce_scatter(t, ranks, reduce_type), ranks)
+    out = _reduce_scatter_out(t, k)
+    t = t.contiguous()
+    opts = _reduce_scatter_options(reduce_type)
+    moved = (k - 1) * _nbytes(out)
+    finish = (lambda o: o.div_(k)) if reduce_type is ReduceType.AVG else None
+    return _started("reduce_scatter", ranks, lambda: group_for(ranks)._reduce_scatter_base(out, t, opts), out,
+                    (moved, moved, tuple(t.shape)), finish)
+
+
+def all_gather_start(t: torch.Tensor, ranks: tuple) -> Pending:
+    """`all_gather_into`, started: `wait()` returns every member's `t` along dim 0, in mesh order."""
+    if _synchronous(ranks):
+        return _done("all_gather", all_gather_into(t, ranks), ranks)
+    t, out, n = _all_gather_buffers(t, len(ranks))
+    return _started("all_gather", ranks, lambda: group_for(ranks)._allgather_base(out, t), out, (n, n, tuple(t.shape)))
+
+
+def _reduce_scatter_options(reduce_type: ReduceType) -> ReduceScatterOptions:
+    opts = ReduceScatterOptions()
+    opts.reduceOp = _TORCH_OP[reduce_type]
+    return opts
+
+
+def _reduce_scatter_out(t: torch.Tensor, k: int) -> torch.Tensor:
+    if t.shape[0] % k:
+        raise ValueError(f"reduce_scatter needs dim 0 ({t.shape[0]}) divisible by {k}")
+    return torch.empty((t.shape[0] // k,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
 
 
 def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> torch.Tensor:
@@ -178,14 +233,11 @@ def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Redu
     k = len(ranks)
     if k == 1:
         return t.clone()
-    if t.shape[0] % k:
-        raise ValueError(f"reduce_scatter needs dim 0 ({t.shape[0]}) divisible by {k}")
+    out = _reduce_scatter_out(t, k)
     t = t.contiguous()
-    out = torch.empty((t.shape[0] // k,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     moved = (k - 1) * _nbytes(out)
     if reduce_type in (ReduceType.SUM, ReduceType.AVG):
-        opts = ReduceScatterOptions()
-        opts.reduceOp = _TORCH_OP[reduce_type]
+        opts = _reduce_scatter_options(reduce_type)
         _wire("reduce_scatter", ranks, lambda o, i: group_for(ranks)._reduce_scatter_base(o, i, opts).wait(),
               (out, t), moved, moved, tuple(t.shape))
         if reduce_type is ReduceType.AVG:

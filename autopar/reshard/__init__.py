@@ -10,6 +10,7 @@ import torch
 from ..comm import get_rank
 from ..placement import Partial, ReduceType
 from ..spec import DistSpec
+from . import strided
 from .cross_mesh import cross_mesh
 from .execute import run_steps
 from .plan import Step, plan, plan_bytes, step_kind
@@ -27,9 +28,11 @@ def piece_of_replicated(full: torch.Tensor, spec: DistSpec, rank: int) -> torch.
         return full.new_empty(0)
     coord = spec.mesh.coordinate(rank)
     out = full
-    for d, (a, b) in enumerate(spec.local_box(coord)):
+    for d, (a, b) in enumerate(spec.block_box(coord)):
         if b - a != full.shape[d]:
             out = out.narrow(d, a, b - a)
+    if spec.strided_dims():
+        out = strided.cut(out, spec, coord)
     for m, p in enumerate(spec.placements):
         if type(p) is Partial and p.reduce_type is ReduceType.SUM and coord[m] != 0:
             return torch.zeros_like(out)
@@ -48,6 +51,8 @@ def redistribute_local(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> tor
     if src.shape != dst.shape or src.meta.dtype != dst.meta.dtype:
         raise ValueError(f"reshard cannot change shape or dtype: {src} -> {dst}")
     rank = get_rank()
+    if src.strided_dims() or dst.strided_dims():
+        return _via_whole_blocks(local, src, dst, rank)
     if src.mesh == dst.mesh:
         if rank not in src.mesh:
             return local
@@ -58,6 +63,18 @@ def redistribute_local(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> tor
         return torch.empty(0, dtype=src.meta.dtype, device=local.device)
     out = cross_mesh(local, src, dst, rank, _same_mesh)
     return _laid_out(out, dst) if rank in dst.mesh else out
+
+
+def _via_whole_blocks(local: torch.Tensor, src: DistSpec, dst: DistSpec, rank: int) -> torch.Tensor:
+    """A transition from or to StridedShard: its mesh dims gathered to Replicate first (an
+    all-gather, as for Shard), the rest resharded as usual, then the strided cut of `dst`
+    taken locally."""
+    if rank in src.mesh and src.strided_dims():
+        local = strided.gather(local, src, rank)
+    out = redistribute_local(local, src.without_strided(), dst.without_strided())
+    if rank in dst.mesh and dst.strided_dims():
+        out = strided.cut(out, dst, dst.mesh.coordinate(rank))
+    return out
 
 
 def _laid_out(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:

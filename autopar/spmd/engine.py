@@ -16,13 +16,15 @@ import logging
 import warnings
 
 from ..mesh import ProcessMesh
-from ..placement import Partial, Replicate, Shard
+from ..placement import Partial, Replicate, Shard, StridedShard
+from ..spec import strided_cuts_valid
 from .registry import rule_for
 from .strategy import OpCall, Strategy, replicated
 
 log = logging.getLogger("autopar.spmd")
 _WARNED: set = set()
 INPLACE_PENALTY = 1e30
+_SPLIT = (Shard, StridedShard)
 
 
 def conversion_cost(cur, tgt, local_bytes: float, k: int) -> float:
@@ -32,8 +34,8 @@ def conversion_cost(cur, tgt, local_bytes: float, k: int) -> float:
     tc, tt = type(cur), type(tgt)
     if tc is Replicate:
         return 0.0  # slice or keep-one-term: local
-    if tc is Shard:
-        if tt is Shard:
+    if tc is Shard or tc is StridedShard:
+        if tt is Shard and tc is Shard:
             return local_bytes * (k - 1) / k
         return local_bytes * (k - 1)  # gather (for ->Partial: gather-priced, it bloats memory)
     reduction = 2.0 * local_bytes * (k - 1) / k  # Partial -> anything else: a full reduction
@@ -91,8 +93,24 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool,
     `current[i]` is input i's placements now (plain tensors: all Replicate).  Inputs in `pinned`
     must stay as they are, as input 0 of an in-place op (a plain tensor the op writes: it has
     no placement to move to).  Returns (input placements, output placements, kernel name or None).
+    Mesh dims are picked one by one; where their StridedShard picks do not combine into valid
+    cuts (see `spec.strided_cuts_valid`), the choice is made again without strided strategies.
     """
     strategies = candidates(call)
+    chosen = _choose(call, mesh, current, inplace, strategies, True, pinned)
+    in_pl, out_pl, _ = chosen
+    if any(type(p) is StridedShard for pl in in_pl + out_pl for p in pl) and not all(
+        strided_cuts_valid(pl, meta.shape, mesh.shape)
+        for pl, meta in zip(in_pl + out_pl, list(call.inputs) + list(call.outputs))
+    ):
+        plain = [s for s in strategies if not any(type(p) is StridedShard for p in s.inputs + s.outputs)]
+        chosen = _choose(call, mesh, current, inplace, plain, False, pinned)
+    return chosen
+
+
+def _choose(
+    call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool, strategies: list, strided: bool, pinned: tuple
+):
     mesh_shape = mesh.shape
     picks = []
     for m, k in enumerate(mesh_shape):
@@ -100,7 +118,7 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool,
             picks.append(_label_only(strategies, current, m, len(call.outputs)))
             continue
         best, best_cost = None, None
-        for s in strategies:
+        for s in strategies + (strided_variants(call, strategies, current, m, k) if strided else []):
             if s.even and not _divides(s.even, call, current, mesh_shape, m):
                 continue
             cost, changes, gathers = 0.0, 0, False
@@ -116,7 +134,7 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool,
                 cost += c
             if gathers and any(type(current[i][m]) is Partial and t == current[i][m] for i, t in enumerate(s.inputs)):
                 cost += _deferred_reduction(call, s, mesh_shape, m)
-            key = (round(cost, 3), changes, -sum(type(o) is Shard for o in s.outputs))
+            key = (round(cost, 3), changes, -sum(type(o) in _SPLIT for o in s.outputs))
             if best_cost is None or key < best_cost:
                 best, best_cost = s, key
         picks.append(best)
@@ -130,6 +148,42 @@ def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool,
     if len(kernels) > 1:
         raise AssertionError(f"rule for {call.func} mixes kernels {kernels} across mesh dims")
     return in_pl, out_pl, (kernels.pop() if kernels else None)
+
+
+def strided_variants(call: OpCall, strategies: list, current: list, m: int, k: int) -> list[Strategy]:
+    """A rule's Shard strategies read with StridedShard, where an input is strided on mesh
+    dim m: a strategy that splits one index space (every operand it shards has the strided
+    input's size there: the same letter of an einsum, a pointwise dim, a batch dim) splits
+    it blockwise just as well, so each of those Shards becomes the same StridedShard."""
+    out: list = []
+    for i, placements in enumerate(current):
+        p = placements[m]
+        if type(p) is not StridedShard:
+            continue
+        n = call.inputs[i].shape[p.dim]
+        if n % p.split_factor or (n // p.split_factor) % k:
+            continue
+        for s in strategies:
+            if s.kernel is None and s.inputs[i] == Shard(p.dim):
+                v = _as_strided(call, s, n, p.split_factor)
+                if v is not None and v not in out:
+                    out.append(v)
+    return out
+
+
+def _as_strided(call: OpCall, s: Strategy, n: int, f: int):
+    def convert(placements, metas):
+        new = []
+        for t, meta in zip(placements, metas):
+            if type(t) is Shard:
+                if meta.shape[t.dim] != n:
+                    return None
+                t = StridedShard(t.dim, f)
+            new.append(t)
+        return tuple(new)
+
+    ins, outs = convert(s.inputs, call.inputs), convert(s.outputs, call.outputs)
+    return None if ins is None or outs is None else Strategy(outs, ins)
 
 
 def _deferred_reduction(call: OpCall, s: Strategy, mesh_shape, m: int) -> float:

@@ -135,18 +135,24 @@ def nll_loss_rule(call: OpCall) -> list[Strategy]:
 
 @register([aten.nll_loss_backward.default, aten.nll_loss2d_backward.default])
 def nll_loss_backward_rule(call: OpCall) -> list[Strategy]:
-    """Inputs: grad_output, self (read for its shape only), target, [weight], total_weight."""
+    """Inputs: grad_output, self (read for its shape only), target, [weight], total_weight.
+
+    `self` is given the gradient's placement although only its shape is read: the gradient
+    of the log-probabilities then comes out placed like them wherever that costs nothing
+    (replicated labels would otherwise pick the class split, which is free here and costs an
+    all-to-all in the log_softmax backward right after)."""
     nd = len(call.inputs[1].shape)
     reduction = call.arg(4, "reduction")
     w = (Replicate(),) * (len(call.inputs) - 4)
     total = (Replicate() if reduction == _MEAN else None,)
     k = "nll_loss_backward"
     strategies = [
-        Strategy((Shard(d),), (Shard(td) if reduction == _NONE else Replicate(), None, Shard(td)) + w + total, k)
+        Strategy((Shard(d),), (Shard(td) if reduction == _NONE else Replicate(), Shard(d), Shard(td)) + w + total, k)
         for d, td in _batch_dims(nd)
     ]
     if nd:
-        strategies.append(Strategy((Shard(_class_dim(nd)),), (Replicate(), None, Replicate()) + w + total, k))
+        c = _class_dim(nd)
+        strategies.append(Strategy((Shard(c),), (Replicate(), Shard(c), Replicate()) + w + total, k))
     return strategies + [Strategy((p,), (p, None, Replicate()) + w + total, k) for p in _SUM_AVG]
 
 

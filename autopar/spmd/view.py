@@ -1,14 +1,19 @@
 """View and layout ops: reshape/view, transpose/permute/t, (un)squeeze, expand.
 
-All are linear, so every Partial kind passes through.  A reshape keeps a shard only on the
-outermost dim of a group of merged or split dims, and only when that dim divides evenly
-(otherwise the local pieces would not be the pieces of the new shape).
+All are linear, so every Partial kind passes through.  A reshape keeps a shard on the
+outermost dim of a group of merged or split dims when that dim divides evenly (otherwise
+the local pieces would not be the pieces of the new shape).  Merging dims whose sharded
+dim is not the outermost ([b, h] split on h, viewed as [b * h]: attention heads merged
+into a batched matmul's batch) gives a StridedShard, every block of h split alike, and
+splitting such a dim back at its block size gives the Shard again.
 """
 from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Shard
+import math
+
+from ..placement import Partial, Shard, StridedShard
 from .registry import register
 from .strategy import OpCall, Strategy
 
@@ -68,6 +73,13 @@ def view_rule(call: OpCall) -> list[Strategy]:
             strategies.append(Strategy((Shard(d_out),), (Shard(d_in),) + extra, even=((0, d_in), (-1, d_out))))
         elif len(gj) == 1:  # merge dims: the outer old dim must cut evenly
             strategies.append(Strategy((Shard(d_out),), (Shard(d_in),) + extra, even=((0, d_in),)))
+            for j in range(1, len(gi)):  # an inner dim split: every block of the outer ones alike
+                blocks = math.prod(src[d] for d in gi[:j])
+                strategies.append(Strategy((StridedShard(d_out, blocks),), (Shard(gi[j]),) + extra, even=((0, gi[j]),)))
+        if len(gi) == 1 and len(gj) > 1:  # a strided dim split back at its block size
+            for j in range(1, len(gj)):
+                blocks = math.prod(dst[d] for d in gj[:j])
+                strategies.append(Strategy((Shard(gj[j]),), (StridedShard(d_in, blocks),) + extra, even=((-1, gj[j]),)))
     return strategies + _partials(len(call.inputs))
 
 

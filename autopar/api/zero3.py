@@ -1,0 +1,310 @@
+"""ZeRO-3 as FSDP does it: a layer's parameters are gathered just before the layer runs and
+freed after, gathered again for its backward, and their gradients reduce-scattered as soon as
+its backward is done.
+
+Between uses every parameter a ZeRO-3 `shard_optimizer` steps is sharded over the
+data-parallel mesh dim, and so are its `.grad` and its states.  The layers of the models
+given to `shard_layer` / `parallelize` that hold such parameters are cut into units: each
+child of an `nn.ModuleList` (the repeated blocks of a transformer) and every other layer
+holding parameters directly; a parameter held in several units belongs to their closest
+common ancestor (a tied embedding: the model itself).  A unit keeps, per parameter, a
+full-size Parameter placed like the sharded one but Replicate over the data-parallel dim,
+whose storage holds data only around the unit's use:
+
+- forward: the unit's pre-hook finishes its all-gather (one collective for all its
+  parameters; the unit before it started it: prefetch) and puts the full Parameters into its
+  layers; the post-hook puts the sharded ones back and frees the storage, except in the
+  unit that finishes last (its backward comes first);
+- backward: autograd reaches the unit's outputs first, where gradient hooks gather the
+  parameters again (and start the previous unit's gather); when every full Parameter
+  has its gradient (post-accumulate-grad hooks) the unit starts one reduce-scatter of them
+  and frees the storage; at the end of backward the shards are added to the sharded
+  parameters' `.grad`.
+
+The full Parameters are placed like data-parallel ones, so the batch stays sharded through
+the whole model (every activation, the logits too) and a unit's layers run as local regions.
+Bytes: two all-gathers of the parameters and one reduce-scatter of the gradients, 1.5x data
+parallel's all-reduce.  Freed storage is refilled in place, so the tensors autograd saved
+(views of it) see the data again; storage is resized with `inductor.resize_storage_bytes_`,
+an op a captured program (`to_static`) records and replays.  A gathered copy is used again
+only while its shards are unchanged (their version counters); under a capture or a local
+region's verification every use gathers afresh, so that the transfer is seen.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..comm import all_gather_start, collectives, get_rank
+from ..dtensor import DistTensor, new_dist
+from ..flat_shards import FlatShards
+from ..grad_reduce import GradReduction, grad_plan
+from ..placement import Replicate
+from .layer import models
+
+_resize = torch.ops.inductor.resize_storage_bytes_
+
+_UNIT_OF: dict = {}  # id(sharded parameter) -> weak reference to its _Unit (alive with its layer's hooks)
+
+
+def _unit_of(p: torch.Tensor) -> Optional["_Unit"]:
+    ref = _UNIT_OF.get(id(p))
+    unit = ref() if ref is not None else None
+    return unit if unit is not None and any(q is p for q in unit.params) else None
+
+
+def gathers(p: torch.Tensor) -> bool:
+    """True when a ZeRO-3 unit gathers `p` around its use (and reduces its gradient)."""
+    return _unit_of(p) is not None
+
+
+def install(params: list, mesh_dim) -> None:
+    """Cut the models holding these sharded parameters into units (see the module doc).
+    Parameters in no converted model are left to the op-by-op dispatch."""
+    wanted = {id(p): p for p in params}
+    for model in models():
+        owners: dict = {}  # id(parameter) -> [(layer name, layer, attribute)]
+        for name, layer in model.named_modules():
+            for attr, p in layer._parameters.items():
+                if p is not None and id(p) in wanted and _unit_of(p) is None:
+                    owners.setdefault(id(p), []).append((name, layer, attr))
+        if owners:
+            _Model(model, owners, wanted, mesh_dim)
+
+
+def _unit_roots(model: torch.nn.Module) -> dict:
+    """{layer name: the unit's root name} for every layer in a repeated block (a child of a
+    ModuleList) or holding parameters directly."""
+    roots: dict = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, torch.nn.ModuleList):
+            for child, _ in layer.named_children():
+                block = f"{name}.{child}" if name else child
+                for sub, _ in layer.get_submodule(child).named_modules():
+                    roots.setdefault(f"{block}.{sub}" if sub else block, block)
+    return roots
+
+
+def _common(names: list) -> str:
+    """The closest common ancestor of layer names."""
+    parts = [n.split(".") if n else [] for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+class _Model:
+    """One model's units, their forward order, and the end-of-forward/backward bookkeeping."""
+
+    def __init__(self, model: torch.nn.Module, owners: dict, params: dict, mesh_dim):
+        blocks = _unit_roots(model)
+        members: dict = {}  # unit root name -> [(parameter, [(layer dict, attribute)])]
+        layers = dict(model.named_modules())
+        for pid, holders in owners.items():
+            root = _common([blocks.get(name, name) for name, _, _ in holders])
+            while isinstance(layers[root], (torch.nn.ModuleList, torch.nn.ModuleDict)):  # (never called)
+                root = root.rpartition(".")[0]
+            members.setdefault(root, []).append((params[pid], [(layer._parameters, attr) for _, layer, attr in holders]))
+        self.units = [_Unit(self, layers[name], name, group, mesh_dim) for name, group in members.items()]
+        self.order: list = []  # units in the order their forward starts
+        self.last: Optional[_Unit] = None  # the unit whose forward ends last (kept for backward)
+        self.recording = True
+        self.ends: list = []
+        self.in_backward = False
+        model.register_forward_hook(lambda *_: self.forward_done())
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward_started(self, unit: "_Unit") -> None:
+        if self.recording and unit not in self.order:
+            self.order.append(unit)
+        self._prefetch(unit, 1)
+
+    def _prefetch(self, unit: "_Unit", step: int) -> None:
+        """Start gathering the unit that runs next (forward: after `unit`; backward: before)."""
+        if self.recording or collectives.CAPTURE_HOOKS or unit not in self.order:
+            return
+        i = self.order.index(unit) + step
+        if 0 <= i < len(self.order):
+            self.order[i].start_gather()
+
+    def unit_done(self, unit: "_Unit") -> None:
+        if self.recording:
+            self.ends.append(unit)
+
+    def forward_done(self) -> None:
+        """The model's forward ended: free what is not needed next (a prefetched unit that
+        did not run); the order seen the first time is the order prefetched from now on."""
+        if self.recording and self.order:
+            self.recording = False
+            self.last = self.ends[-1]
+        for unit in self.units:
+            if not unit.keep and not unit.in_use:
+                unit.free()
+
+    # -- backward ---------------------------------------------------------------------------
+    def backward_started(self, unit: "_Unit") -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
+        if unit is not None:
+            self._prefetch(unit, -1)
+
+    def backward_done(self) -> None:
+        """End of backward: reduce what is left (parameters that got no gradient leave their
+        unit incomplete), add the reduced shards to the parameters' gradients, free all."""
+        self.in_backward = False
+        for unit in self.units:
+            unit.reduce()
+        for unit in self.units:
+            unit.deliver()
+            unit.keep = False
+            unit.free()
+
+
+class _Unit:
+    """A layer's parameters under ZeRO-3: sharded ones (the user's), full ones (used in the
+    layer's forward and backward), one all-gather and one reduce-scatter per use."""
+
+    def __init__(self, model: _Model, layer: torch.nn.Module, name: str, members: list, mesh_dim):
+        self.model, self.name = model, name
+        self.params = [p for p, _ in members]
+        self.holders = [h for _, h in members]
+        rank = get_rank()
+        self.full, self.writes, self.groups = [], [], []
+        by_dtype: dict = {}
+        for i, p in enumerate(self.params):
+            spec = p._spec
+            m = spec.mesh.dim_index(mesh_dim)
+            full = spec.with_placements([Replicate() if k == m else pl for k, pl in enumerate(spec.placements)])
+            coord = spec.mesh.coordinate(rank)
+            local = torch.empty(full.local_shape(coord) if coord is not None else (0,), dtype=p.dtype,
+                                device=p._local.device)
+            fp = torch.nn.Parameter(new_dist(local, full), requires_grad=p.requires_grad)
+            self.full.append(fp)
+            self.writes.append(local.data)  # its own version counter: refills do not touch autograd's
+            if p.requires_grad:
+                fp.register_post_accumulate_grad_hook(lambda _p, i=i: self.grad_ready(i))
+            if coord is not None:
+                ranks = spec.mesh.group_of(rank, (m,))
+                by_dtype.setdefault((ranks, p.dtype), []).append((i, spec.placements[m].dim))
+            _UNIT_OF[id(p)] = weakref.ref(self, lambda ref, key=id(p): _UNIT_OF.pop(key) if _UNIT_OF.get(key) is ref else None)
+        for (ranks, _), entries in by_dtype.items():
+            idx = [i for i, _ in entries]
+            layout = FlatShards.of(tuple(tuple(self.writes[i].shape) for i in idx), tuple(d for _, d in entries), len(ranks))
+            self.groups.append((idx, ranks, ranks.index(rank), layout))
+        self.trainable = sum(p.requires_grad for p in self.params)
+        self.pending: list = []  # all-gathers in flight
+        self.gathered: Optional[list] = None  # (id, version) of each shard the full copy holds
+        self.in_use = self.keep = False
+        self.grads: dict = {}
+        self.reduction = None
+        self._free_storage()
+        layer.register_forward_pre_hook(lambda *_: self.before_forward())
+        layer.register_forward_hook(lambda _m, _a, out: self.after_forward(out))
+
+    # -- gathering --------------------------------------------------------------------------
+    def _versions(self) -> list:
+        return [(id(p._local), p._local._version) for p in self.params]
+
+    def start_gather(self) -> None:
+        if self.pending or (self.gathered is not None and self.gathered == self._versions()):
+            return
+        for w in self.writes:
+            _resize(w, w.numel() * w.element_size())
+        for idx, ranks, me, layout in self.groups:
+            send = layout.pack_pieces([self.params[i]._local for i in idx], me)
+            self.pending.append(all_gather_start(send, ranks))
+        self.gathered = None
+
+    def wait_gather(self) -> None:
+        if collectives.CAPTURE_HOOKS:  # a capture or a region's verification must see the transfer
+            self.free()
+        self.start_gather()
+        if self.pending:
+            versions = self._versions()
+            with torch.no_grad():
+                for (idx, _, _, layout), pending in zip(self.groups, self.pending):
+                    layout.unpack(pending.wait(), [self.writes[i] for i in idx])
+            self.pending = []
+            self.gathered = versions
+
+    def free(self) -> None:
+        for pending in self.pending:
+            pending.wait()
+        self.pending = []
+        if self.gathered is not None:
+            self._free_storage()
+            self.gathered = None
+
+    def _free_storage(self) -> None:
+        for w in self.writes:
+            _resize(w, 0)
+
+    def _use(self, params: list) -> None:
+        for p, holders in zip(params, self.holders):
+            for where, attr in holders:
+                where[attr] = p
+
+    # -- hooks ------------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        if not collectives.CAPTURE_HOOKS:
+            self.start_gather()  # (before the next unit's prefetch)
+        self.model.forward_started(self)
+        self.wait_gather()
+        self.in_use = True
+        self._use(self.full)
+
+    def after_forward(self, out):
+        self._use(self.params)
+        self.in_use = False
+        self.model.unit_done(self)
+        grad = torch.is_grad_enabled()
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad] if grad else []
+        for t in outs:  # their gradients arrive before the unit's backward runs: gather there
+            t.register_hook(self.before_backward)
+        # the unit whose backward comes first keeps its parameters, and so does one whose
+        # outputs cannot carry the regather (none found): until the end of backward
+        self.keep = grad and (not outs or self is self.model.last)
+        if not self.keep:
+            self.free()
+
+    def before_backward(self, _grad=None) -> None:
+        if not collectives.CAPTURE_HOOKS:
+            self.start_gather()  # (before the previous unit's prefetch)
+        self.model.backward_started(self)
+        self.wait_gather()
+
+    def grad_ready(self, i: int) -> None:
+        full = self.full[i]
+        self.grads[i], full.grad = full.grad, None
+        self.model.backward_started(None)
+        if len(self.grads) == self.trainable:
+            self.reduce()
+            if self.trainable == len(self.params):  # (frozen ones may still be needed)
+                self.free()
+
+    def reduce(self) -> None:
+        """Start reducing the gradients collected (to the sharded parameters' placements)."""
+        if not self.grads or self.reduction is not None:
+            return
+        idx = sorted(self.grads)
+        grads = [self.grads[i] for i in idx]
+        plans = [grad_plan(g._spec, self.params[i]._spec) for i, g in zip(idx, grads)]
+        self.reduction = (idx, GradReduction(grads, plans))
+        self.grads = {}
+
+    def deliver(self) -> None:
+        if self.reduction is None:
+            return
+        idx, reduction = self.reduction
+        self.reduction = None
+        with torch.no_grad():
+            for i, g in zip(idx, reduction.finish()):
+                p = self.params[i]
+                p.grad = g if p.grad is None else p.grad + g

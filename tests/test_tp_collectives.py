@@ -1,0 +1,58 @@
+"""Tensor parallel on a real Llama at the Megatron minimum, counted from comm_log.
+
+Megatron's column/row split of a decoder layer needs, per layer, one all-reduce after the
+attention and one after the MLP in forward (their row-parallel outputs are partial sums),
+and the same two in backward (the column-parallel inputs' gradients); the vocab-parallel
+loss adds two small forward all-reduces (row max, row sum of exponentials) and one in
+backward; the optimizer step reduces the replicated parameters' partial gradients (norms,
+embedding) in one bucket.  Nothing else moves.
+"""
+import pytest
+import torch
+
+import autopar as dist
+from distpool import run_dist
+from hf_llama import HIDDEN, assert_matches, batches, mp_plan, optimizer, reference, tiny_llama
+
+LAYERS, STEPS, BATCH, SEQ = 2, 6, 4, 16
+
+
+def _counted_steps(attention):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    model = tiny_llama(layers=LAYERS, attention=attention)
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh,
+                                  {"mp_config": {"parallelize_plan": mp_plan()}})
+    losses, grads, logs = [], [], []
+    for ids, labels in batches(STEPS):
+        with dist.comm_log() as fwd:
+            loss = model(input_ids=ids, labels=labels).loss
+        with dist.comm_log() as bwd:
+            loss.backward()
+        grads.append({k: dist.unshard_dtensor(p.grad) for k, p in model.named_parameters()})
+        with dist.comm_log() as step:
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        logs.append([[(r.op, r.shape, r.bytes) for r in log] for log in (fwd, bwd, step)])
+    weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return losses, weights, grads, logs
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_llama_tensor_parallel_moves_only_megatrons_collectives(attention):
+    """Eager attention (q @ k^T per head, softmax, @ v) merges the heads into the batched
+    matmul's batch: the heads' split goes through as a StridedShard, no all-to-all."""
+    ref_grads = []
+    ref = (*reference(batches(STEPS), grads=ref_grads, layers=LAYERS, attention=attention), ref_grads)
+    activation = (BATCH, SEQ, HIDDEN)
+    act_bytes = BATCH * SEQ * HIDDEN * 4  # an all-reduce over 2 ranks sends 2 (k-1)/k of it
+    for losses, weights, grads, logs in run_dist(_counted_steps, 2, attention):
+        assert_matches((losses, weights, grads), ref)
+        # the last step: every sublayer's local-region verification is behind it
+        fwd, bwd, step = logs[-1]
+        assert [(op, shape) for op, shape, _ in fwd] == (
+            [("all_reduce", activation)] * (2 * LAYERS) + [("all_reduce", (BATCH * SEQ, 1))] * 2), fwd
+        assert [(op, shape) for op, shape, _ in bwd] == (
+            [("all_reduce", (BATCH * SEQ, 1))] + [("all_reduce", activation)] * (2 * LAYERS)), bwd
+        assert sum(b for op, shape, b in fwd if shape == activation) == 2 * LAYERS * act_bytes
+        assert [op for op, _, _ in step] == ["all_reduce"], step
