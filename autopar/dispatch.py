@@ -19,7 +19,7 @@ from .placement import Partial, Replicate
 from .reshard import piece_of_replicated, redistribute_local
 from .spec import DistSpec, TensorMeta
 from .spmd import engine
-from .spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS
+from .spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS, UNDECLARED_WRITES
 from .spmd.strategy import OpCall
 
 aten = torch.ops.aten
@@ -175,6 +175,7 @@ def _mutated_inputs(func, args, kwargs) -> tuple[list[int], Any]:
     """Flat indices of inputs the op writes, and the (position, name) of the argument it returns."""
     schema = func._schema
     mutated, written = [], {}
+    undeclared = UNDECLARED_WRITES[func](args, kwargs) if func in UNDECLARED_WRITES else ()
     pos = 0
     for i, arg in enumerate(schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -182,6 +183,8 @@ def _mutated_inputs(func, args, kwargs) -> tuple[list[int], Any]:
         if arg.alias_info is not None and arg.alias_info.is_write:
             mutated.extend(range(pos, pos + n))
             written[frozenset(arg.alias_info.before_set)] = (i, arg.name)
+        elif arg.name in undeclared:
+            mutated.extend(range(pos, pos + n))
         pos += n
     alias = None
     for ret in schema.returns:
@@ -226,7 +229,8 @@ def decide(func, args, kwargs, flat) -> Decision:
     mutated, alias = _mutated_inputs(func, args, kwargs)
     if set(mutated) & set(moved):
         raise ValueError(f"{func} writes an input that lives on another mesh than the op's {mesh}: reshard it first")
-    in_pl, out_pl, kernel = engine.choose(call, mesh, current, inplace=0 in mutated)
+    written_plain = tuple(i for i in mutated if type(flat[i]) is not DistTensor)
+    in_pl, out_pl, kernel = engine.choose(call, mesh, current, inplace=0 in mutated, pinned=written_plain)
     in_specs = [DistSpec(mesh, p, m) for p, m in zip(in_pl, in_metas)]
     out_specs = [DistSpec(mesh, p, m) for p, m in zip(out_pl, out_metas)]
     dec = Decision(
@@ -340,7 +344,10 @@ def dispatch(func, args, kwargs):
         out = dec.call(*largs, **lkwargs)
     if dec.single:
         return new_dist(out, dec.out_specs[0])
-    return _wrap(dec, _flatten_out(out, []), args, kwargs)
+    local_outs = _flatten_out(out, [])
+    if len(local_outs) != len(dec.out_specs):  # the local op left undefined what the meta kernel made
+        local_outs = _at_meta_leaves(dec.out_alias[1], out)
+    return _wrap(dec, local_outs, args, kwargs)
 
 
 def _local_of(a):
@@ -467,8 +474,20 @@ def _wrap(dec: Decision, local_outs: list, args, kwargs):
         return written
     if dec.mutated and not dec.out_specs:
         return what  # foreach in-place ops return None
-    wrapped = [new_dist(loc, spec) for loc, spec in zip(local_outs, dec.out_specs)]
+    wrapped = [None if loc is None else new_dist(loc, spec) for loc, spec in zip(local_outs, dec.out_specs)]
     return _rebuild_out(what, iter(wrapped))
+
+
+def _at_meta_leaves(meta, out, acc=None) -> list:
+    """The local result's tensors at the meta result's tensor leaves, None where the local op
+    returned none (native_batch_norm_backward's meta makes every gradient, masked or not)."""
+    acc = [] if acc is None else acc
+    if isinstance(meta, torch.Tensor):
+        acc.append(out if isinstance(out, torch.Tensor) else None)
+    elif isinstance(meta, (list, tuple)):
+        for m, o in zip(meta, out):
+            _at_meta_leaves(m, o, acc)
+    return acc
 
 
 def _reshape_wrapper(func, t: DistTensor, spec: DistSpec, args, kwargs) -> None:

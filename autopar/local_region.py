@@ -49,7 +49,7 @@ from .grad_reduce import BackwardReduction, BucketPlan
 from .placement import Partial, ReduceType, Replicate
 from .reshard import piece_of_replicated, redistribute_local
 from .spec import DistSpec, TensorMeta
-from .spmd.registry import DRAWS_RANDOM, KERNEL_PLAIN_WHEN
+from .spmd.registry import DRAWS_RANDOM, KERNEL_PLAIN_WHEN, MODULE_RULES
 
 MIN_OPS = 8  # below this many ops the boundary costs more than the dispatch it saves
 
@@ -89,7 +89,12 @@ class RegionForward:
         self.regions: dict = {}
 
     def __call__(self, *args, **kwargs):
-        if _STATE["inside"] or not _STATE["enabled"] or collectives.CAPTURE_HOOKS or _saved_tensor_hooks():
+        if (
+            _STATE["inside"]
+            or not _STATE["enabled"]
+            or (collectives.CAPTURE_HOOKS and not self._vouched(args, kwargs))
+            or _saved_tensor_hooks()
+        ):
             return self.inner(*args, **kwargs)
         key = _call_key(self.module, args, kwargs)
         if key is None:
@@ -104,6 +109,13 @@ class RegionForward:
         if region is None:
             return self.inner(*args, **kwargs)
         return region.run(self.inner, args, kwargs)
+
+    def _vouched(self, args, kwargs) -> bool:
+        """While an ancestor is verified (its watch is the only hook), a module that a module
+        rule vouches for still runs as its region: the ancestor's verdict then rests on the
+        ops around it."""
+        return all(type(h) is _Watch for h in collectives.CAPTURE_HOOKS) and (
+            _declared_out_specs(self.module, args, kwargs) is not None)
 
     def __getstate__(self):
         return {"module": self.module}  # verified regions are not carried over: a copy verifies its own
@@ -264,6 +276,11 @@ def _verify(module, inner, args, kwargs):
     if not suitable:
         return inner(*args, **kwargs), None
     settings = _settings(module)
+    declared = _declared_out_specs(module, args, kwargs)
+    if declared is not None:  # a module rule vouches for it: no verification
+        region = Region.build(mesh, settings, args, kwargs, slots, params, declared)
+        if region is not None:
+            return region.run(inner, args, kwargs), region
     watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots], sys._getframe())
     dispatch.WATCHERS.append(watch)
     collectives.CAPTURE_HOOKS.append(watch)  # (sublayers meanwhile run op by op, unverified)
@@ -281,7 +298,17 @@ def _verify(module, inner, args, kwargs):
     verdict = torch.tensor([int(watch.local and _agrees(out, trial))])
     if not collectives.all_reduce(verdict, tuple(mesh.process_ids), ReduceType.MIN).item():
         return out, None
-    return out, Region.build(mesh, settings, args, kwargs, slots, params, out)
+    out_specs = out._spec if type(out) is DistTensor else tuple(o._spec for o in out)
+    return out, Region.build(mesh, settings, args, kwargs, slots, params, out_specs)
+
+
+def _declared_out_specs(module, args, kwargs):
+    """The output specs a module rule (`spmd.registry.MODULE_RULES`) gives this call, or None."""
+    for cls in type(module).__mro__:
+        rule = MODULE_RULES.get(cls)
+        if rule is not None:
+            return rule(module, args, kwargs)
+    return None
 
 
 def _agrees(out, trial: Optional[list]) -> bool:
@@ -374,16 +401,17 @@ class Region:
         self.buckets_generation = -1
 
     @staticmethod
-    def build(mesh, settings, args, kwargs, slots, params, out) -> Optional["Region"]:
+    def build(mesh, settings, args, kwargs, slots, params, out_specs) -> Optional["Region"]:
+        """`out_specs`: the outputs' specs, one DistSpec or a tuple/list of them like the output."""
         inputs = [a for a in list(args) + list(kwargs.values()) if type(a) is DistTensor]
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        specs = [t._spec for t in inputs] + [p._spec for p in params] + [o._spec for o in outs]
+        outs = list(out_specs) if isinstance(out_specs, (tuple, list)) else [out_specs]
+        specs = [t._spec for t in inputs] + [p._spec for p in params] + outs
         if any(type(p) is Partial and p.reduce_type is not ReduceType.SUM for s in specs for p in s.placements):
             return None  # only sums have a linear adjoint
         all_rep = [all(type(s.placements[k]) is Replicate for s in specs) for k in range(mesh.ndim)]
         for o in outs:
-            if o.is_floating_point():
-                for k, p in enumerate(o._spec.placements):
+            if o.meta.dtype.is_floating_point:
+                for k, p in enumerate(o.placements):
                     if type(p) is Replicate and mesh.shape[k] > 1 and not all_rep[k]:
                         return None  # its gradient would mix Replicate and Partial on that dim
         shape = mesh.shape
@@ -391,9 +419,9 @@ class Region:
             settings, slots, params,
             [_grad_spec(t._spec, _dual(t._spec.placements, shape, all_rep)) for t in inputs],
             [_grad_spec(p._spec, _dual(p._spec.placements, shape, all_rep)) for p in params],
-            [o._spec for o in outs],
-            [_grad_spec(o._spec, _dual(o._spec.placements, shape, all_rep)) for o in outs],
-            not isinstance(out, (tuple, list)),
+            outs,
+            [_grad_spec(o, _dual(o.placements, shape, all_rep)) for o in outs],
+            not isinstance(out_specs, (tuple, list)),
         )
 
     def still_valid(self) -> bool:

@@ -56,3 +56,4 @@ run pipeline_2ranks python -m autopar.launch --nproc_per_node 2 "$bench/bench_pi
 run scaling_1rank   python -m autopar.launch --nproc_per_node 1 "$bench/bench_scaling.py" --reps 7
 run scaling_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_scaling.py"
 run scaling_4ranks  python -m autopar.launch --nproc_per_node 4 "$bench/bench_scaling.py"
+run resnet_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_resnet.py"

@@ -1,8 +1,9 @@
 """shard_layer: turn a Module's parameters into distributed tensors and hook its I/O."""
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -41,6 +42,21 @@ def convert_in_place(old: torch.Tensor, new: torch.Tensor, name: str) -> None:
     hooks = old._backward_hooks or {}
     if isinstance(old, DistTensor) and old.requires_grad and not any(type(h) is GradToPlacement for h in hooks.values()):
         old.register_hook(GradToPlacement(old))  # (the one `new` had is bound to the object it left)
+
+
+@contextlib.contextmanager
+def weak_refs_released(model: torch.nn.Module) -> Iterator[None]:
+    """nn.RNN, LSTM and GRU keep weak references to their parameters (for cuDNN's flat
+    weights) and `swap_tensors` refuses a tensor that has any: drop them while the parameters
+    are converted, then point them at the same (now distributed) Parameter objects again."""
+    rnns = [m for m in model.modules() if isinstance(m, torch.nn.RNNBase)]
+    for m in rnns:
+        m._flat_weight_refs = []
+    try:
+        yield
+    finally:
+        for m in rnns:
+            m._flat_weight_refs = [weakref.ref(w) if w is not None else None for w in m._flat_weights]
 
 
 _MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
@@ -92,14 +108,15 @@ def shard_layer(
             shard_fn(name, sub, process_mesh)
         replicate_params(sub, process_mesh)
     converted: dict = {}  # id(new Parameter) -> the original object now holding it (tied weights)
-    for qualname, sub, name, p in before:
-        new = sub._parameters.get(name)
-        if new is None or new is p:
-            continue
-        if id(new) not in converted:
-            convert_in_place(p, new, qualname)
-            converted[id(new)] = (p, new)  # (new kept alive: its id stays unique)
-        sub._parameters[name] = converted[id(new)][0]
+    with weak_refs_released(layer):
+        for qualname, sub, name, p in before:
+            new = sub._parameters.get(name)
+            if new is None or new is p:
+                continue
+            if id(new) not in converted:
+                convert_in_place(p, new, qualname)
+                converted[id(new)] = (p, new)  # (new kept alive: its id stays unique)
+            sub._parameters[name] = converted[id(new)][0]
     register_model(layer)
     if input_fn is not None:
         layer.register_forward_pre_hook(lambda _m, inputs: input_fn(inputs, process_mesh))

@@ -26,7 +26,7 @@ from ..mesh import ProcessMesh
 from ..placement import Shard
 from ..spec import split_range
 from .global_mesh import get_mesh
-from .layer import convert_in_place, register_model, replicate_params
+from .layer import convert_in_place, register_model, replicate_params, weak_refs_released
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
 from .tensor import reshard, shard_tensor
@@ -255,16 +255,17 @@ def _parameter_targets(model: torch.nn.Module, meshes: dict, plans: list) -> lis
 def _place_parameters(model: torch.nn.Module, meshes: dict, targets: list) -> None:
     """Make every parameter distributed as `targets` says, in place (the optimizer and every
     holder keep the Parameter object), and every buffer Replicate on its layer's mesh."""
-    for holders, mesh, placements in targets:
-        layer, layer_name, pname = holders[0]
-        p = getattr(layer, pname)
-        try:
-            new = shard_tensor(p, mesh, placements)
-        except ValueError as err:
-            raise ValueError(
-                f"parameter {_join(layer_name, pname)!r} of shape {list(p.shape)} on mesh {mesh} as {placements}: {err}"
-            ) from err
-        convert_in_place(p, new, _join(layer_name, pname))
+    with weak_refs_released(model):
+        for holders, mesh, placements in targets:
+            layer, layer_name, pname = holders[0]
+            p = getattr(layer, pname)
+            try:
+                new = shard_tensor(p, mesh, placements)
+            except ValueError as err:
+                raise ValueError(
+                    f"parameter {_join(layer_name, pname)!r} of shape {list(p.shape)} on mesh {mesh} as {placements}: {err}"
+                ) from err
+            convert_in_place(p, new, _join(layer_name, pname))
     for layer_name, layer in model.named_modules():
         if meshes[layer_name] is not None:
             replicate_params(layer, meshes[layer_name])  # the buffers (parameters are placed already)

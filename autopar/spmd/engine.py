@@ -87,27 +87,30 @@ def candidates(call: OpCall) -> list[Strategy]:
     return out
 
 
-def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool):
+def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool, pinned: tuple = ()):
     """Pick placements per mesh dim.
 
-    `current[i]` is input i's placements now (plain tensors: all Replicate).  Returns
-    (input placements, output placements, kernel name or None).  Mesh dims are picked one
-    by one; where their StridedShard picks do not combine into valid cuts (see
-    `spec.strided_cuts_valid`), the choice is made again without strided strategies.
+    `current[i]` is input i's placements now (plain tensors: all Replicate).  Inputs in `pinned`
+    must stay as they are, as input 0 of an in-place op (a plain tensor the op writes: it has
+    no placement to move to).  Returns (input placements, output placements, kernel name or None).
+    Mesh dims are picked one by one; where their StridedShard picks do not combine into valid
+    cuts (see `spec.strided_cuts_valid`), the choice is made again without strided strategies.
     """
     strategies = candidates(call)
-    chosen = _choose(call, mesh, current, inplace, strategies, strided=True)
+    chosen = _choose(call, mesh, current, inplace, strategies, True, pinned)
     in_pl, out_pl, _ = chosen
     if any(type(p) is StridedShard for pl in in_pl + out_pl for p in pl) and not all(
         strided_cuts_valid(pl, meta.shape, mesh.shape)
         for pl, meta in zip(in_pl + out_pl, list(call.inputs) + list(call.outputs))
     ):
         plain = [s for s in strategies if not any(type(p) is StridedShard for p in s.inputs + s.outputs)]
-        chosen = _choose(call, mesh, current, inplace, plain, strided=False)
+        chosen = _choose(call, mesh, current, inplace, plain, False, pinned)
     return chosen
 
 
-def _choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool, strategies: list, strided: bool):
+def _choose(
+    call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool, strategies: list, strided: bool, pinned: tuple
+):
     mesh_shape = mesh.shape
     picks = []
     for m, k in enumerate(mesh_shape):
@@ -126,7 +129,7 @@ def _choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool
                 changes += 1
                 gathers = gathers or (type(cur) is Shard and type(tgt) is Replicate)
                 c = conversion_cost(cur, tgt, _local_bytes(call.inputs[i], current[i], mesh_shape, m), k)
-                if inplace and i == 0:
+                if (inplace and i == 0) or i in pinned:
                     c += INPLACE_PENALTY
                 cost += c
             if gathers and any(type(current[i][m]) is Partial and t == current[i][m] for i, t in enumerate(s.inputs)):

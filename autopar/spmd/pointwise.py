@@ -159,7 +159,10 @@ def like_rule(call: OpCall) -> list[Strategy]:
 
 @register(_ops(["new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"]), local_args=_like_local_args)
 def new_rule(call: OpCall) -> list[Strategy]:
-    """A fresh tensor of a given size: Replicate, or laid out like an input of the same shape."""
-    if tuple(call.inputs[0].shape) == tuple(call.outputs[0].shape):
+    """A fresh tensor of a given size: Replicate, or laid out like an input of the same shape (of
+    the same rank: split where the sizes agree, as the backward of rfft pads its gradient)."""
+    src, dst = tuple(call.inputs[0].shape), tuple(call.outputs[0].shape)
+    if src == dst:
         return _follow(call) + [Strategy((Replicate(),), (None,))]
-    return [Strategy((Replicate(),), (None,))]
+    same = [d for d in range(len(dst)) if len(src) == len(dst) and src[d] == dst[d] != 1]
+    return [Strategy((Shard(d),), (Shard(d),)) for d in same] + [Strategy((Replicate(),), (None,))]

@@ -8,16 +8,25 @@ LOCAL_ARGS: dict = {}
 KERNELS: dict = {}
 # kernel name -> fn(func, in_specs, coord): True where the kernel computes exactly the plain op
 KERNEL_PLAIN_WHEN: dict = {}
+# op -> fn(args, kwargs): names of the arguments the op writes although its schema does not
+# say so (native_batch_norm updates the running statistics it is given in training)
+UNDECLARED_WRITES: dict = {}
+# module type -> fn(module, args, kwargs): the specs of the outputs (a DistSpec or a tuple of them)
+# when the module's forward on the local pieces computes exactly the local pieces of its global
+# result for these inputs (it then runs as a local region unverified; see local_region), else None
+MODULE_RULES: dict = {}
 # ops that draw from the random generator: a rank outside their mesh still draws (and
 # discards) the same numbers, so every rank's stream stays the single-process stream
 DRAWS_RANDOM: set = set()
 
 
-def register(ops: Iterable | object, local_args: Callable | None = None):
+def register(ops: Iterable | object, local_args: Callable | None = None, writes: Callable | None = None):
     """Decorator: `fn(call: OpCall) -> list[Strategy]` becomes the rule of every op in `ops`.
 
     `local_args(args, kwargs, out_local_shapes)` rewrites size arguments for the local op
     (view/expand/new_zeros take the *global* size, the local op needs the local one).
+    `writes(args, kwargs)` names the arguments the op writes that its schema does not mark, so
+    the dispatch keeps them where they are or moves them for good (never writes a copy).
     """
     if not isinstance(ops, (list, tuple, set)):
         ops = [ops]
@@ -28,6 +37,8 @@ def register(ops: Iterable | object, local_args: Callable | None = None):
                 RULES[overload] = fn
                 if local_args is not None:
                     LOCAL_ARGS[overload] = local_args
+                if writes is not None:
+                    UNDECLARED_WRITES[overload] = writes
         return fn
 
     return deco
