@@ -149,8 +149,8 @@ def main():
         rec = {"bench": "pipeline", "impl": r.name, "ranks": p, "features": f, "batch": args.batch,
                "layers_per_stage": args.layers, "microbatches": 1 if r.name == "autopar_1mb" else m,
                **C.stats_ms(times[r.name]),
-               "vs_autopar_1mb": round(medians[r.name] / medians["autopar_1mb"], 3),
-               "vs_torch_1f1b": round(medians[r.name] / medians["torch_1f1b"], 3)}
+               "ratio_vs_autopar_1mb": round(medians[r.name] / medians["autopar_1mb"], 3),
+               "ratio_vs_torch_1f1b": round(medians[r.name] / medians["torch_1f1b"], 3)}
         if r.schedule is not None:
             mb = rec["microbatches"]
             mean_bubble = torch.tensor([statistics.mean(r.bubbles)], dtype=torch.float64)

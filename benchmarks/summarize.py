@@ -1,8 +1,10 @@
-"""One markdown table from the benchmarks' JSON lines (one or several runs).
+"""One markdown table from the benchmarks' JSON lines (one or several runs), and plots.
 
-    python benchmarks/summarize.py benchmarks/results/*.r?.jsonl
+    python benchmarks/summarize.py benchmarks/results/*.jsonl
+    python benchmarks/summarize.py --plot benchmarks/plots benchmarks/results/*.jsonl
 
-Files named <name>.<TAG>.jsonl are run TAG of benchmark <name>.  A row is one
+Files named <name>.<TAG>.jsonl are run TAG of benchmark <name> (TAG: the commit measured,
+with a run number: `3b05c9f-1`).  A row is one
 (bench, ranks, impl/variant); with several runs, `ms` is the median over runs of each run's
 median, [min-max] the extremes over every repetition of every run, and each `ratio_vs_*`
 field the median of the per-run ratios with their range.  Byte fields are taken from the
@@ -23,7 +25,7 @@ def load(paths):
     recs = []
     for p in paths:
         parts = os.path.basename(p).split(".")
-        run = parts[1] if len(parts) > 2 else "r"
+        run = ".".join(parts[1:-1]) or "r"
         for line in open(p):
             line = line.strip().removeprefix("[rank0]: ")
             if line.startswith('{"bench"'):
@@ -53,8 +55,7 @@ def rows(recs):
     return out
 
 
-def main():
-    recs = load(sys.argv[1:])
+def table_markdown(recs) -> None:
     table = rows(recs)
     ratio_fields = sorted({k for r in recs for k in r if k.startswith(("ratio_vs_", "ratio_time_vs", "overhead_ratio"))})
     head = ["bench", "ranks", "impl", "runs", "ms median", "[min–max]"] + ratio_fields + ["bytes sent/rank"]
@@ -68,6 +69,17 @@ def main():
         sent = runs[0].get("bytes_sent_per_rank")
         cells.append("—" if sent is None else str(sent))
         print("| " + " | ".join(cells) + " |")
+
+
+def main():
+    args = sys.argv[1:]
+    if args[:1] == ["--plot"]:
+        from plots import plot_all
+
+        for path in plot_all(load(args[2:]), args[1]):
+            print(path)
+        return
+    table_markdown(load(args))
 
 
 if __name__ == "__main__":
