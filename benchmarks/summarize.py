@@ -31,6 +31,7 @@ def load(paths):
             if line.startswith('{"bench"'):
                 rec = json.loads(line)
                 rec["_run"] = run
+                rec["_name"] = parts[0]  # what the file measures: gpt_2ranks and gpt_3m7_2ranks differ
                 recs.append(rec)
     return recs
 
@@ -48,7 +49,7 @@ def rows(recs):
     out = defaultdict(list)
     for r in recs:
         if "median_ms" in r:
-            bench = r["bench"] + (f" h={r['hidden']}" if r["bench"].startswith("scaling") else "")
+            bench = r["_name"] + ": " + r["bench"] + (f" h={r['hidden']}" if r["bench"].startswith("scaling") else "")
             if r.get("world") not in (None, r.get("ranks")):  # a single-process baseline in a k-rank run
                 bench += f" (in a {r['world']}-rank run)"
             out[(bench, r.get("ranks"), r.get("variant", r.get("impl")))].append(r)
