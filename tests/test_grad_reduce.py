@@ -102,10 +102,11 @@ def test_buckets_reduce_during_backward_and_match_single_process(net):
     for got in run_dist(_dp, 4, **net):
         _check_numbers(got, ref)
         losses, _, placements, step_comm, starts = got
-        # step 1 verifies the region op by op: the optimizer reduces its gradients; then the
-        # region's backward does, and the optimizer has nothing left to reduce
+        # step 1 verifies the region op by op: the optimizer reduces its gradients, in the
+        # buckets backward cuts later; then the region's backward does, and the optimizer has
+        # nothing left to reduce
         assert placements == [["[Partial()]"]] + [["[Replicate()]"]] * 2
-        assert step_comm == [["all_reduce"]] + [[]] * 2
+        assert step_comm == [["all_reduce"] * 3] + [[]] * 2
         assert len(starts) == 2 * 3, starts  # three buckets per backward
         # the first bucket (the last layer) started while backward still had layers to go
         assert starts[0] < trainable, (starts, trainable)
@@ -121,19 +122,19 @@ def test_gradient_accumulation_defers_reduction_to_one_per_step():
         _check_numbers(got, ref)
         losses, _, placements, step_comm, starts = got
         assert placements == [["[Partial()]"]] * 3
-        assert step_comm == [["all_reduce"]] * 3  # one bucketed all-reduce per step
+        assert step_comm == [["all_reduce"] * 3] * 3  # one reduction per step (three buckets)
         assert len(starts) == 3  # only step 2's first backward reduced (three buckets)
 
 
 def test_zero_stage_1_reduce_scatters_buckets_during_backward():
     """ZeRO-1 reduce-scatters the gradients onto this rank's shards, bucket by bucket while
     backward runs (after the first step, which verifies the region op by op: the optimizer
-    reduces its gradients in one bucket), and all-gathers the updated shards, one bucket (of
-    the same size cap) each."""
+    reduces its gradients, in the same buckets), and all-gathers the updated shards, one
+    bucket (of the same size cap) each."""
     ref = _reference()
     for got in run_dist(_dp, 4, stage=1):
         _check_numbers(got, ref)
         assert got[2] == [[str([Partial()])]] + [[str([Shard(0)])]] * 2
         assert len(got[4]) == 2 * 3  # three buckets reduce-scattered in each later backward
         gathers = ["all_gather"] * 3
-        assert got[3] == [["reduce_scatter"] + gathers, gathers, gathers], got[3]
+        assert got[3] == [["reduce_scatter"] * 3 + gathers, gathers, gathers], got[3]
