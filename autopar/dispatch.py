@@ -72,6 +72,10 @@ _CACHE: dict = {}
 _STATE = {"rank": None}
 # Observers of every dispatched op (`local_region` verifying a module's first call): see(func, decision, flat)
 WATCHERS: list = []
+# called with a Partial leaf (no grad_fn) about to be reduced for a read: an optimizer whose
+# parameter holds it as its gradient reduces all its pending gradients at once, in buckets
+# (clip_grad_norm_ reads every gradient: one collective per bucket, not one per parameter)
+PARTIAL_READ_HOOKS: list = []
 
 
 def _rank() -> int:
@@ -371,6 +375,10 @@ def _inputs_in_place(dec: Decision, flat) -> list:
     for t, spec in zip(flat, dec.in_specs):
         if type(t) is DistTensor:
             src = t._spec
+            if src is not spec and PARTIAL_READ_HOOKS and t.grad_fn is None and _only_reduces(src, spec):
+                for hook in list(PARTIAL_READ_HOOKS):
+                    hook(t)
+                src = t._spec
             if src is spec:
                 loc = t._local
             elif _only_reduces(src, spec):  # same value: later reads skip the reduction

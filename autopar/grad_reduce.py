@@ -108,7 +108,8 @@ def reduce_grads(pending: list) -> None:
     pending = pending[::-1]
     reduced = GradReduction([p.grad for p, _ in pending], [plan for _, plan in pending]).finish()
     for (p, _), g in zip(pending, reduced):
-        p.grad = g
+        # in place: a caller holding the gradients (clip_grad_norm_'s list) sees them reduced
+        p.grad._local, p.grad._spec = g._local, g._spec
 
 
 class GradReduction:

@@ -138,3 +138,40 @@ def test_zero_stage_1_reduce_scatters_buckets_during_backward():
         assert len(got[4]) == 2 * 3  # three buckets reduce-scattered in each later backward
         gathers = ["all_gather"] * 3
         assert got[3] == [["reduce_scatter"] * 3 + gathers, gathers, gathers], got[3]
+
+
+def _clip_first_step():
+    """Step 1 runs the region op by op: its gradients wait Partial for the optimizer.  Clipping
+    reads them all; the first read reduces every one, in the optimizer's buckets."""
+    caps = grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES
+    grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = 1200, 2500
+    try:
+        mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+        torch.manual_seed(0)
+        model = dist.shard_layer(Deep(), mesh)
+        opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+        (x, y), = _batches((1,))[0]
+        x, y = dist.shard_tensor(x, mesh, [S0]), dist.shard_tensor(y, mesh, [S0])
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with dist.comm_log() as clip_log:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        with dist.comm_log() as step_log:
+            opt.step()
+        return norm.item(), [r.op for r in clip_log], [r.op for r in step_log], dist.unshard_dtensor(model.layers[0].weight.detach())
+    finally:
+        grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = caps
+
+
+def test_clipping_reduces_pending_gradients_in_buckets():
+    torch.manual_seed(0)
+    model = Deep()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    (x, y), = _batches((1,))[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
+    opt.step()
+    for norm, clip_ops, step_ops, w in run_dist(_clip_first_step, 4):
+        np.testing.assert_allclose(norm, ref_norm, rtol=1e-5)
+        torch.testing.assert_close(w, model.layers[0].weight.detach(), rtol=1e-5, atol=1e-6)
+        assert clip_ops == ["all_reduce"] * 3, clip_ops  # the three buckets; the norm needs nothing more
+        assert step_ops == [], step_ops

@@ -22,11 +22,13 @@ The returned optimizer is the torch optimizer itself, stepping the user's Parame
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
 
 from ..comm import all_gather_into, get_rank
+from ..dispatch import PARTIAL_READ_HOOKS
 from ..dtensor import DistTensor, new_dist
 from ..flat_shards import FlatShards
 from .. import grad_reduce
@@ -176,11 +178,18 @@ class _OptimizerSharding:
                            every_backward=self.stage == 2)
         self.local_step = LocalStep(optimizer, dispatch_foreach, self.piece_of)
         self.place_states()
+        _reduce_before_reads(self)
         self.arrived: list = []  # ZeRO-2: parameters whose gradients backward left unreduced
         if self.stage == 2:
             for p, spec in targets:
                 if spec is not None and p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._grad_arrived)
+
+    def reduce_if_pending(self, t: DistTensor) -> None:
+        """Before one Partial gradient of this optimizer's parameters is reduced for a read,
+        reduce all of them, in the pre-step's buckets."""
+        if any(p.grad is t for group in self.optimizer.param_groups for p in group["params"]):
+            self.prepare_grads()
 
     def _grad_arrived(self, p: torch.Tensor) -> None:
         """ZeRO-2 keeps no whole gradient past its backward: gradients that backward left
@@ -307,6 +316,21 @@ class _OptimizerSharding:
                 layout = FlatShards.of(shapes, tuple(s.cut_dim for s in bucket), len(ranks))
                 out.append((ranks, ranks.index(rank), bucket, layout))
         return out
+
+
+def _reduce_before_reads(sharding: _OptimizerSharding) -> None:
+    """Let a read of a pending gradient reduce every pending one (`dispatch.PARTIAL_READ_HOOKS`),
+    for as long as the optimizer lives."""
+    ref = weakref.ref(sharding)
+
+    def hook(t):
+        owner = ref()
+        if owner is None:
+            PARTIAL_READ_HOOKS.remove(hook)
+        else:
+            owner.reduce_if_pending(t)
+
+    PARTIAL_READ_HOOKS.append(hook)
 
 
 def _placed(value: torch.Tensor, spec: DistSpec) -> DistTensor:
