@@ -371,14 +371,15 @@ def _inputs_in_place(dec: Decision, flat) -> list:
             f"an input on {flat[dec.moved[0]]._spec.mesh} needs a gradient but the op runs on {dec.mesh}: "
             f"move it with dist.reshard(t, mesh, placements) (differentiable) first"
         )
+    if PARTIAL_READ_HOOKS:
+        for t, spec in zip(flat, dec.in_specs):
+            if type(t) is DistTensor and t._spec is not spec and t.grad_fn is None and _only_reduces(t._spec, spec):
+                for hook in list(PARTIAL_READ_HOOKS):
+                    hook(t)
     locals_ = []
     for t, spec in zip(flat, dec.in_specs):
         if type(t) is DistTensor:
             src = t._spec
-            if src is not spec and PARTIAL_READ_HOOKS and t.grad_fn is None and _only_reduces(src, spec):
-                for hook in list(PARTIAL_READ_HOOKS):
-                    hook(t)
-                src = t._spec
             if src is spec:
                 loc = t._local
             elif _only_reduces(src, spec):  # same value: later reads skip the reduction
