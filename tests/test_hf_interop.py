@@ -1,0 +1,90 @@
+"""HuggingFace transformers on autopar: the ops HF runs every step keep their shards, plans see
+HF's keyword-only layer calls, and a parallelized model saves and loads with HF's own API;
+each against the single-process run."""
+import warnings
+
+import numpy as np
+import torch
+
+import autopar as dist
+from autopar.placement import Replicate, Shard
+from autopar.spec import TensorMeta
+from autopar.spmd import engine
+from autopar.spmd.strategy import OpCall
+from distpool import run_dist
+from hf_llama import assert_matches, batches, mp_plan, optimizer, reference, tiny_llama, train
+from opcheck import check
+
+aten = torch.ops.aten
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+
+
+def _meta(*shape, dtype=torch.int64):
+    return TensorMeta.contiguous(shape, dtype)
+
+
+def test_isin_rule_follows_the_elements_and_keeps_test_elements_whole():
+    mesh = dist.ProcessMesh([0, 1])
+    x, test, out = _meta(4, 6), _meta(5), _meta(4, 6, dtype=torch.bool)
+    call = OpCall(aten.isin.Tensor_Tensor, (x, test), {}, [x, test], [out])
+    for cur in (S0, S1):
+        ins, outs, _ = engine.choose(call, mesh, [(cur,), (R,)], False)
+        assert ins == [(cur,), (R,)] and outs == [(cur,)]
+    # a sharded test_elements is gathered (every element is looked up in all of it)
+    ins, outs, _ = engine.choose(call, mesh, [(S0,), (S0,)], False)
+    assert ins == [(S0,), (R,)] and outs == [(S0,)]
+    call = OpCall(aten.isin.Tensor_Scalar, (x, 3), {}, [x], [out])
+    assert engine.choose(call, mesh, [(S1,)], False)[1] == [(S1,)]
+    scalar = OpCall(aten.isin.Scalar_Tensor, (3, test), {}, [test], [_meta(dtype=torch.bool)])
+    assert engine.choose(scalar, mesh, [(S0,)], False)[0] == [(R,)]
+
+
+def _isin_and_label_shift():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    g = torch.Generator().manual_seed(2)
+    ids, stop = torch.randint(0, 10, (4, 7), generator=g), torch.tensor([2, 3, 9])
+    records = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, fn, placements in [
+            ("isin", lambda x, t: torch.isin(x, t), [[S0], [R]]),
+            ("isin_invert", lambda x, t: torch.isin(x, t, invert=True), [[S1], [R]]),
+            ("isin_scalar", lambda x: torch.isin(x, 3), [[S0]]),
+            # LlamaForCausalLM's loss: labels padded with ignore_index, shifted, flattened
+            ("label_shift", lambda y: torch.nn.functional.pad(y, (0, 1), value=-100)[..., 1:].contiguous().view(-1),
+             [[S0]]),
+        ]:
+            inputs = [ids, stop][: len(placements)]
+            out, log = check(fn, inputs, placements, mesh, grad=False)
+            records[name] = (out.placements, [(r.op, r.bytes) for r in log])
+    missing = [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
+    return records, missing
+
+
+def test_isin_and_the_hf_label_shift_move_no_bytes():
+    for records, missing in run_dist(_isin_and_label_shift, 2):
+        assert not missing, missing
+        assert records == {
+            "isin": ([S0], []), "isin_invert": ([S1], []), "isin_scalar": ([S0], []), "label_shift": ([S0], []),
+        }
+
+
+def _dp_loss_traffic():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = tiny_llama()
+    model, _ = dist.parallelize(model, optimizer(model.parameters()), mesh, {"dp_config": {"sharding_level": 0}})
+    ids, labels = (dist.shard_tensor(t, mesh, [S0]) for t in batches()[0])
+    with dist.comm_log() as log:
+        loss = model(input_ids=ids, labels=labels).loss
+    return loss.item(), [r.op for r in log]
+
+
+def test_hf_causal_lm_loss_under_dp_gathers_no_labels():
+    """The forward of a data-parallel LlamaForCausalLM with labels communicates only the loss's
+    two scalar sums (the loss and the count of counted tokens), never the labels."""
+    model = tiny_llama()
+    ids, labels = batches()[0]
+    ref = model(input_ids=ids, labels=labels).loss.item()
+    for loss, ops in run_dist(_dp_loss_traffic, 2):
+        np.testing.assert_allclose(loss, ref, rtol=1e-5)
+        assert ops == ["all_reduce", "all_reduce"], ops
