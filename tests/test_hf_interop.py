@@ -4,6 +4,7 @@ each against the single-process run."""
 import warnings
 
 import numpy as np
+import pytest
 import torch
 
 import autopar as dist
@@ -88,3 +89,54 @@ def test_hf_causal_lm_loss_under_dp_gathers_no_labels():
     for loss, ops in run_dist(_dp_loss_traffic, 2):
         np.testing.assert_allclose(loss, ref, rtol=1e-5)
         assert ops == ["all_reduce", "all_reduce"], ops
+
+
+def _sequence_parallel_plan() -> dict:
+    """mp_plan plus Megatron's sequence parallelism on HF's layout ([b, s, h] throughout, so
+    no transposes): the norms run on sequence shards, attention and MLP on whole sequences.
+    HF calls self_attn with keyword arguments only."""
+    plan = mp_plan()
+    plan.update({
+        "model.embed_tokens": dist.SequenceParallelBegin(need_transpose=False),
+        "model.layers.*.self_attn": dist.SequenceParallelDisable(need_transpose=False),
+        "model.layers.*.mlp": dist.SequenceParallelDisable(need_transpose=False),
+        "model.norm": dist.SequenceParallelEnable(),
+        "lm_head": [dist.ColWiseParallel(), dist.SequenceParallelEnd(need_transpose=False)],
+    })
+    return plan
+
+
+def _hf_sequence_parallel():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    model = tiny_llama()
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh,
+                                  {"mp_config": {"parallelize_plan": _sequence_parallel_plan()}})
+    grads = []
+    losses = train(model, opt, batches(), grads=grads)
+    with dist.comm_log() as log:
+        model(input_ids=batches()[0][0])
+    weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return (losses, weights, grads), [r.op for r in log]
+
+
+def test_hf_llama_sequence_parallel_matches_one_process():
+    ref_grads = []
+    ref = (*reference(batches(), grads=ref_grads), ref_grads)
+    for got, ops in run_dist(_hf_sequence_parallel, 2):
+        assert_matches(got, ref)
+        # each sequence-parallel-disabled layer reduce-scatters its Partial output: 2 per decoder layer
+        assert ops.count("reduce_scatter") == 2 * 2 and "all_reduce" not in ops, ops
+
+
+class _KeywordsOnly(torch.nn.Module):
+    def forward(self, **inputs):
+        return inputs["x"] * 2
+
+
+def test_a_plan_on_a_layer_called_without_its_first_input_names_plan_and_layer():
+    mesh = dist.ProcessMesh([0], dim_names=["mp"])
+    model = torch.nn.Sequential(_KeywordsOnly())
+    model, _ = dist.parallelize(model, mesh=mesh,
+                                config={"mp_config": {"parallelize_plan": {"0": dist.SequenceParallelEnable()}}})
+    with pytest.raises(TypeError, match=r"SequenceParallelEnable on '0': .*without its first input.*\['x'\]"):
+        model[0](x=torch.ones(2, 3, 4))
