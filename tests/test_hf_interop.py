@@ -175,31 +175,37 @@ def test_save_pretrained_of_an_mp2_model_loads_in_one_process(tmp_path, tie):
 _LAYOUTS = {"mp": {"mp_config": {"parallelize_plan": mp_plan()}}, "dp": {"dp_config": {"sharding_level": 0}}}
 
 
-def _parallel(layout):
-    mesh = dist.ProcessMesh([0, 1], dim_names=[layout])
+def _parallel(layout, data):
+    """(model, optimizer, batches) under `layout`: parallelize's mp2 or dp2, or "dp_plain":
+    shard_layer and a torch optimizer never given to shard_optimizer, batches split by hand."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=[layout[:2]])
     model = tiny_llama()
-    return dist.parallelize(model, optimizer(model.parameters()), mesh, _LAYOUTS[layout])
+    if layout == "dp_plain":
+        model = dist.shard_layer(model, mesh)
+        return model, optimizer(model.parameters()), [tuple(dist.shard_tensor(t, mesh, [S0]) for t in b) for b in data]
+    return (*dist.parallelize(model, optimizer(model.parameters()), mesh, _LAYOUTS[layout]), data)
 
 
 def _resume_elsewhere(saved_layout, loaded_layout, path):
     """Two steps under one layout, a checkpoint, then a fresh model and optimizer under the
     other layout loaded by the load_state_dict recipe and trained two more steps."""
-    data = batches(4)
-    model, opt = _parallel(saved_layout)
+    model, opt, data = _parallel(saved_layout, batches(4))
     losses = train(model, opt, data[:2])
     dist.save_state_dict({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-    model, opt = _parallel(loaded_layout)
+    model, opt, data = _parallel(loaded_layout, batches(4))
     state = {"model": model.state_dict(), "opt": opt.state_dict()}
     dist.load_state_dict(state, path)
     opt.load_state_dict(state["opt"])
+    losses += train(model, opt, data[2:3])
+    # placed like the parameters by the first step after loading (and the second loss is right)
     placed = {name: [(v.process_mesh, v.placements) == (p.process_mesh, p.placements)
                      for v in opt.state[p].values() if v.dim() > 0]
               for name, p in model.named_parameters()}
-    losses += train(model, opt, data[2:])
+    losses += train(model, opt, data[3:])
     return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, placed
 
 
-@pytest.mark.parametrize("saved,loaded", [("mp", "dp"), ("dp", "mp")])
+@pytest.mark.parametrize("saved,loaded", [("mp", "dp"), ("dp", "mp"), ("mp", "dp_plain")])
 def test_optimizer_states_saved_under_one_layout_land_like_their_parameters_under_another(saved, loaded, tmp_path):
     """(SGD with momentum: its momentum buffers are states like AdamW's, and its update keeps
     rounding as rounding, see hf_llama.optimizer.)"""
