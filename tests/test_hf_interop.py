@@ -70,6 +70,30 @@ def test_isin_and_the_hf_label_shift_move_no_bytes():
         }
 
 
+def _dp_generate(ids):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = dist.shard_layer(tiny_llama(), mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dist.comm_log() as log:
+            out = model.generate(dist.shard_tensor(ids, mesh, [S0]), max_new_tokens=4, do_sample=False,
+                                 attention_mask=dist.shard_tensor(torch.ones_like(ids), mesh, [S0]), pad_token_id=0)
+    missing = [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
+    return out.placements, dist.unshard_dtensor(out), missing, sorted({r.op for r in log})
+
+
+def test_hf_generate_on_a_dp_sharded_batch_keeps_it_sharded():
+    """Greedy generate (its stopping criteria call isin on the last tokens) on a batch split
+    over dp: the tokens of one process, the batch never gathered."""
+    ids = batches()[0][0][:, :6]
+    ref = tiny_llama().generate(ids, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids),
+                                pad_token_id=0)
+    for placements, tokens, missing, ops in run_dist(_dp_generate, 2, ids):
+        assert placements == [S0] and not missing, (placements, missing)
+        assert torch.equal(tokens, ref)
+        assert "all_gather" not in ops, ops
+
+
 def _dp_loss_traffic():
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     model = tiny_llama()
