@@ -2,7 +2,6 @@
 and the same on every rank."""
 import re
 
-import pytest
 import torch
 
 import autopar as dist

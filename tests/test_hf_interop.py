@@ -166,37 +166,40 @@ def test_a_plan_on_a_layer_called_without_its_first_input_names_plan_and_layer()
         model[0](x=torch.ones(2, 3, 4))
 
 
-def _save_pretrained_mp2(path, tie):
+_LAYOUTS = {
+    "mp": {"mp_config": {"parallelize_plan": mp_plan()}},
+    "dp": {"dp_config": {"sharding_level": 0}},
+    "zero3": {"dp_config": {"sharding_level": 3}},  # every parameter split over dp
+}
+
+
+def _save_pretrained(path, layout, tie):
     from transformers import LlamaForCausalLM
 
-    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp" if layout == "mp" else "dp"])
     model = tiny_llama(tie=tie)
-    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh,
-                                  {"mp_config": {"parallelize_plan": mp_plan()}})
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, _LAYOUTS[layout])
     train(model, opt, batches(2))
     model.save_pretrained(path)
     # every rank returns once the files are complete, so each can read them at once
     return LlamaForCausalLM.from_pretrained(path).state_dict()
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_save_pretrained_of_an_mp2_model_loads_in_one_process(tmp_path, tie):
-    """HF's own save_pretrained / from_pretrained: the trained mp2 weights, full, in one process."""
+@pytest.mark.parametrize("layout,tie", [("mp", False), ("mp", True), ("zero3", False)])
+def test_save_pretrained_of_a_parallel_model_loads_in_one_process(tmp_path, layout, tie):
+    """HF's own save_pretrained / from_pretrained: the trained weights, full, in one process."""
     from transformers import LlamaForCausalLM
 
     model = tiny_llama(tie=tie)
     train(model, optimizer(model.parameters()), batches(2))
     ids = batches()[2][0]
-    for loaded in run_dist(_save_pretrained_mp2, 2, str(tmp_path), tie):
+    for loaded in run_dist(_save_pretrained, 2, str(tmp_path), layout, tie):
         assert loaded.keys() == model.state_dict().keys()
         for k, v in model.state_dict().items():
             torch.testing.assert_close(loaded[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
     assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tie
     torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
-
-
-_LAYOUTS = {"mp": {"mp_config": {"parallelize_plan": mp_plan()}}, "dp": {"dp_config": {"sharding_level": 0}}}
 
 
 def _parallel(layout, data):
