@@ -201,7 +201,9 @@ def shard_dataloader(
     Each tensor is sharded on its batch dim (dim 0) over mesh dim `shard_dims` (a name or
     index per mesh; None replicates).  With several meshes (pipeline), inputs go to the
     first mesh and labels (the last batch item) to the last.  A batch that does not divide
-    evenly is split with the library's uneven rule (first pieces one row longer).  A shuffled
+    evenly is split with the library's uneven rule (first pieces one row longer); one with
+    fewer samples than ranks to split it over is refused (a short last batch: pass the
+    loader drop_last=True).  A shuffled
     loader gives every rank rank 0's order (collective: every rank iterates the loader).
 
     >>> import torch, autopar as dist
