@@ -205,6 +205,24 @@ def _substitute(args, kwargs, new_flat):
     return new_args, new_kwargs
 
 
+def _meta_error(func, flat, err: Exception) -> Exception:
+    """What to raise when the meta kernel (which infers the output's global shape) fails: a
+    missing kernel (NotImplementedError, or an error about meta tensors: the op's output
+    depends on values) says so; anything else is the user's error, as torch raises it on
+    plain tensors (same type, torch's message) plus the op and the operands' global shapes
+    and placements."""
+    if isinstance(err, NotImplementedError) or "meta" in str(err).lower():
+        return NotImplementedError(f"autopar: {func} has no meta kernel to infer its output shape: {err}")
+    operands = "; ".join(
+        f"{list(t.shape)} {list(t._spec.placements)} on {t._spec.mesh}" if type(t) is DistTensor
+        else f"{list(t.shape)} plain" for t in flat
+    )
+    try:
+        return type(err)(f"{err}\n(autopar: in {func} on operands {operands})")
+    except TypeError:  # an exception type that takes other arguments
+        return RuntimeError(f"{err}\n(autopar: in {func} on operands {operands})")
+
+
 def decide(func, args, kwargs, flat) -> Decision:
     if func in DRAWS_RANDOM:  # the first draw of a program: every rank takes rank 0's stream
         rng.agree_once(kwargs.get("generator") or rng.default_generator(flat[0].device))
@@ -220,8 +238,8 @@ def decide(func, args, kwargs, flat) -> Decision:
             meta_kwargs["device"] = "meta"
         try:
             meta_out = func(*meta_args, **meta_kwargs)
-        except (NotImplementedError, RuntimeError) as err:
-            raise NotImplementedError(f"autopar: {func} has no meta kernel to infer its output shape: {err}") from err
+        except (NotImplementedError, RuntimeError, ValueError, IndexError) as err:
+            raise _meta_error(func, flat, err) from err
     in_metas = [t._spec.meta if type(t) is DistTensor else TensorMeta.of(t) for t in flat]
     out_metas = [TensorMeta.of(o) for o in _flatten_out(meta_out, [])]
     rule_args, rule_kwargs = _substitute(args, kwargs, in_metas)
