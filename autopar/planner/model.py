@@ -28,7 +28,7 @@ from typing import Optional
 from .cost import DeviceProfile, collective_time, matmul_time, memory_bound_time
 
 MEMORY = ("params", "grads", "optimizer", "activations", "reserved")
-TIME = ("compute", "tp_comm", "zero3_comm", "p2p", "dp_comm", "optimizer")
+TIME = ("compute", "tp_comm", "zero_comm", "p2p", "dp_comm", "optimizer")
 # bytes per parameter: (weights, gradients, optimizer states, reduced gradient, gathered weight)
 _STATE_BYTES = {"bf16": (2, 4, 12, 2, 2), "fp32": (4, 4, 8, 4, 4)}
 _ACT_BYTES = {"bf16": 2, "fp32": 4}
@@ -233,25 +233,28 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
         for op in ops:
             _collective(terms, "micro", "tp_comm", op, tp, 1, per_op, per_op * activation, profile)
 
-    # ZeRO-3: each micro-batch gathers a layer's weights in forward and backward and
-    # reduce-scatters its gradient (the embedding and head are units of their own)
-    if shape.zero >= 3 and dp > 1:
-        units = Affine((1 if first else 0) + (1 if last else 0), 1)
-        _collective(terms, "micro", "zero3_comm", "all_gather", dp, tp, units * 2, params * (2 * gather_b), profile)
-        _collective(terms, "micro", "zero3_comm", "reduce_scatter", dp, tp, units, params * reduce_b, profile)
+    # ZeRO-2/3 keep only a shard of the gradient, so each micro-batch reduce-scatters it;
+    # ZeRO-3 also gathers each layer's weights for its forward and again for its backward
+    # (the embedding and the head are units of their own)
+    units = Affine((1 if first else 0) + (1 if last else 0), 1)
+    if shape.zero >= 2:
+        _collective(terms, "micro", "zero_comm", "reduce_scatter", dp, tp, units, params * reduce_b, profile)
+    if shape.zero >= 3:
+        _collective(terms, "micro", "zero_comm", "all_gather", dp, tp, units * 2, params * (2 * gather_b), profile)
 
     # pipeline: the activation (split over tp) goes forward, its gradient backward
     if pp > 1:
         sends = Affine((0 if last else 1) + (0 if first else 1))
         _collective(terms, "micro", "p2p", "send", 2, tp * dp, sends, sends * (activation / tp), profile)
 
-    # end of step: gradients reduced over dp (all-reduce; reduce-scatter + all-gather of the
-    # updated weights under ZeRO-1/2; done per micro-batch under ZeRO-3), then Adam
+    # end of step: gradients all-reduced over dp (ZeRO-1: reduce-scattered), the updated
+    # weight shards all-gathered (ZeRO-1/2), then Adam
     once = Affine(1.0)
     if shape.zero == 0:
         _collective(terms, "end", "dp_comm", "all_reduce", dp, tp, once, params * reduce_b, profile)
-    elif shape.zero in (1, 2):
+    if shape.zero == 1:
         _collective(terms, "end", "dp_comm", "reduce_scatter", dp, tp, once, params * reduce_b, profile)
+    if shape.zero in (1, 2):
         _collective(terms, "end", "dp_comm", "all_gather", dp, tp, once, params * gather_b, profile)
     terms.add("end_time", "optimizer", params * (_ADAM_TRAFFIC[prec] * shard(1) / profile.hbm_bandwidth))
     return terms
