@@ -57,34 +57,33 @@ A100 = DeviceProfile(
     hbm_bandwidth=2.0e12, intra_bandwidth=300 * GB, intra_latency=3e-6,
     inter_bandwidth=200e9 / 8, inter_latency=6e-6, ranks_per_node=8,
 )
-PROFILES = {p.name: p for p in (H100, H200, A100)}
 _ONE_MACHINE = 1 << 16  # the cpu profile's ranks all share this machine
+# `python -m autopar.plan --calibrate` on the development machine (one thread per rank, gloo
+# over loopback); every rank of a job must plan with the same numbers, so "cpu" is this
+# fixed profile unless $AUTOPAR_CPU_PROFILE names a file measured on yours
+CPU = DeviceProfile(
+    name="cpu", peak_flops_bf16=1.11e11, peak_flops_fp32=1.11e11, memory_bytes=25e9, hbm_bandwidth=2.5e10,
+    intra_bandwidth=2.5e9, intra_latency=9.2e-5, inter_bandwidth=2.5e9, inter_latency=9.2e-5,
+    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=1.3e-6, reserved_bytes=0.0,
+)
+PROFILES = {p.name: p for p in (H100, H200, A100)}
 CPU_PROFILE_ENV = "AUTOPAR_CPU_PROFILE"  # path of a calibrated profile JSON for "cpu"
 
 
 def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
     """A profile by name ("h100", "h200", "a100", "cpu"), from a JSON file, or as given.
-    "cpu" reads $AUTOPAR_CPU_PROFILE when set, else measures this machine once."""
+    "cpu" reads $AUTOPAR_CPU_PROFILE when set."""
     if isinstance(device, DeviceProfile):
         return device
     if device in PROFILES:
         return PROFILES[device]
     if device == "cpu":
         path = os.environ.get(CPU_PROFILE_ENV)
-        return load_profile(path) if path else _measured_cpu()
+        return load_profile(path) if path else CPU
     if os.path.exists(device):
         with open(device) as f:
             return DeviceProfile(**json.load(f))
     raise ValueError(f"unknown device {device!r}: use one of {sorted(PROFILES) + ['cpu']} or a profile JSON file")
-
-
-_CPU: list = []
-
-
-def _measured_cpu() -> DeviceProfile:
-    if not _CPU:
-        _CPU.append(calibrate())
-    return _CPU[0]
 
 
 # -- compute -----------------------------------------------------------------------------------
