@@ -44,6 +44,7 @@ from .comm import CommError, comm_log, get_rank, get_world_size
 from .dtensor import DistTensor
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard
+from .planner import plan
 from .static import CaptureError, DistModel, Strategy, to_static
 from . import auto_parallel  # noqa: F401  (dist.auto_parallel.set_mesh)
 from . import pipelining  # noqa: F401  (dist.pipelining.PipelineStage, schedules)
@@ -60,6 +61,7 @@ __all__ = [
     "SequenceParallelEnd",
     "SplitPoint",
     "parallelize",
+    "plan",
     "CaptureError",
     "DistModel",
     "Strategy",
