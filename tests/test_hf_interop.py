@@ -130,26 +130,36 @@ def _sequence_parallel_plan() -> dict:
     return plan
 
 
-def _hf_sequence_parallel():
-    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+_SP_MESHES = {"mp": ([0, 1], ["mp"]), "dpxmp": ([[0, 1], [2, 3]], ["dp", "mp"])}
+
+
+def _hf_sequence_parallel(layout):
+    ids, names = _SP_MESHES[layout]
+    mesh = dist.ProcessMesh(ids, dim_names=names)
+    config = {"mp_config": {"parallelize_plan": _sequence_parallel_plan()}}
+    if "dp" in names:
+        config["dp_config"] = {"sharding_level": 0}
     model = tiny_llama()
-    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh,
-                                  {"mp_config": {"parallelize_plan": _sequence_parallel_plan()}})
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     grads = []
     losses = train(model, opt, batches(), grads=grads)
     with dist.comm_log() as log:
         model(input_ids=batches()[0][0])
     weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
-    return (losses, weights, grads), [r.op for r in log]
+    return (losses, weights, grads), [(r.op, r.bytes) for r in log]
 
 
-def test_hf_llama_sequence_parallel_matches_one_process():
+@pytest.mark.parametrize("layout", ["mp", "dpxmp"])
+def test_hf_llama_sequence_parallel_matches_one_process(layout):
+    """With dp too, the sequence dim is read off the batch's split over dp ([b, s, h])."""
     ref_grads = []
     ref = (*reference(batches(), grads=ref_grads), ref_grads)
-    for got, ops in run_dist(_hf_sequence_parallel, 2):
+    for got, ops in run_dist(_hf_sequence_parallel, 2 if layout == "mp" else 4, layout):
         assert_matches(got, ref)
-        # each sequence-parallel-disabled layer reduce-scatters its Partial output: 2 per decoder layer
-        assert ops.count("reduce_scatter") == 2 * 2 and "all_reduce" not in ops, ops
+        # each sequence-parallel-disabled layer reduce-scatters its Partial output (2 per decoder
+        # layer), never all-reduces it (with dp, HF's mask code reads a few scalars of the batch)
+        assert [op for op, _ in ops].count("reduce_scatter") == 2 * 2, ops
+        assert not [n for op, n in ops if op == "all_reduce" and n > 16], ops
 
 
 class _KeywordsOnly(torch.nn.Module):
