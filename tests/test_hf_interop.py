@@ -1,6 +1,7 @@
 """HuggingFace transformers on autopar: the ops HF runs every step keep their shards, plans see
 HF's keyword-only layer calls, and a parallelized model saves and loads with HF's own API;
 each against the single-process run."""
+import os
 import warnings
 
 import numpy as np
@@ -183,33 +184,53 @@ _LAYOUTS = {
 }
 
 
-def _save_pretrained(path, layout, tie):
+def _save_pretrained(path, layout, tie, given):
     from transformers import LlamaForCausalLM
 
     mesh = dist.ProcessMesh([0, 1], dim_names=["mp" if layout == "mp" else "dp"])
     model = tiny_llama(tie=tie)
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, _LAYOUTS[layout])
     train(model, opt, batches(2))
-    model.save_pretrained(path)
+    # HF's Trainer hands it the state dict (distributed tensors), a user mostly does not
+    model.save_pretrained(path, **({"state_dict": model.state_dict()} if given else {}))
     # every rank returns once the files are complete, so each can read them at once
     return LlamaForCausalLM.from_pretrained(path).state_dict()
 
 
-@pytest.mark.parametrize("layout,tie", [("mp", False), ("mp", True), ("zero3", False)])
-def test_save_pretrained_of_a_parallel_model_loads_in_one_process(tmp_path, layout, tie):
+@pytest.mark.parametrize("layout,tie,given", [("mp", False, False), ("mp", True, False), ("zero3", False, False),
+                                             ("mp", False, True)])
+def test_save_pretrained_of_a_parallel_model_loads_in_one_process(tmp_path, layout, tie, given):
     """HF's own save_pretrained / from_pretrained: the trained weights, full, in one process."""
     from transformers import LlamaForCausalLM
 
     model = tiny_llama(tie=tie)
     train(model, optimizer(model.parameters()), batches(2))
     ids = batches()[2][0]
-    for loaded in run_dist(_save_pretrained, 2, str(tmp_path), layout, tie):
+    for loaded in run_dist(_save_pretrained, 2, str(tmp_path), layout, tie, given):
         assert loaded.keys() == model.state_dict().keys()
         for k, v in model.state_dict().items():
             torch.testing.assert_close(loaded[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
     assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tie
     torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def _save_pretrained_blocked(path):
+    """Rank 0, the writer, cannot write the weights file (a directory is in its place)."""
+    os.makedirs(os.path.join(path, "model.safetensors"), exist_ok=True)
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    model, _ = dist.parallelize(tiny_llama(), mesh=mesh, config=_LAYOUTS["mp"])
+    try:
+        model.save_pretrained(path)
+    except dist.CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_save_pretrained_raises_the_writers_error_on_every_rank(tmp_path):
+    for msg in run_dist(_save_pretrained_blocked, 2, str(tmp_path)):
+        assert msg.startswith(f"save_pretrained({str(tmp_path)!r}) failed; the directory may be incomplete"), msg
+        assert "[rank 0] SafetensorError" in msg and "Is a directory" in msg, msg
 
 
 def _parallel(layout, data):
