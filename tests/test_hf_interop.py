@@ -44,6 +44,8 @@ def test_isin_rule_follows_the_elements_and_keeps_test_elements_whole():
 def _isin_and_label_shift():
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     g = torch.Generator().manual_seed(2)
+    # a batch of 4 divides over dp (flattening an uneven one moves rows: its pieces are not
+    # the split rule's pieces of the flat tensor)
     ids, stop = torch.randint(0, 10, (4, 7), generator=g), torch.tensor([2, 3, 9])
     records = {}
     with warnings.catch_warnings(record=True) as caught:
