@@ -165,6 +165,40 @@ def test_hf_llama_sequence_parallel_matches_one_process(layout):
         assert not [n for op, n in ops if op == "all_reduce" and n > 16], ops
 
 
+def _user_hooks_with_kwargs():
+    """PrepareLayerInput/Output hooks that take the keyword inputs HF passes its attention."""
+    seen = []
+
+    def prepare_input(mesh):
+        def hook(layer, args, kwargs):
+            seen.append(("input", args, sorted(k for k in ("hidden_states", "position_embeddings") if k in kwargs)))
+            return args, {**kwargs, "hidden_states": dist.reshard(kwargs["hidden_states"], mesh, [R])}
+        return hook
+
+    def prepare_output(mesh):
+        def hook(layer, args, kwargs, out):
+            seen.append(("output", "attention_mask" in kwargs))
+        return hook
+
+    plan = mp_plan()
+    plan["model.layers.*.self_attn"] = [dist.PrepareLayerInput(prepare_input), dist.PrepareLayerOutput(prepare_output)]
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    model = tiny_llama()
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, {"mp_config": {"parallelize_plan": plan}})
+    grads = []
+    losses = train(model, opt, batches(), grads=grads)
+    weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return (losses, weights, grads), seen[:2]
+
+
+def test_user_plan_hooks_taking_kwargs_see_hf_keyword_inputs():
+    ref_grads = []
+    ref = (*reference(batches(), grads=ref_grads), ref_grads)
+    for got, seen in run_dist(_user_hooks_with_kwargs, 2):
+        assert seen == [("input", (), ["hidden_states", "position_embeddings"]), ("output", True)], seen
+        assert_matches(got, ref)
+
+
 class _KeywordsOnly(torch.nn.Module):
     def forward(self, **inputs):
         return inputs["x"] * 2

@@ -341,10 +341,23 @@ class _UserHook(PlanBase):
             raise TypeError(f"{type(self).__name__} needs a callable fn(process_mesh) -> hook, got {fn!r}")
         self.fn = fn
 
+    @staticmethod
+    def sees_kwargs(hook: Callable, plain: int) -> bool:
+        """Whether `hook` takes the layer's keyword inputs too: one positional parameter more
+        than the `plain` form (torch's `with_kwargs` hooks)."""
+        try:
+            params = inspect.signature(hook).parameters.values()
+        except (TypeError, ValueError):
+            return False
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return len(positional) == plain + 1
+
 
 class PrepareLayerInput(_UserHook):
     """Your own input preparation: `fn(process_mesh)` returns a forward pre-hook
-    `hook(layer, args)` (returning new args or None), registered on the layer.
+    `hook(layer, args)` (returning new args or None), registered on the layer; for a layer
+    called with keyword arguments (as HF calls its attention), `hook(layer, args, kwargs)`
+    sees them too and returns `(args, kwargs)` or None.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["mp"])
@@ -358,12 +371,14 @@ class PrepareLayerInput(_UserHook):
     """
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
-        layer.register_forward_pre_hook(self.fn(mesh))
+        hook = self.fn(mesh)
+        layer.register_forward_pre_hook(hook, with_kwargs=self.sees_kwargs(hook, 2))
 
 
 class PrepareLayerOutput(_UserHook):
     """Your own output preparation: `fn(process_mesh)` returns a forward hook
-    `hook(layer, args, output)` (returning a new output or None), registered on the layer.
+    `hook(layer, args, output)` (returning a new output or None), registered on the layer;
+    `hook(layer, args, kwargs, output)` also sees the layer's keyword inputs.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["mp"])
@@ -377,7 +392,8 @@ class PrepareLayerOutput(_UserHook):
     """
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
-        layer.register_forward_hook(self.fn(mesh))
+        hook = self.fn(mesh)
+        layer.register_forward_hook(hook, with_kwargs=self.sees_kwargs(hook, 3))
 
 
 __all__ = [
