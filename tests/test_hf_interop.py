@@ -1,6 +1,7 @@
 """HuggingFace transformers on autopar: the ops HF runs every step keep their shards, plans see
 HF's keyword-only layer calls, and a parallelized model saves and loads with HF's own API;
 each against the single-process run."""
+import os
 import warnings
 
 import numpy as np
@@ -43,6 +44,8 @@ def test_isin_rule_follows_the_elements_and_keeps_test_elements_whole():
 def _isin_and_label_shift():
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     g = torch.Generator().manual_seed(2)
+    # a batch of 4 divides over dp (flattening an uneven one moves rows: its pieces are not
+    # the split rule's pieces of the flat tensor)
     ids, stop = torch.randint(0, 10, (4, 7), generator=g), torch.tensor([2, 3, 9])
     records = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -130,26 +133,36 @@ def _sequence_parallel_plan() -> dict:
     return plan
 
 
-def _hf_sequence_parallel():
-    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+_SP_MESHES = {"mp": ([0, 1], ["mp"]), "dpxmp": ([[0, 1], [2, 3]], ["dp", "mp"])}
+
+
+def _hf_sequence_parallel(layout):
+    ids, names = _SP_MESHES[layout]
+    mesh = dist.ProcessMesh(ids, dim_names=names)
+    config = {"mp_config": {"parallelize_plan": _sequence_parallel_plan()}}
+    if "dp" in names:
+        config["dp_config"] = {"sharding_level": 0}
     model = tiny_llama()
-    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh,
-                                  {"mp_config": {"parallelize_plan": _sequence_parallel_plan()}})
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     grads = []
     losses = train(model, opt, batches(), grads=grads)
     with dist.comm_log() as log:
         model(input_ids=batches()[0][0])
     weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
-    return (losses, weights, grads), [r.op for r in log]
+    return (losses, weights, grads), [(r.op, r.bytes) for r in log]
 
 
-def test_hf_llama_sequence_parallel_matches_one_process():
+@pytest.mark.parametrize("layout", ["mp", "dpxmp"])
+def test_hf_llama_sequence_parallel_matches_one_process(layout):
+    """With dp too, the sequence dim is read off the batch's split over dp ([b, s, h])."""
     ref_grads = []
     ref = (*reference(batches(), grads=ref_grads), ref_grads)
-    for got, ops in run_dist(_hf_sequence_parallel, 2):
+    for got, ops in run_dist(_hf_sequence_parallel, 2 if layout == "mp" else 4, layout):
         assert_matches(got, ref)
-        # each sequence-parallel-disabled layer reduce-scatters its Partial output: 2 per decoder layer
-        assert ops.count("reduce_scatter") == 2 * 2 and "all_reduce" not in ops, ops
+        # each sequence-parallel-disabled layer reduce-scatters its Partial output (2 per decoder
+        # layer), never all-reduces it (with dp, HF's mask code reads a few scalars of the batch)
+        assert [op for op, _ in ops].count("reduce_scatter") == 2 * 2, ops
+        assert not [n for op, n in ops if op == "all_reduce" and n > 16], ops
 
 
 class _KeywordsOnly(torch.nn.Module):
@@ -173,33 +186,53 @@ _LAYOUTS = {
 }
 
 
-def _save_pretrained(path, layout, tie):
+def _save_pretrained(path, layout, tie, given):
     from transformers import LlamaForCausalLM
 
     mesh = dist.ProcessMesh([0, 1], dim_names=["mp" if layout == "mp" else "dp"])
     model = tiny_llama(tie=tie)
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, _LAYOUTS[layout])
     train(model, opt, batches(2))
-    model.save_pretrained(path)
+    # HF's Trainer hands it the state dict (distributed tensors), a user mostly does not
+    model.save_pretrained(path, **({"state_dict": model.state_dict()} if given else {}))
     # every rank returns once the files are complete, so each can read them at once
     return LlamaForCausalLM.from_pretrained(path).state_dict()
 
 
-@pytest.mark.parametrize("layout,tie", [("mp", False), ("mp", True), ("zero3", False)])
-def test_save_pretrained_of_a_parallel_model_loads_in_one_process(tmp_path, layout, tie):
+@pytest.mark.parametrize("layout,tie,given", [("mp", False, False), ("mp", True, False), ("zero3", False, False),
+                                             ("mp", False, True)])
+def test_save_pretrained_of_a_parallel_model_loads_in_one_process(tmp_path, layout, tie, given):
     """HF's own save_pretrained / from_pretrained: the trained weights, full, in one process."""
     from transformers import LlamaForCausalLM
 
     model = tiny_llama(tie=tie)
     train(model, optimizer(model.parameters()), batches(2))
     ids = batches()[2][0]
-    for loaded in run_dist(_save_pretrained, 2, str(tmp_path), layout, tie):
+    for loaded in run_dist(_save_pretrained, 2, str(tmp_path), layout, tie, given):
         assert loaded.keys() == model.state_dict().keys()
         for k, v in model.state_dict().items():
             torch.testing.assert_close(loaded[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
     assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tie
     torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def _save_pretrained_blocked(path):
+    """Rank 0, the writer, cannot write the weights file (a directory is in its place)."""
+    os.makedirs(os.path.join(path, "model.safetensors"), exist_ok=True)
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    model, _ = dist.parallelize(tiny_llama(), mesh=mesh, config=_LAYOUTS["mp"])
+    try:
+        model.save_pretrained(path)
+    except dist.CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_save_pretrained_raises_the_writers_error_on_every_rank(tmp_path):
+    for msg in run_dist(_save_pretrained_blocked, 2, str(tmp_path)):
+        assert msg.startswith(f"save_pretrained({str(tmp_path)!r}) failed; the directory may be incomplete"), msg
+        assert "[rank 0] SafetensorError" in msg and "Is a directory" in msg, msg
 
 
 def _parallel(layout, data):

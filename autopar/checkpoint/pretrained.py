@@ -24,9 +24,14 @@ from .errors import CheckpointError, Problems
 def full_state_dict(model: torch.nn.Module) -> dict:
     """`model.state_dict()` with every DistTensor replaced by its dense global value
     (collective over the job).  Tied parameters stay one tensor, so HF still finds them tied."""
+    return _dense(model.state_dict(keep_vars=True))
+
+
+def _dense(state_dict: dict) -> dict:
+    """`state_dict` with DistTensors gathered (each object once) and tensors detached."""
     dense: dict[int, object] = {}
     out = {}
-    for name, value in model.state_dict(keep_vars=True).items():
+    for name, value in state_dict.items():
         if id(value) not in dense:
             if isinstance(value, DistTensor):
                 dense[id(value)] = full_value(value.detach())
@@ -37,9 +42,9 @@ def full_state_dict(model: torch.nn.Module) -> dict:
 
 
 def save_pretrained(model, save_directory, *args, state_dict=None, is_main_process=None, **kwargs):
-    """HF's save_pretrained of the full weights: call it on every rank."""
-    if state_dict is None:
-        state_dict = full_state_dict(model)
+    """HF's save_pretrained of the full weights (of `state_dict` if given, as HF's Trainer
+    gives it, gathered too): call it on every rank."""
+    state_dict = full_state_dict(model) if state_dict is None else _dense(state_dict)
     rank, _ = sync.world()
     problems, error = Problems(), None
     try:
