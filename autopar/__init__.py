@@ -41,6 +41,8 @@ from .api.tensor import (
 )
 from .checkpoint import CheckpointError, CheckpointNotFoundError, load_state_dict, save_state_dict
 from .comm import CommError, comm_log, get_rank, get_world_size
+from .comm.simulate import simulate
+from .explain import explain
 from .dtensor import DistTensor
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard
@@ -88,6 +90,8 @@ __all__ = [
     "Replicate",
     "Shard",
     "comm_log",
+    "simulate",
+    "explain",
     "dtensor_from_fn",
     "dtensor_from_local",
     "get_rank",

@@ -156,13 +156,13 @@ class GradReduction:
         return self.out
 
 
-def _bucket_for(filling: dict, buckets: list, key, nbytes: int, new) -> "_Bucket":
+def _bucket_for(filling: dict, buckets: list, key, nbytes: int, new, first_cap: Optional[int] = None) -> "_Bucket":
     """The bucket of `key` that a gradient of `nbytes` joins, as DDP fills them: the one being
-    filled unless the gradient would take it past the cap (1 MiB for the first bucket, so
-    that the last layers' gradients start moving early; 25 MiB after), else a `new()` one.
-    The backward buckets and the pre-step's share this rule, so both cut the same buckets."""
+    filled unless the gradient would take it past the cap (`first_cap`, DDP's 1 MiB, for the
+    first bucket, so that the last layers' gradients start moving early; 25 MiB after), else
+    a `new()` one.  The backward buckets and the pre-step's share this rule."""
     b = filling.get(key)
-    if b is None or b.nbytes + nbytes > (FIRST_BUCKET_BYTES if b is buckets[0] else BUCKET_BYTES):
+    if b is None or b.nbytes + nbytes > ((first_cap or FIRST_BUCKET_BYTES) if b is buckets[0] else BUCKET_BYTES):
         b = filling[key] = new()
         buckets.append(b)
     b.nbytes += nbytes
@@ -257,18 +257,24 @@ class BucketPlan:
     def build(params: list, grad_specs: list) -> Optional["BucketPlan"]:
         """None when no parameter's gradient is reduced in backward."""
         rank = get_rank()
-        filling: dict = {}  # (mesh, collective, dtype, every backward) -> the bucket being filled
-        buckets, placed = [], {}
+        reducible = []  # (position, spec reduced to, collective, every backward), last parameter first
         for i in reversed(range(len(params))):
             p, gs = params[i], grad_specs[i]
             entry = _registered(p)
             if entry is None or not p.requires_grad or rank not in p._spec.mesh:
                 continue
             _, how, spec = grad_plan(gs, entry[1])
-            if how is None or not how[1]:
-                continue
-            b = _bucket_for(filling, buckets, (spec.mesh, how, gs.meta.dtype, entry[2]),
-                            p._local.numel() * p._local.element_size(), lambda: _Bucket(how, spec.mesh, entry[2]))
+            if how is not None and how[1]:
+                reducible.append((i, spec, how, entry[2]))
+        nbytes = {i: params[i]._local.numel() * params[i]._local.element_size() for i, _, _, _ in reducible}
+        # a region whose gradients fit one DDP bucket is one bucket: no small first bucket per
+        # region (a model of many small regions would send two collectives per region)
+        first_cap = FIRST_BUCKET_BYTES if sum(nbytes.values()) > BUCKET_BYTES else BUCKET_BYTES
+        filling: dict = {}  # (mesh, collective, dtype, every backward) -> the bucket being filled
+        buckets, placed = [], {}
+        for i, spec, how, every in reducible:
+            b = _bucket_for(filling, buckets, (spec.mesh, how, grad_specs[i].meta.dtype, every), nbytes[i],
+                            lambda: _Bucket(how, spec.mesh, every), first_cap)
             b.members.append(i)
             placed[i] = spec
         if not buckets or (len(buckets) == 1 and not buckets[0].every_backward):

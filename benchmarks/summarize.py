@@ -92,6 +92,7 @@ HEADLINE = [
     ("GPT tiny, dp x tp 2x2, 4 ranks: dynamic / static", ("gpt_4ranks",), ("gpt",), ("autopar_dptp", "autopar_dptp_static"), "ratio_vs_dtensor_dptp", 1.0),
     ("GPT 3.7 M, 4 micro-batches accumulated, 2 ranks", ("gpt_accum4_3m7_2ranks",), ("gpt",), ("autopar_dp_accum",), "ratio_vs_ddp_accum_no_sync", 1.0),
     ("AdamW step over TP-placed GPT parameters (dim 256 and 64), 2 ranks", ("optim_2ranks", "optim_small_2ranks"), ("adamw",), ("autopar",), "ratio_vs_dtensor", 1.0),
+    ("HF Llama data parallel (ZeRO level 0), 2 ranks", ("zero_2ranks",), ("zero",), ("autopar_z0",), "ratio_time_vs_ddp", 1.0),
     ("HF Llama ZeRO-3, 2 ranks", ("zero_2ranks",), ("zero",), ("autopar_z3",), "ratio_time_vs_fsdp2", 1.1),
     ("HF Llama ZeRO-3, 4 ranks on 2 cores", ("zero_4ranks",), ("zero",), ("autopar_z3",), "ratio_time_vs_fsdp2", 1.1),
     ("HF Llama ZeRO-1 / ZeRO-2 against autopar's level 0, 2 ranks", ("zero_2ranks",), ("zero",), ("autopar_z1", "autopar_z2"), "ratio_time_vs_autopar_z0", 1.25),
@@ -100,7 +101,7 @@ HEADLINE = [
 ]
 PEER_OF = {"overhead_ratio_vs_dtensor": "DTensor's overhead", "ratio_vs_dtensor": "DTensor", "ratio_vs_ddp": "DDP",
            "ratio_vs_dtensor_dptp": "DTensor", "ratio_vs_ddp_accum_no_sync": "DDP with no_sync",
-           "ratio_time_vs_fsdp2": "FSDP2", "ratio_time_vs_autopar_z0": "autopar ZeRO-0",
+           "ratio_time_vs_fsdp2": "FSDP2", "ratio_time_vs_ddp": "DDP", "ratio_time_vs_autopar_z0": "autopar ZeRO-0",
            "ratio_vs_torch_1f1b": "torch.distributed.pipelining", "ratio_vs_ddp_syncbn": "DDP + SyncBatchNorm"}
 
 

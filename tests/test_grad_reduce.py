@@ -175,3 +175,35 @@ def test_clipping_reduces_pending_gradients_in_buckets():
         torch.testing.assert_close(w, model.layers[0].weight.detach(), rtol=1e-5, atol=1e-6)
         assert clip_ops == ["all_reduce"] * 3, clip_ops  # the three buckets; the norm needs nothing more
         assert step_ops == [], step_ops
+
+
+def _llama_gradient_collectives():
+    """HF Llama under dp 2 with a 64 KiB first bucket: the gradient all-reduces of a step
+    after the regions are verified."""
+    from hf_llama import batches, optimizer, tiny_llama
+
+    caps = grad_reduce.FIRST_BUCKET_BYTES
+    grad_reduce.FIRST_BUCKET_BYTES = 64 << 10
+    try:
+        mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+        model = tiny_llama(layers=3)
+        model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, {"dp_config": {"sharding_level": 0}})
+        sizes = []
+        for ids, labels in batches(5):
+            with dist.comm_log() as log:
+                model(input_ids=ids, labels=labels).loss.backward()
+                opt.step()
+            opt.zero_grad()
+            sizes = [r.bytes for r in log if r.op == "all_reduce" and r.bytes > 64]
+        return sizes, sum(p.numel() * 4 for p in model.parameters())
+    finally:
+        grad_reduce.FIRST_BUCKET_BYTES = caps
+
+
+def test_small_regions_share_ddp_sized_buckets():
+    """Decoder layers are regions of their own, each far below a bucket: their gradients wait
+    for the pre-step and travel in DDP's buckets (the 64 KiB first one, then one for the rest),
+    not in a first bucket per region."""
+    for sizes, model_bytes in run_dist(_llama_gradient_collectives, 2):
+        assert len(sizes) == 2, sizes  # an all-reduce of k=2 sends its whole buffer
+        assert sizes[0] <= 64 << 10 and sum(sizes) == model_bytes, (sizes, model_bytes)

@@ -57,6 +57,7 @@ def ensure_initialized() -> None:
 
 
 _FAILED = [False]
+SIMULATING = [False]  # inside `simulate`: transfers move nothing and their outputs are made up
 
 
 def _note_failure(hook):
@@ -160,11 +161,19 @@ def group_for(ranks: tuple):
 def _make_backend(store, group_rank: int, size: int):
     from torch._C import _distributed_c10d as c10d
 
+    if tdist.get_backend() == "fake":  # `simulate`: a group that records, sends nothing
+        return c10d.FakeProcessGroup._create_internal(group_rank, size)
     if tdist.get_backend() == "nccl":
         opts = c10d.ProcessGroupNCCL.Options()
         opts._timeout = _timeout()
         return c10d.ProcessGroupNCCL(store, group_rank, size, opts)
     return c10d.ProcessGroupGloo(store, group_rank, size, _timeout())
+
+
+def forget_job() -> None:
+    """Forget the rank, world size and groups read from the current job (`simulate` swaps jobs)."""
+    _WHO[0] = None
+    reset_groups()
 
 
 def reset_groups() -> None:

@@ -12,8 +12,9 @@ import torch.distributed as tdist
 from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 
 from ..placement import ReduceType
-from .backend import CommError, get_rank, group_for
+from .backend import SIMULATING, CommError, get_rank, group_for
 from .log import record
+from .simulate import plausible
 
 _TORCH_OP = {
     ReduceType.SUM: tdist.ReduceOp.SUM,
@@ -60,6 +61,8 @@ class Wire:
             self.run(*tensors)
         except RuntimeError as e:
             _fail(self.op, self.ranks, e)
+        if SIMULATING[0]:
+            plausible(self.op, tensors, self.logs)
         for log in self.logs:
             record(*log)
 
