@@ -358,7 +358,13 @@ def _place_states_of_plain_optimizers(optimizer: torch.optim.Optimizer, args, kw
     optimizer._autopar_placed = True
     if any(type(p) is DistTensor for group in optimizer.param_groups for p in group["params"]):
         place_states(optimizer, _spec_of)
-        optimizer.register_load_state_dict_post_hook(lambda opt: place_states(opt, _spec_of))
+        optimizer.register_load_state_dict_post_hook(_place_loaded_states)
+
+
+def _place_loaded_states(optimizer: torch.optim.Optimizer) -> None:
+    """(Given to shard_optimizer since, the optimizer places its states itself.)"""
+    if getattr(optimizer, "_autopar_sharding", None) is None:
+        place_states(optimizer, _spec_of)
 
 
 register_optimizer_step_pre_hook(_place_states_of_plain_optimizers)
