@@ -37,7 +37,7 @@ def batches(n: int = 3, batch: int = 4, seq: int = SEQ, seed: int = 1) -> list:
     return out
 
 
-def mp_plan(sequence_parallel: bool = False) -> dict:
+def mp_plan() -> dict:
     """Megatron's plan keyed by HF's names: q/k/v/gate/up by columns, o/down by rows, the
     LM head by vocabulary."""
     import autopar as dist
