@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -126,10 +127,18 @@ class PlanBase:
         return f"{type(self).__name__}({args})"
 
 
+def _is_hf_conv1d(layer: torch.nn.Module) -> bool:
+    """HF transformers' Conv1D (GPT-2's projections): a linear layer computing x @ w + b with
+    its weight laid out [in, out], the transpose of nn.Linear's.  Looked up only once
+    transformers is loaded: autopar does not depend on it."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return utils is not None and isinstance(layer, getattr(utils, "Conv1D", ()))
+
+
 class _SplitWeights(PlanBase):
     """Col/RowWiseParallel: the tensor dim of each weight split over "mp" (None: replicated),
-    for nn.Linear ([out, in]), nn.Embedding ([vocab, hidden]) and a raw parameter used as
-    `x @ w` ([in, out], Paddle's layout)."""
+    for nn.Linear ([out, in]), nn.Embedding ([vocab, hidden]) and a weight used as `x @ w`
+    ([in, out], Paddle's layout): a raw parameter, or HF's Conv1D layer."""
 
     LINEAR: dict[str, Optional[int]]
     EMBEDDING: dict[str, Optional[int]]
@@ -141,6 +150,8 @@ class _SplitWeights(PlanBase):
             layout = self.LINEAR
         elif isinstance(layer, torch.nn.Embedding):
             layout = self.EMBEDDING
+        elif _is_hf_conv1d(layer):
+            layout = self.RAW
         else:
             raise TypeError(
                 f"{type(self).__name__} on layer '{name}': needs an nn.Linear or nn.Embedding, got "
@@ -160,7 +171,8 @@ class _SplitWeights(PlanBase):
 
 class ColWiseParallel(_SplitWeights):
     """Split a layer's output features over "mp": nn.Linear weight and bias on dim 0 (torch's
-    [out, in]), nn.Embedding weight on dim 1 (hidden), a raw `x @ w` weight on its last dim.
+    [out, in]), nn.Embedding weight on dim 1 (hidden), a raw `x @ w` weight or HF Conv1D's
+    [in, out] weight on its last dim (and Conv1D's bias).
     The output comes out split on its last dim; `gather_output=True` makes it Replicate
     (one all-gather) for layers that need it whole.
 
@@ -191,9 +203,10 @@ class ColWiseParallel(_SplitWeights):
 class RowWiseParallel(_SplitWeights):
     """Split a layer's input features over "mp": nn.Linear weight on dim 1 (its bias stays
     Replicate: it is added once, after the reduction), nn.Embedding weight on dim 0 (the
-    vocabulary), a raw `x @ w` weight on its first dim.  The output comes out Partial over
-    "mp" and is reduced where it is next needed.  `is_input_parallel=False` first splits the
-    layer's input on its last dim.
+    vocabulary), a raw `x @ w` weight or HF Conv1D's [in, out] weight on its first dim (the
+    Conv1D's bias stays Replicate).  The output comes out Partial over "mp" and is reduced
+    where it is next needed.  `is_input_parallel=False` first splits the layer's input on its
+    last dim.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["mp"])

@@ -1,0 +1,124 @@
+"""HuggingFace architectures beyond Llama, tiny and built from configs (no download), trained
+through `parallelize` over 2 ranks against the single-process run: GPT-2 (Conv1D layers with
+[in, out] weights, a fused qkv projection, tied LM head), Qwen2 (GQA, biases on q/k/v) and
+BERT (post-norm encoder, masked-LM head tied to the embeddings)."""
+import pytest
+import torch
+
+import autopar as dist
+from autopar.placement import Replicate, Shard
+from distpool import run_dist
+from hf_llama import FFN, HEADS, HIDDEN, KV_HEADS, SEQ, VOCAB, assert_matches, batches, mp_plan, optimizer, train
+
+R, S0 = Replicate(), Shard(0)
+# dropout off: the parallel run's RNG stream is not the single process's
+NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+              "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)}
+
+
+def _config(name):
+    import transformers as hf
+
+    if name == "gpt2":
+        return hf.GPT2LMHeadModel, hf.GPT2Config(
+            vocab_size=VOCAB, n_embd=HIDDEN, n_inner=FFN, n_layer=2, n_head=HEADS, n_positions=4 * SEQ,
+            bos_token_id=0, eos_token_id=0, **NO_DROPOUT[name])
+    if name == "qwen2":
+        return hf.Qwen2ForCausalLM, hf.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=4 * SEQ)
+    return hf.BertForMaskedLM, hf.BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+        num_attention_heads=HEADS, max_position_embeddings=4 * SEQ, **NO_DROPOUT[name])
+
+
+def tiny(name, seed=0):
+    """A freshly initialised tiny model of architecture `name` (fp32, eager attention)."""
+    cls, cfg = _config(name)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return cls(cfg)
+
+
+def tp_plan(name) -> dict:
+    """Megatron's plan keyed by the model's own layer names: the projections into attention
+    and the MLP by columns, the ones out of them by rows, the LM head by vocabulary."""
+    if name == "qwen2":
+        return mp_plan()
+    col, row = dist.ColWiseParallel(), dist.RowWiseParallel()
+    if name == "gpt2":
+        layer = r"transformer\.h\.\d+\."
+        return {layer + "attn.c_attn": col, layer + "attn.c_proj": row,
+                layer + "mlp.c_fc": col, layer + "mlp.c_proj": row, "lm_head": col}
+    layer = r"bert\.encoder\.layer\.\d+\."
+    return {layer + r"attention\.self\.(query|key|value)": col, layer + r"attention\.output\.dense": row,
+            layer + r"intermediate\.dense": col, layer + r"output\.dense": row, "cls.predictions.decoder": col}
+
+
+def reference(name):
+    """The single-process run: losses, final weights, full gradients per step."""
+    model, grads = tiny(name), []
+    losses = train(model, optimizer(model.parameters()), batches(), grads=grads)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
+
+
+def _parallel(name, config, dims):
+    """The same run through parallelize on 2 ranks; also the collectives of its last step."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=dims)
+    model = tiny(name)
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
+    data, grads = batches(), []
+    losses = train(model, opt, data[:-1], grads=grads)
+    with dist.comm_log() as log:  # forward, backward and update only (reading gradients gathers them)
+        losses += train(model, opt, data[-1:])
+    weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logits = model(input_ids=data[0][0]).logits.placements
+    return (losses, weights, grads), [(r.op, r.bytes) for r in log], pbytes, logits
+
+
+MODELS = ["gpt2", "qwen2", "bert"]
+
+
+def _bytes(comm, op):
+    return [b for o, b in comm if o == op]
+
+
+@pytest.mark.parametrize("level", [0, 3])
+@pytest.mark.parametrize("name", MODELS)
+def test_data_parallel_matches_one_process(name, level):
+    """parallelize marks the batch Shard(0) over dp and it stays split to the logits.  A step
+    after the first few gathers no activation: every all-reduce but the gradient bucket is a
+    scalar of the loss, ZeRO-3's all-gathers fetch at most each parameter's other half twice
+    (forward and backward) and its reduce-scatters move the gradients only."""
+    ref = reference(name)
+    for got, comm, pbytes, logits in run_dist(_parallel, 2, name, {"dp_config": {"sharding_level": level}}, ["dp"]):
+        assert_matches(got, ref)
+        assert logits == [S0], logits
+        assert {op for op, _ in comm} <= {"send", "recv", "all_reduce", "all_gather", "reduce_scatter"}, comm
+        scalars = [b for b in _bytes(comm, "all_reduce") if b <= 8]
+        if level == 0:
+            assert _bytes(comm, "all_gather") == [] and _bytes(comm, "reduce_scatter") == [], comm
+            assert sorted(_bytes(comm, "all_reduce")) == sorted(scalars + [pbytes]), (pbytes, comm)
+        else:
+            assert _bytes(comm, "all_reduce") == scalars, comm
+            assert sum(_bytes(comm, "reduce_scatter")) == pbytes // 2, (pbytes, comm)
+            assert sum(_bytes(comm, "all_gather")) <= pbytes, (pbytes, comm)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tensor_parallel_matches_one_process(name):
+    ref = reference(name)
+    for got, *_ in run_dist(_parallel, 2, name, {"mp_config": {"parallelize_plan": tp_plan(name)}}, ["mp"]):
+        assert_matches(got, ref)
+
+
+def test_plans_split_hf_conv1d_weights_laid_out_in_by_out():
+    """GPT-2's Conv1D computes x @ w + b with w [in, out]: by columns it is split on its last
+    dim (with its bias), by rows on its first (its bias added once, after the reduction)."""
+    from transformers.pytorch_utils import Conv1D
+
+    layer = Conv1D(12, 4)
+    assert list(layer.weight.shape) == [4, 12]
+    assert dist.ColWiseParallel().param_dims(layer, "c_attn") == {"weight": -1, "bias": -1}
+    assert dist.RowWiseParallel().param_dims(layer, "c_proj") == {"weight": 0, "bias": None}
