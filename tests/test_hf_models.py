@@ -43,12 +43,21 @@ def _config(name):
         num_attention_heads=HEADS, max_position_embeddings=4 * SEQ, **NO_DROPOUT[name])
 
 
-def tiny(name, seed=0):
-    """A freshly initialised tiny model of architecture `name` (fp32, eager attention)."""
+def tiny(name, seed=0, attention="eager", padded=False, **config):
+    """A freshly initialised tiny model of architecture `name` (fp32), with HF's attention
+    implementation `attention` and `config` on top of the tiny config; `padded`: every call
+    gets a padding mask (rows 1 and 3 of a batch of 4 left-padded)."""
     cls, cfg = _config(name)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attention
+    for key, value in config.items():
+        setattr(cfg, key, value)
     torch.manual_seed(seed)
-    return cls(cfg)
+    model = cls(cfg)
+    if padded:
+        mask = torch.ones(4, SEQ, dtype=torch.long)
+        mask[1, :5] = mask[3, :9] = 0
+        model.register_forward_pre_hook(lambda _m, args, kw: (args, {**kw, "attention_mask": mask}), with_kwargs=True)
+    return model
 
 
 def tp_plan(name) -> dict:
@@ -74,17 +83,18 @@ def tp_plan(name) -> dict:
             layer + r"intermediate\.dense": col, layer + r"output\.dense": row, "cls.predictions.decoder": col}
 
 
-def reference(name):
-    """The single-process run: losses, final weights, full gradients per step."""
-    model, grads = tiny(name), []
+def reference(name, **variant):
+    """The single-process run: losses, final weights, full gradients per step (`variant`:
+    tiny's keywords)."""
+    model, grads = tiny(name, **variant), []
     losses = train(model, optimizer(model.parameters()), batches(), grads=grads)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
 
 
-def _parallel(name, config, dims):
+def _parallel(name, config, dims, **variant):
     """The same run through parallelize on 2 ranks; also the collectives of its last step."""
     mesh = dist.ProcessMesh([0, 1], dim_names=dims)
-    model = tiny(name)
+    model = tiny(name, **variant)
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     data, grads = batches(), []
     losses = train(model, opt, data[:-1], grads=grads)
@@ -150,3 +160,37 @@ def test_plans_split_hf_conv1d_weights_laid_out_in_by_out():
     assert list(layer.weight.shape) == [4, 12]
     assert dist.ColWiseParallel().param_dims(layer, "c_attn") == {"weight": -1, "bias": -1}
     assert dist.RowWiseParallel().param_dims(layer, "c_proj") == {"weight": 0, "bias": None}
+
+
+def test_sdpa_with_a_padding_mask_and_one_kv_head_under_tp():
+    """Qwen2 with a single kv head (its head dim split by the column plan), HF's sdpa and a
+    padding mask: HF repeats the kv head (a stride-0 expand), the attention's heads are split
+    and the repeated k, v pieces come laid out with the heads innermost."""
+    variant = dict(attention="sdpa", padded=True, num_key_value_heads=1)
+    ref = reference("qwen2", **variant)
+    for got, *_ in run_dist(_parallel, 2, "qwen2", {"mp_config": {"parallelize_plan": tp_plan("qwen2")}}, ["mp"],
+                            **variant):
+        assert_matches(got, ref)
+
+
+def test_sdpa_kernel_gives_the_cpu_flash_op_a_contiguous_last_dim():
+    """The CPU flash op reads q, k, v, grad_out and out as if their last dim were contiguous;
+    a piece laid out with its heads innermost must still give the plain op's numbers."""
+    from autopar.spec import DistSpec, TensorMeta
+    from autopar.spmd.attention import _BWD, _FWD, sdpa_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 16, generator=g) for _ in range(3))
+    heads_inner = lambda t: t.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # noqa: E731
+    assert heads_inner(k).stride(-1) != 1
+    spec = DistSpec(dist.ProcessMesh([0, 1]), (Shard(1),), TensorMeta.contiguous((2, 4, 6, 16), torch.float32))
+    want = _FWD(q, k, v)
+    got = sdpa_kernel(_FWD, [heads_inner(t) for t in (q, k, v)], {}, [spec] * 3, [spec] * 2, (0,))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    grad = torch.randn(want[0].shape, generator=g)
+    want = _BWD(grad, q, k, v, want[0], want[1], 0.0, False)
+    odd = [heads_inner(t) for t in (grad, q, k, v, got[0])]
+    got = sdpa_kernel(_BWD, [*odd, got[1], 0.0, False], {}, [spec] * 6, [spec] * 3, (0,))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

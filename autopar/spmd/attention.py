@@ -83,14 +83,26 @@ def _sdpa_is_plain(func, in_specs, coord) -> bool:
     return not q.sharding_mesh_dims(_L) and 0 not in q.local_shape(coord) and 0 not in k.local_shape(coord)
 
 
+def _unit_last_stride(args: list, n: int) -> list:
+    """`args` with its first `n` tensors given a unit stride on their last dim.  The CPU
+    flash op reads q, k, v (and grad_out, out in the backward) as if their last dim were
+    contiguous, and silently computes garbage otherwise: F.scaled_dot_product_attention
+    checks that on the global tensor, but a piece may be laid out otherwise (a reshard lays
+    it out in the global tensor's dim order, where a broadcast dim, stride 0, as HF's
+    repeat_kv makes, comes innermost)."""
+    return [a.contiguous() if i < n and a.dim() and a.stride(-1) != 1 else a for i, a in enumerate(args)]
+
+
 @register_kernel("sdpa", plain_when=_sdpa_is_plain)
 def sdpa_kernel(func, args, kwargs, in_specs, out_specs, coord):
-    """The local attention, with two fixes a plain call lacks:
+    """The local attention, with three fixes a plain call lacks:
+    q, k, v get a contiguous last dim (see _unit_last_stride);
     an empty piece (fewer heads or query rows than ranks) skips the op, which faults on
     empty heads/rows, and gives zeros (its share of any Partial gradient);
     query rows [a, b) of a causal attention see keys j <= a + i (top-left aligned, as
     is_causal means globally): is_causal becomes an explicit mask offset by a."""
     qi = 1 if func is _BWD else 0
+    args = _unit_last_stride(list(args), 5 if func is _BWD else 3)
     q, k = args[qi], args[qi + 1]
     if q.numel() == 0 or k.numel() == 0:
         return tuple(torch.zeros(s.local_shape(coord), dtype=s.meta.dtype, device=q.device) for s in out_specs)
