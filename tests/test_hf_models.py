@@ -173,14 +173,20 @@ def test_plans_split_hf_conv1d_weights_laid_out_in_by_out():
     assert dist.RowWiseParallel().param_dims(layer, "c_proj") == {"weight": 0, "bias": None}
 
 
-def test_sdpa_with_a_padding_mask_and_one_kv_head_under_tp():
-    """Qwen2 with a single kv head (its head dim split by the column plan), HF's sdpa and a
-    padding mask: HF repeats the kv head (a stride-0 expand), the attention's heads are split
-    and the repeated k, v pieces come laid out with the heads innermost."""
-    variant = dict(attention="sdpa", padded=True, num_key_value_heads=1)
-    ref = reference("qwen2", **variant)
-    for got, *_ in run_dist(_parallel, 2, "qwen2", {"mp_config": {"parallelize_plan": tp_plan("qwen2")}}, ["mp"],
-                            **variant):
+# Qwen2 with a single kv head: the column plan splits its head dim, HF's repeat_kv expands it
+# (stride 0) and the attention, split by heads, gets k, v pieces laid out with the heads innermost
+PADDED = {"gpt2": {}, "qwen2": {"num_key_value_heads": 1}, "bert": {}, "t5": {}, "bart": {}}
+
+
+@pytest.mark.parametrize("dims", [["dp"], ["mp"]], ids=["dp", "mp"])
+@pytest.mark.parametrize("name", MODELS)
+def test_sdpa_with_a_padding_mask_matches_one_process(name, dims):
+    """HF's sdpa attention and masks built from a padded batch (the mask a plain tensor: under
+    dp it is sliced with the batch)."""
+    variant = dict(attention="sdpa", padded=True, **PADDED[name])
+    ref = reference(name, **variant)
+    setup = {"dp_config": {"sharding_level": 0}} if dims == ["dp"] else {"mp_config": {"parallelize_plan": tp_plan(name)}}
+    for got, *_ in run_dist(_parallel, 2, name, setup, dims, **variant):
         assert_matches(got, ref)
 
 
