@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import autopar as dist
-from autopar.placement import Replicate, Shard
+from autopar.placement import Shard
 from distpool import run_dist
 from hf_llama import FFN, HEADS, HIDDEN, KV_HEADS, SEQ, VOCAB, assert_matches, batches, mp_plan, optimizer, train
 
-R, S0 = Replicate(), Shard(0)
+S0 = Shard(0)
 # dropout off: the parallel run's RNG stream is not the single process's
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
               "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
@@ -72,13 +72,15 @@ def tp_plan(name) -> dict:
                 layer + "mlp.c_fc": col, layer + "mlp.c_proj": row, "lm_head": col}
     if name == "t5":
         block = r"(en|de)coder\.block\.\d+\.layer\.\d\."
-        return {block + r"(SelfAttention|EncDecAttention)\.(q|k|v)": col, block + r"(SelfAttention|EncDecAttention)\.o": row,
+        attention = block + r"(SelfAttention|EncDecAttention)\."
+        return {attention + "(q|k|v)": col, attention + "o": row,
                 block + r"DenseReluDense\.wi": col, block + r"DenseReluDense\.wo": row, "lm_head": col,
                 # the relative position bias table [buckets, heads] by columns: by heads, as the scores
                 block + r"SelfAttention\.relative_attention_bias": col}
     if name == "bart":
         layer = r"model\.(en|de)coder\.layers\.\d+\."
-        return {layer + r"(self_attn|encoder_attn)\.(q|k|v)_proj": col, layer + r"(self_attn|encoder_attn)\.out_proj": row,
+        attention = layer + r"(self_attn|encoder_attn)\."
+        return {attention + "(q|k|v)_proj": col, attention + "out_proj": row,
                 layer + "fc1": col, layer + "fc2": row, "lm_head": col}
     layer = r"bert\.encoder\.layer\.\d+\."
     return {layer + r"attention\.self\.(query|key|value)": col, layer + r"attention\.output\.dense": row,
@@ -185,7 +187,8 @@ def test_sdpa_with_a_padding_mask_matches_one_process(name, dims):
     dp it is sliced with the batch)."""
     variant = dict(attention="sdpa", padded=True, **PADDED[name])
     ref = reference(name, **variant)
-    setup = {"dp_config": {"sharding_level": 0}} if dims == ["dp"] else {"mp_config": {"parallelize_plan": tp_plan(name)}}
+    setup = ({"dp_config": {"sharding_level": 0}} if dims == ["dp"]
+             else {"mp_config": {"parallelize_plan": tp_plan(name)}})
     for got, *_ in run_dist(_parallel, 2, name, setup, dims, **variant):
         assert_matches(got, ref)
 
