@@ -8,16 +8,18 @@ from distpool import run_dist
 import hf_llama
 
 
-def _auto(mesh_ids, dim_names):
+def _auto(mesh_ids, dim_names, with_grads=True):
+    """Train under config="auto"; with_grads also gathers each step's gradients (every rank
+    must hold a gradient of every parameter for that: not with pipeline stages)."""
     model = hf_llama.tiny_llama()
     opt = hf_llama.optimizer(model.parameters())
     model, opt = dist.parallelize(model, opt, dist.ProcessMesh(mesh_ids, dim_names=dim_names), config="auto")
-    grads = []
+    grads = [] if with_grads else None
     losses = hf_llama.train(model, opt, hf_llama.batches(), grads=grads)
     weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
-    placed = {k: (v.process_mesh.dim_names, v.process_mesh.shape, [str(p) for p in v.placements])
+    placed = {k: (v.process_mesh.dim_names, v.process_mesh.process_ids, [str(p) for p in v.placements])
               for k, v in model.named_parameters()}
-    return (losses, weights, grads), model._autopar_plan.degrees, model._autopar_plan.config, placed
+    return (losses, weights, grads or []), model._autopar_plan.degrees, model._autopar_plan.config, placed
 
 
 @pytest.mark.parametrize("mesh_ids, dim_names", [([0, 1], ["x"]), ([[0, 1]], ["pp", "dp"])])
@@ -34,8 +36,22 @@ def test_auto_on_two_ranks_matches_one_process(mesh_ids, dim_names):
         assert w[0] == (["pp", "dp", "mp"] if dim_names == ["x"] else dim_names)
         if degrees["mp"] == 2:
             assert "Shard(1)" in w[2]
-        assert config["dp_config"]["sharding_level"] in (0, 1, 2, 3)
     assert all(r[1] == results[0][1] for r in results)  # every rank planned the same
+
+
+@pytest.mark.parametrize("dim_names", [["dp", "mp"], ["pp", "dp"], ["pp", "mp"]])
+def test_auto_on_four_ranks_keeps_the_named_mesh(dim_names):
+    """The planner's config for tensor parallel (Megatron's plan on HF names) and for pipeline
+    stages (split points where the plan cuts, 1F1B) trains as one process does."""
+    ref = hf_llama.reference(hf_llama.batches())
+    pipeline = "pp" in dim_names
+    for got, degrees, config, placed in run_dist(_auto, 4, [[0, 1], [2, 3]], dim_names, not pipeline):
+        hf_llama.assert_matches(got, (*ref, []))
+        assert degrees == {dim: 2 if dim in dim_names else 1 for dim in ("dp", "mp", "pp")}
+        assert ("pp_config" in config) == pipeline and ("mp_config" in config) == ("mp" in dim_names)
+        if pipeline:
+            assert placed["model.layers.0.mlp.down_proj.weight"][1] == [0, 1]  # one layer per stage
+            assert placed["model.layers.1.mlp.down_proj.weight"][1] == [2, 3]
 
 
 def test_auto_refuses_other_strings_and_no_mesh():

@@ -103,13 +103,13 @@ HF_LLAMA = ModelNames(
 
 
 def parallelize_config(names: ModelNames, layout: Layout) -> dict:
-    """The `parallelize` config of `layout`: ZeRO over "dp", Megatron's column/row plan over
+    """The `parallelize` config of `layout`, a key per dim of degree > 1: ZeRO over "dp", Megatron's column/row plan over
     "mp" (the embedding split on hidden, the head on vocabulary; sequence parallel between
     the blocks when the layout says so), 1F1B stages over "pp" cut where the layout cuts."""
     import autopar as dist
 
     shape = layout.shape
-    config: dict = {"dp_config": {"sharding_level": shape.zero}}
+    config: dict = {"dp_config": {"sharding_level": shape.zero}} if shape.dp > 1 else {}
     if shape.tp > 1:
         each = f"{names.layers}.*."
         plan = {each + n: dist.ColWiseParallel() for n in names.column}
