@@ -90,17 +90,17 @@ class Plan:
             f"sequence parallel {'on' if s.sequence_parallel else 'off'}, {s.micro_batches} micro-batches of "
             f"{s.micro_batch}",
             f"  layers per stage {list(layout.stage_layers)}, recomputed {list(layout.recompute)}",
-            f"  step time {est.step_time:.3f} s, MFU {est.mfu:.1%}",
+            f"  step time {est.step_time:.4g} s, MFU {est.mfu:.1%}",
             "  memory per rank (fullest stage): " + ", ".join(
                 f"{k} {v / GB:.2f} GB" for k, v in self.memory_per_rank_bytes.items())
             + f" (limit {self.memory_limit / GB:.1f} GB)",
-            "  time: " + ", ".join(f"{k} {v:.3f} s" for k, v in est.time.items() if v),
+            "  time: " + ", ".join(f"{k} {v:.4g} s" for k, v in est.time.items() if v),
             "  bytes per step per rank: " + (", ".join(
                 f"{k} {v / GB:.2f} GB" for k, v in est.bytes_per_step.items()) or "none"),
         ]
         if self.compared is not None:
             c = self.compared
-            lines.append(f"  compared: {_name(c)}: step {c.step_time:.3f} s, MFU {c.mfu:.1%}, "
+            lines.append(f"  compared: {_name(c)}: step {c.step_time:.4g} s, MFU {c.mfu:.1%}, "
                          f"memory {c.peak_memory / GB:.1f} GB ({c.step_time / est.step_time - 1:+.1%} time)")
         lines.append("  why: " + self.why)
         return "\n".join(lines)
@@ -179,11 +179,11 @@ def plan(
         + (f", fixed {fixed}" if fixed else "") + f"); for {result.solved} of them HiGHS solved the integer "
         f"program of layers and recomputed layers per stage ({result.infeasible} cannot fit {limit / GB:.1f} GB), "
         f"the other {result.bounded} were bounded out by a step-time lower bound. "
-        f"Chose {_name(best)}: {best.step_time:.3f} s per step, MFU {best.mfu:.1%}, "
+        f"Chose {_name(best)}: {best.step_time:.4g} s per step, MFU {best.mfu:.1%}, "
         f"{best.peak_memory / GB:.1f} GB per rank."
     )
     if result.runner_up is not None:
         r = result.runner_up
-        why += (f" Runner-up with other degrees: {_name(r)}, {r.step_time:.3f} s "
+        why += (f" Runner-up with other degrees: {_name(r)}, {r.step_time:.4g} s "
                 f"({r.step_time / best.step_time - 1:+.1%}), {r.peak_memory / GB:.1f} GB.")
     return Plan(best, result.runner_up, compared, parallelize_config(names, best.layout), spec, profile, limit, why)
