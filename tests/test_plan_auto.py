@@ -64,3 +64,69 @@ def test_auto_refuses_other_strings_and_no_mesh():
             dist.parallelize(torch.nn.Linear(2, 2), None, None, config="auto")
     finally:
         dist.set_mesh(saved)
+
+
+def _example(name):
+    """An examples/ script as a module (its classes; its main does not run)."""
+    import importlib.util
+    import os
+    import sys
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    sys.path.insert(0, examples)  # their own helpers (_check)
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(examples, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpt(mesh_names=None):
+    """The examples' GPT trained 3 steps; with mesh dim names, under config="auto" on 2 ranks."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = _example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=2, seq=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if mesh_names:
+        model, opt = dist.parallelize(model, opt, dist.ProcessMesh([0, 1], dim_names=mesh_names), config="auto")
+    g, losses = torch.Generator().manual_seed(1), []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (4, 9), generator=g)
+        loss = F.cross_entropy(model(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    full = dist.unshard_dtensor if mesh_names else (lambda t: t)
+    degrees = model._autopar_plan.degrees if mesh_names else None
+    return losses, {k: full(v.detach()) for k, v in model.named_parameters()}, degrees
+
+
+@pytest.mark.parametrize("mesh_names", [["x"], ["mp"]])
+def test_auto_on_the_examples_gpt(mesh_names):
+    ref_losses, ref_weights, _ = _gpt()
+    for losses, weights, degrees in run_dist(_gpt, 2, mesh_names):
+        if mesh_names == ["mp"]:
+            assert degrees == {"dp": 1, "mp": 2, "pp": 1}
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for k, v in ref_weights.items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_describe_reads_the_examples_models_and_hf_llama():
+    from autopar.planner import describe
+
+    gpt, names = describe(_example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=3, seq=8))
+    assert (gpt.layers, gpt.hidden, gpt.heads, gpt.kv_heads, gpt.ffn, gpt.vocab, gpt.seq) == (3, 32, 4, 4, 128, 64, 8)
+    assert not gpt.gated and gpt.bias and gpt.positions == 8 and not gpt.tied
+    assert gpt.params() == sum(p.numel() for p in _example("train_gpt").GPT(64, 32, 4, 3, 8).parameters())
+    assert (names.layers, names.column, names.row, names.embedding, names.head) == (
+        "blocks", ("q", "k", "v", "fc1"), ("proj", "fc2"), "tok", "head")
+    llama, names = describe(_example("parallelize_llama").LlamaForCausalLM(128, 64, 96, 4, 2, 16))
+    assert (llama.ffn, llama.kv_heads, llama.gated, llama.positions) == (96, 4, True, 16)
+    assert names.column == ("self_attn.qkv_proj", "mlp.gate_up_proj") and names.head == "lm_head"
+    hf = hf_llama.tiny_llama(layers=3, tie=True)
+    spec, names = describe(hf)
+    assert (spec.layers, spec.kv_heads, spec.tied) == (3, 2, True)
+    assert spec.params() == sum(p.numel() for p in hf.parameters())
+    assert names.final_norm == "model.norm"
