@@ -47,6 +47,23 @@ def test_planner_finds_the_brute_force_optimum(unlimited, squeeze):
     assert got.step_time == pytest.approx(want.step_time, rel=1e-9), (got.layout, want.layout)
 
 
+def test_the_lower_bound_never_passes_a_layout_of_its_shape():
+    from autopar.planner.model import all_terms
+    from autopar.planner.search import lower_bound
+
+    for shape in shapes(SPEC, WORLD, BATCH, DEVICE):
+        bound = lower_bound(all_terms(SPEC, DEVICE, shape), shape, SPEC.layers)
+        for split in _compositions(SPEC.layers, shape.pp):
+            for recompute in itertools.product(*(range(n + 1) for n in split)):
+                step = evaluate(SPEC, DEVICE, Layout(shape, split, recompute)).step_time
+                assert bound <= step * (1 + 1e-12), (shape, split, recompute)
+
+
+def test_unknown_fixed_setting_is_named():
+    with pytest.raises(ValueError, match=r"cannot fix \['tensor'\]"):
+        search(SPEC, WORLD, BATCH, DEVICE, fixed={"tensor": 2})
+
+
 def test_tight_memory_brings_recompute_or_uneven_stages(unlimited):
     limit = unlimited.peak_memory * 0.12
     got = search(SPEC, WORLD, BATCH, DEVICE, memory_per_rank=limit).best

@@ -26,10 +26,18 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# the settings `fixed` may pin, by the names users know them by -> Shape's field
+_FIXED = {"dp": "dp", "tp": "tp", "mp": "tp", "pp": "pp", "zero": "zero", "sharding_level": "zero",
+          "micro_batch": "micro_batch", "sequence_parallel": "sequence_parallel"}
+
+
 def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: DeviceProfile,
            precision: str = "bf16", fixed: Optional[dict] = None) -> list:
     """Every Shape worth pricing.  `fixed` pins any of dp/tp/pp/zero/micro_batch/sequence_parallel."""
     fixed = fixed or {}
+    unknown = sorted(set(fixed) - set(_FIXED))
+    if unknown:
+        raise ValueError(f"plan: cannot fix {unknown}; known settings: {sorted(_FIXED)}")
     out = []
     for tp in _divisors(world):
         if tp > profile.ranks_per_node or spec.heads % tp or spec.kv_heads % tp:
@@ -47,17 +55,16 @@ def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: Device
     return out
 
 
-_FIXED = {"dp": "dp", "tp": "tp", "mp": "tp", "pp": "pp", "zero": "zero", "sharding_level": "zero",
-          "micro_batch": "micro_batch", "sequence_parallel": "sequence_parallel"}
-
-
 def lower_bound(terms: list, shape: Shape, layers: int) -> float:
-    """A step time no split or recompute of `shape` beats: the layers spread evenly, none
-    recomputed (recompute only adds time), memory ignored."""
+    """A step time no split or recompute of `shape` beats (recompute only adds time, memory
+    is ignored).  A layer costs the same on every stage: the slowest stage is at least the
+    average, and the end of the step at least the stage with the largest fixed part holding
+    one layer, or the least fixed part holding an even share."""
     total = sum(sum(v.c for v in t.micro_time.values()) for t in terms)
     total += layers * sum(v.per_layer for v in terms[0].micro_time.values())
-    end = max(sum(v.c for v in t.end_time.values()) for t in terms)
-    end += layers / shape.pp * sum(v.per_layer for v in terms[0].end_time.values())
+    fixed_end = [sum(v.c for v in t.end_time.values()) for t in terms]
+    per_layer_end = sum(v.per_layer for v in terms[0].end_time.values())
+    end = max(max(fixed_end) + per_layer_end, min(fixed_end) + per_layer_end * layers / shape.pp)
     return (shape.micro_batches - 1) * total / shape.pp + total + end
 
 
