@@ -130,3 +130,20 @@ def test_describe_reads_the_examples_models_and_hf_llama():
     assert (spec.layers, spec.kv_heads, spec.tied) == (3, 2, True)
     assert spec.params() == sum(p.numel() for p in hf.parameters())
     assert names.final_norm == "model.norm"
+    with pytest.raises(ValueError, match=r"Sequential: found no ModuleList of identical blocks"):
+        describe(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_plan_takes_the_sequence_from_the_sample_batch_when_the_model_has_no_table():
+    class Rotary(torch.nn.Module):  # a GPT without a position table
+        def __init__(self):
+            super().__init__()
+            gpt = _example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=2, seq=8)
+            self.tok, self.blocks, self.head = gpt.tok, gpt.blocks, gpt.head
+
+    from autopar.planner import describe
+
+    with pytest.raises(ValueError, match="Rotary: give the sequence length"):
+        describe(Rotary())
+    plan = dist.plan(Rotary(), torch.zeros(2, 12, dtype=torch.long), world_size=2, device="cpu", precision="fp32")
+    assert plan.spec.seq == 12 and plan.spec.positions == 0

@@ -1,6 +1,7 @@
 """`dist.plan`: the layout to train a model with, as a `parallelize` config, and why."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -150,14 +151,16 @@ def plan(
     ({"mp": 8, "pp": 4, "zero": 1, ...}); `compare` prices the best layout with the degrees
     it names next to the plan (a hand configuration).
     """
+    seq = None
+    if sample_batch is not None:
+        global_batch, seq = _batch_dims(sample_batch)
     if isinstance(model, TransformerSpec):
         spec, names = model, names or HF_LLAMA
     else:
-        spec, found = describe(model)
+        spec, found = describe(model, seq)
         names = names or found
-    if sample_batch is not None:
-        global_batch, seq = _batch_dims(sample_batch)
-        spec = TransformerSpec(**{**spec.__dict__, "seq": seq})
+    if seq is not None:
+        spec = dataclasses.replace(spec, seq=seq)
     if global_batch is None:
         raise ValueError("plan needs a sample_batch (token ids [batch, seq]) or a global_batch")
     if world_size is None:
