@@ -44,7 +44,7 @@ def test_planner_finds_the_brute_force_optimum(unlimited, squeeze):
     want = _brute_force(limit)
     got = search(SPEC, WORLD, BATCH, DEVICE, memory_per_rank=limit).best
     assert got.fits and got.peak_memory <= limit
-    assert got.step_time == pytest.approx(want.step_time, rel=1e-9), (got.layout, want.layout)
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-6), (got.layout, want.layout)  # HiGHS's gap
 
 
 def test_the_lower_bound_never_passes_a_layout_of_its_shape():
@@ -57,6 +57,17 @@ def test_the_lower_bound_never_passes_a_layout_of_its_shape():
             for recompute in itertools.product(*(range(n + 1) for n in split)):
                 step = evaluate(SPEC, DEVICE, Layout(shape, split, recompute)).step_time
                 assert bound <= step * (1 + 1e-12), (shape, split, recompute)
+
+
+def test_pinned_degrees_skip_shapes_that_cannot_beat_their_best():
+    result = search(SPEC, WORLD, BATCH, DEVICE, fixed={"mp": 2, "pp": 2})
+    assert result.runner_up is None and result.bounded > 0 and result.solved + result.bounded == result.searched
+    brute = min(
+        evaluate(SPEC, DEVICE, Layout(shape, split, (0, 0))).step_time
+        for shape in shapes(SPEC, WORLD, BATCH, DEVICE, fixed={"mp": 2, "pp": 2})
+        for split in _compositions(SPEC.layers, 2)
+    )
+    assert result.best.step_time == pytest.approx(brute, rel=1e-6)
 
 
 def test_unknown_fixed_setting_is_named():

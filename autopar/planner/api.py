@@ -10,7 +10,7 @@ import torch
 from .cost import DeviceProfile, load_profile
 from .describe import HF_LLAMA, ModelNames, config_json, describe, parallelize_config
 from .model import Estimate, TransformerSpec
-from .search import search
+from .search import SOLVE_SECONDS, search
 
 GB = 1e9
 
@@ -180,7 +180,8 @@ def plan(
         f"{profile.ranks_per_node} dividing {spec.heads} heads and {spec.kv_heads} kv heads, pp <= {spec.layers} "
         f"layers, every micro-batch size dividing the batch, ZeRO 0-3, sequence parallel on/off"
         + (f", fixed {fixed}" if fixed else "") + f"); for {result.solved} of them HiGHS solved the integer "
-        f"program of layers and recomputed layers per stage ({result.infeasible} cannot fit {limit / GB:.1f} GB), "
+        f"program of layers and recomputed layers per stage ({result.infeasible} cannot fit {limit / GB:.1f} GB"
+        + (f", {result.unproven} stopped at {SOLVE_SECONDS:g} s without proof" if result.unproven else "") + "), "
         f"the other {result.bounded} were bounded out by a step-time lower bound. "
         f"Chose {_name(best)}: {best.step_time:.4g} s per step, MFU {best.mfu:.1%}, "
         f"{best.peak_memory / GB:.1f} GB per rank."
