@@ -127,3 +127,21 @@ def test_plan_reads_dims_from_a_module_and_a_sample_batch():
     plan = dist.plan(tiny_llama(), torch.zeros(8, 16, dtype=torch.long), world_size=2, device=DEVICE)
     assert plan.spec.layers == 2 and plan.spec.kv_heads == 2 and plan.spec.seq == 16
     assert plan.estimate.layout.shape.global_batch == 8
+
+
+def test_an_integer_program_stopped_by_its_time_limit_gives_its_best_split_unproven(monkeypatch):
+    from autopar.planner import search as search_module
+    from autopar.planner.model import Shape, all_terms
+
+    big = TransformerSpec(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256, seq=8192)
+    shape = Shape(dp=32, tp=8, pp=64, micro_batch=1, micro_batches=64, zero=0, sequence_parallel=True)
+    terms = all_terms(big, H100, shape)
+    monkeypatch.setattr(search_module, "SOLVE_SECONDS", 0.01)  # well short of the ~0.5 s it needs
+    split, proven = search_module.solve_split(terms, shape, big.layers, 80e9)
+    assert not proven
+    if split is not None:  # an incumbent was found in time: a real split that fits
+        assert sum(split[0]) == big.layers and len(split[0]) == 64
+        assert evaluate(big, H100, Layout(shape, *split), 80e9 * (1 + 1e-6)).fits
+    monkeypatch.setattr(search_module, "SOLVE_SECONDS", 60.0)
+    split, proven = search_module.solve_split(terms, shape, big.layers, 80e9)
+    assert proven and sum(split[0]) == big.layers
