@@ -176,3 +176,35 @@ def test_autopar_job_with_a_failing_rank_ends_fast_with_its_error():
     assert proc.returncode != 0
     assert "boom from rank 1" in proc.stdout + proc.stderr
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("code", [3, 0])
+def test_rank_that_exits_ends_the_job_within_seconds(code):
+    """A rank leaving (sys.exit(3), or exit(0) while its peer goes on into a collective) ends
+    the job in seconds, not after AUTOPAR_TIMEOUT, non-zero, naming the rank that left."""
+    r = launch("--nproc_per_node", "2", str(SCRIPTS / "rank1_exits.py"), str(code), timeout=120)
+    ended = time.time()
+    assert r.returncode != 0, r.stdout + r.stderr
+    left = float(rank_lines(r.stdout, "leaving at ")[1])
+    assert ended - left < 12, f"the job ended {ended - left:.1f}s after rank 1 left"
+    assert "rank 0 outlived rank 1" not in r.stdout
+    if code:
+        assert "rank 1 exited with code 3; the other ranks were stopped" in r.stderr, r.stderr
+    else:
+        assert "all_gather #3 over ranks [0, 1] failed on rank 0" in r.stderr, r.stderr
+        assert "Ranks that did not arrive: rank 1 has exited." in r.stderr, r.stderr
+
+
+def test_worker_keeps_python_script_semantics(tmp_path):
+    """Ranks run the script as __main__ with its own directory on sys.path and its argv; its
+    exit status (a sys.exit message gives 1) is the rank's."""
+    (tmp_path / "helper_mod.py").write_text("VALUE = 7\n")
+    (tmp_path / "main.py").write_text(
+        "import sys, helper_mod\n"
+        "print('SEM', __name__, helper_mod.VALUE, sys.argv[1:])\n"
+        "sys.exit('bad argument' if sys.argv[1] == 'fail' else 0)\n")
+    ok = launch("--nproc_per_node", "1", str(tmp_path / "main.py"), "fine")
+    assert ok.returncode == 0, ok.stderr
+    assert rank_lines(ok.stdout, "SEM ") == {0: "__main__ 7 ['fine']"}
+    bad = launch("--nproc_per_node", "1", str(tmp_path / "main.py"), "fail")
+    assert bad.returncode == 1 and "[rank0]: bad argument" in bad.stderr, bad.stderr

@@ -57,9 +57,10 @@ def launch_config(args: argparse.Namespace, log_dir: str) -> LaunchConfig:
 
 
 def worker_command(args: argparse.Namespace) -> tuple[str, list[str]]:
-    """``(executable, argv)`` each rank runs: unbuffered Python on the script or module."""
+    """``(executable, argv)`` each rank runs: unbuffered Python running the script or module
+    through :mod:`autopar.launch._worker` (which ends the rank quickly and surely)."""
     mode = ["-m"] if args.module else []
-    return sys.executable, ["-u", *mode, args.script, *args.script_args]
+    return sys.executable, ["-u", "-m", "autopar.launch._worker", *mode, args.script, *args.script_args]
 
 
 def export_worker_env(args: argparse.Namespace) -> None:

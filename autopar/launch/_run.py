@@ -31,10 +31,12 @@ def _launch(config: LaunchConfig, executable: str, argv: list[str]) -> None:
 
 
 def _failure_summary(error: ChildFailedError) -> str:
-    """Elastic's failure report, pointing at the tee'd output where no error file was written."""
+    """Elastic's failure report, naming each failed rank and its exit code, and pointing at
+    the tee'd output where no error file was written."""
     for rank, failure in error.failures.items():
         if failure.exitcode > 0 and not os.path.isfile(failure.error_file):
-            failure.message = f"see the lines prefixed [rank{rank}]: above"
+            failure.message = (f"rank {rank} exited with code {failure.exitcode}; the other ranks were stopped "
+                               f"(its output is prefixed [rank{rank}]: above)")
     return error.format_msg()
 
 
