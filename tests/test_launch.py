@@ -5,8 +5,10 @@ test instead of hanging the suite.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from autopar.launch import main
+from autopar.launch._output import RankOutput
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
@@ -191,7 +194,7 @@ def test_rank_that_exits_ends_the_job_within_seconds(code):
     if code:
         assert "rank 1 exited with code 3; the other ranks were stopped" in r.stderr, r.stderr
     else:
-        assert "all_gather #3 over ranks [0, 1] failed on rank 0" in r.stderr, r.stderr
+        assert re.search(r"all_gather #\d+ over ranks \[0, 1\] failed on rank 0", r.stderr), r.stderr
         assert "Ranks that did not arrive: rank 1 has exited." in r.stderr, r.stderr
 
 
@@ -208,3 +211,68 @@ def test_worker_keeps_python_script_semantics(tmp_path):
     assert rank_lines(ok.stdout, "SEM ") == {0: "__main__ 7 ['fine']"}
     bad = launch("--nproc_per_node", "1", str(tmp_path / "main.py"), "fail")
     assert bad.returncode == 1 and "[rank0]: bad argument" in bad.stderr, bad.stderr
+
+
+def test_a_progress_bar_is_one_line_tagged_once_in_a_log():
+    """tqdm redraws its bar after carriage returns: a log (a pipe here) shows each rank's
+    bar once, in its last state, tagged once; ordinary lines are tagged once too."""
+    r = launch("--nproc_per_node", "2", str(SCRIPTS / "progress.py"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == ["[rank0]: end rank 0", "[rank0]: start rank 0",
+                                             "[rank1]: end rank 1", "[rank1]: start rank 1"], r.stdout
+    bars = [line for line in r.stderr.splitlines() if line.startswith("[rank")]
+    assert sorted(bars) == ["[rank0]: train 5/5", "[rank1]: train 5/5"], r.stderr
+    assert "\r" not in r.stderr
+
+
+def test_a_traceback_is_tagged_once():
+    r = launch("--nproc_per_node", "2", str(SCRIPTS / "autopar_fail_rank1.py"), timeout=120)
+    assert r.returncode != 0
+    assert "[rank1]: RuntimeError: boom from rank 1" in r.stderr.splitlines(), r.stderr
+    assert "[rank1]: [rank1]:" not in r.stderr
+
+
+@pytest.mark.parametrize("option, rank", [("--log-ranks", 0), ("--local-ranks-filter", 1)])
+def test_chosen_ranks_only(option, rank):
+    r = launch("--nproc_per_node", "2", option, str(rank), str(SCRIPTS / "progress.py"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"[rank{rank}]: start rank {rank}", f"[rank{rank}]: end rank {rank}"]
+    assert [line for line in r.stderr.splitlines() if line.startswith("[rank")] == [f"[rank{rank}]: train 5/5"]
+
+
+def test_a_hidden_rank_that_fails_is_quoted_in_the_summary(tmp_path):
+    r = launch("--nproc_per_node", "2", "--log-ranks", "0", str(SCRIPTS / "fail_rank1.py"),
+               str(tmp_path / "pid"), "sleep")
+    assert r.returncode == 1
+    shown, summary = r.stderr.split("its output was not shown; the end of its stderr:")
+    assert "rank 1 exited with code 1; the other ranks were stopped (" in shown[-200:]
+    assert "[rank1]" not in r.stdout + shown
+    assert "RuntimeError: boom from rank 1" in summary
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_on_a_terminal_a_carriage_return_redraws_the_line(tmp_path):
+    out, err = _Terminal(), _Terminal()
+    output = RankOutput()
+    (tmp_path / "o").write_text("")
+    (tmp_path / "e").write_text("")
+    output.follow(0, str(tmp_path / "o"), str(tmp_path / "e"), True, out, err)
+    output.follow(1, str(tmp_path / "o1"), str(tmp_path / "e1"), False, out, err)  # hidden: never read
+    with open(tmp_path / "e", "a") as bar, open(tmp_path / "o", "a") as text:
+        for chunk in ["\rstep 1", "\rstep 2"]:
+            bar.write(chunk)
+            bar.flush()
+            output.poll()
+        text.write("a line\n")
+        text.flush()
+        output.poll()
+        bar.write("\rstep 3\n")
+        bar.flush()
+        output.close()
+    # another stream's line leaves the bar on screen and goes on below it
+    assert err.getvalue() == "\r[rank0]: step 1\x1b[K\r[rank0]: step 2\x1b[K\n[rank0]: step 3\n"
+    assert out.getvalue() == "[rank0]: a line\n"

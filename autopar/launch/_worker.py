@@ -51,7 +51,8 @@ def run(target: str, args: list[str], module: bool) -> int:
         return _status(e)
     except BaseException:
         kind, value, tb = sys.exc_info()
-        sys.excepthook(kind, value, _from_script(tb, target))
+        tb = _from_script(tb, target)
+        sys.excepthook(kind, value.with_traceback(tb), tb)
         return 1
     return 0
 
