@@ -276,3 +276,18 @@ def test_on_a_terminal_a_carriage_return_redraws_the_line(tmp_path):
     # another stream's line leaves the bar on screen and goes on below it
     assert err.getvalue() == "\r[rank0]: step 1\x1b[K\r[rank0]: step 2\x1b[K\n[rank0]: step 3\n"
     assert out.getvalue() == "[rank0]: a line\n"
+
+
+def test_main_job_prints_a_clean_summary_and_plots_the_loss(tmp_path):
+    png = tmp_path / "loss.png"
+    r = launch("--nproc_per_node", "4", "--log-ranks", "0", "examples/train_gpt.py", "--steps", "4", "--check",
+               "--plot", str(png), timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = r.stdout.splitlines()
+    assert all(line.startswith("[rank0]: ") and not line.startswith("[rank0]: [rank0]") for line in lines), r.stdout
+    summary = lines[lines.index("[rank0]: summary"):]
+    assert [line.split()[1] for line in summary[1:]] == ["mesh", "model", "steps", "loss", "check", "plot"], summary
+    assert "dp 2 x mp 2 (4 ranks)" in summary[1] and summary[-1].endswith(str(png))
+    bars = [line for line in r.stderr.splitlines() if line.startswith("[rank0]: train:")]
+    assert len(bars) == 1 and "4/4" in bars[0], r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
