@@ -27,9 +27,15 @@ _FAILED = [False]
 _GRACE = 3.0  # seconds to wait for peers' reports after a failure, and for peers at exit
 
 
+_NAMES: dict = {}
+
+
 def _group_name(ranks) -> str:
-    name = "ranks " + str(list(ranks))
-    return name + " (value reads)" if reading() else name
+    key = (tuple(ranks), reading() is not None)
+    name = _NAMES.get(key)
+    if name is None:
+        name = _NAMES[key] = f"ranks {list(ranks)}" + (" (value reads)" if key[1] else "")
+    return name
 
 
 def _key(what: str, rank: int) -> str:
