@@ -200,15 +200,18 @@ def test_rank_that_exits_ends_the_job_within_seconds(code):
 
 def test_worker_keeps_python_script_semantics(tmp_path):
     """Ranks run the script as __main__ with its own directory on sys.path and its argv; its
-    exit status (a sys.exit message gives 1) is the rank's."""
+    non-daemon threads finish, then its atexit handlers run; its exit status (a sys.exit
+    message gives 1) is the rank's."""
     (tmp_path / "helper_mod.py").write_text("VALUE = 7\n")
     (tmp_path / "main.py").write_text(
-        "import sys, helper_mod\n"
+        "import atexit, sys, threading, time, helper_mod\n"
         "print('SEM', __name__, helper_mod.VALUE, sys.argv[1:])\n"
+        "atexit.register(lambda: print('SEM atexit'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), print('SEM thread'))).start()\n"
         "sys.exit('bad argument' if sys.argv[1] == 'fail' else 0)\n")
     ok = launch("--nproc_per_node", "1", str(tmp_path / "main.py"), "fine")
     assert ok.returncode == 0, ok.stderr
-    assert rank_lines(ok.stdout, "SEM ") == {0: "__main__ 7 ['fine']"}
+    assert ok.stdout.splitlines() == ["[rank0]: SEM __main__ 7 ['fine']", "[rank0]: SEM thread", "[rank0]: SEM atexit"]
     bad = launch("--nproc_per_node", "1", str(tmp_path / "main.py"), "fail")
     assert bad.returncode == 1 and "[rank0]: bad argument" in bad.stderr, bad.stderr
 

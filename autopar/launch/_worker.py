@@ -1,7 +1,7 @@
 """What each rank of ``python -m autopar.launch`` runs: the script, then a quick, certain exit.
 
 The script runs as ``__main__`` (``python script.py`` semantics: ``sys.argv``, ``sys.path[0]``).
-The rank then runs the atexit handlers (autopar's tears its process groups down), flushes its
+The rank then waits for the script's non-daemon threads, runs the atexit handlers (autopar's tears its process groups down), flushes its
 streams and leaves through ``os._exit`` with the script's exit status, as torch's
 multiprocessing workers do.  The interpreter's own teardown would destroy gloo's objects and
 threads in no defined order (now and then aborting a correct job with "terminate called
@@ -13,6 +13,7 @@ import atexit
 import os
 import runpy
 import sys
+import threading
 
 
 def _status(exit: SystemExit) -> int:
@@ -36,7 +37,7 @@ def _from_script(tb, script: str):
 def run(target: str, args: list[str], module: bool) -> int:
     """Run `target` (a script path, or a module name with `module`) as ``__main__`` with
     ``sys.argv[1:] == args``; returns its exit status (an uncaught exception is reported
-    through ``sys.excepthook`` and gives 1)."""
+    through ``sys.excepthook`` and gives 1, or 130 for a KeyboardInterrupt, as a shell shows)."""
     if module:
         sys.argv = [target, *args]
         runner = lambda: runpy.run_module(target, run_name="__main__", alter_sys=True)  # noqa: E731
@@ -53,13 +54,17 @@ def run(target: str, args: list[str], module: bool) -> int:
         kind, value, tb = sys.exc_info()
         tb = _from_script(tb, target)
         sys.excepthook(kind, value.with_traceback(tb), tb)
-        return 1
+        return 130 if isinstance(value, KeyboardInterrupt) else 1
     return 0
 
 
 def leave(status: int) -> None:
-    """Run the atexit handlers, flush, and end the process with `status`."""
+    """Wait for non-daemon threads (as the interpreter does), run the atexit handlers, flush,
+    and end the process with `status`."""
     try:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
