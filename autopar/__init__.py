@@ -41,9 +41,12 @@ from .api.tensor import (
 )
 from .checkpoint import CheckpointError, CheckpointNotFoundError, load_state_dict, save_state_dict
 from .comm import CommError, comm_log, get_rank, get_world_size
+from .comm.simulate import simulate
+from .explain import explain
 from .dtensor import DistTensor
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard
+from .planner import plan
 from .static import CaptureError, DistModel, Strategy, to_static
 from . import auto_parallel  # noqa: F401  (dist.auto_parallel.set_mesh)
 from . import pipelining  # noqa: F401  (dist.pipelining.PipelineStage, schedules)
@@ -60,6 +63,7 @@ __all__ = [
     "SequenceParallelEnd",
     "SplitPoint",
     "parallelize",
+    "plan",
     "CaptureError",
     "DistModel",
     "Strategy",
@@ -86,6 +90,8 @@ __all__ = [
     "Replicate",
     "Shard",
     "comm_log",
+    "simulate",
+    "explain",
     "dtensor_from_fn",
     "dtensor_from_local",
     "get_rank",

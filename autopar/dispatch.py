@@ -72,6 +72,10 @@ _CACHE: dict = {}
 _STATE = {"rank": None}
 # Observers of every dispatched op (`local_region` verifying a module's first call): see(func, decision, flat)
 WATCHERS: list = []
+# called with a Partial leaf (no grad_fn) about to be reduced for a read: an optimizer whose
+# parameter holds it as its gradient reduces all its pending gradients at once, in buckets
+# (clip_grad_norm_ reads every gradient: one collective per bucket, not one per parameter)
+PARTIAL_READ_HOOKS: list = []
 
 
 def _rank() -> int:
@@ -201,6 +205,24 @@ def _substitute(args, kwargs, new_flat):
     return new_args, new_kwargs
 
 
+def _meta_error(func, flat, err: Exception) -> Exception:
+    """What to raise when the meta kernel (which infers the output's global shape) fails: a
+    missing kernel (NotImplementedError, or an error about meta tensors: the op's output
+    depends on values) says so; anything else is the user's error, as torch raises it on
+    plain tensors (same type, torch's message) plus the op and the operands' global shapes
+    and placements."""
+    if isinstance(err, NotImplementedError) or "meta" in str(err).lower():
+        return NotImplementedError(f"autopar: {func} has no meta kernel to infer its output shape: {err}")
+    operands = "; ".join(
+        f"{list(t.shape)} {list(t._spec.placements)} on {t._spec.mesh}" if type(t) is DistTensor
+        else f"{list(t.shape)} plain" for t in flat
+    )
+    try:
+        return type(err)(f"{err}\n(autopar: in {func} on operands {operands})")
+    except TypeError:  # an exception type that takes other arguments
+        return RuntimeError(f"{err}\n(autopar: in {func} on operands {operands})")
+
+
 def decide(func, args, kwargs, flat) -> Decision:
     if func in DRAWS_RANDOM:  # the first draw of a program: every rank takes rank 0's stream
         rng.agree_once(kwargs.get("generator") or rng.default_generator(flat[0].device))
@@ -216,8 +238,8 @@ def decide(func, args, kwargs, flat) -> Decision:
             meta_kwargs["device"] = "meta"
         try:
             meta_out = func(*meta_args, **meta_kwargs)
-        except (NotImplementedError, RuntimeError) as err:
-            raise NotImplementedError(f"autopar: {func} has no meta kernel to infer its output shape: {err}") from err
+        except (NotImplementedError, RuntimeError, ValueError, IndexError) as err:
+            raise _meta_error(func, flat, err) from err
     in_metas = [t._spec.meta if type(t) is DistTensor else TensorMeta.of(t) for t in flat]
     out_metas = [TensorMeta.of(o) for o in _flatten_out(meta_out, [])]
     rule_args, rule_kwargs = _substitute(args, kwargs, in_metas)
@@ -367,6 +389,11 @@ def _inputs_in_place(dec: Decision, flat) -> list:
             f"an input on {flat[dec.moved[0]]._spec.mesh} needs a gradient but the op runs on {dec.mesh}: "
             f"move it with dist.reshard(t, mesh, placements) (differentiable) first"
         )
+    if PARTIAL_READ_HOOKS:
+        for t, spec in zip(flat, dec.in_specs):
+            if type(t) is DistTensor and t._spec is not spec and t.grad_fn is None and _only_reduces(t._spec, spec):
+                for hook in list(PARTIAL_READ_HOOKS):
+                    hook(t)
     locals_ = []
     for t, spec in zip(flat, dec.in_specs):
         if type(t) is DistTensor:

@@ -7,6 +7,7 @@ runs the op on the local pieces.
 from __future__ import annotations
 
 import torch
+from torch.utils import _foreach_utils
 
 from .comm.backend import value_read
 from .comm.collectives import reading_values as _reading_values
@@ -145,3 +146,10 @@ class DistTensor(torch.Tensor):
         memo[id(self)] = new
         return new
 
+
+
+# torch's gradient clipping takes its foreach path (one `_foreach_norm` over every gradient,
+# one `_foreach_mul_` to scale them) only for the tensor types listed here; per tensor, each
+# sharded gradient's norm would be an all-reduce of its own
+if DistTensor not in _foreach_utils._foreach_supported_types:
+    _foreach_utils._foreach_supported_types.append(DistTensor)

@@ -7,17 +7,19 @@ the parameter's placements with the data-parallel mesh dim sharding one tensor d
 places do it:
 
 - `reduce_grads` (the optimizer's pre-step, `shard_optimizer`): gradients that need one
-  collective of the same kind share one flat buffer per (mesh, collective, dtype), as DDP's
-  buckets do, instead of one collective per parameter (`flat_shards.py` lays the buffer of a
-  reduce-scatter out: piece j of every gradient in chunk j);
+  collective of the same kind share DDP-sized flat buckets per (mesh, collective, dtype),
+  filled last parameter first, instead of one collective per parameter (`flat_shards.py`
+  lays the buffer of a reduce-scatter out: piece j of every gradient in chunk j);
 - `BucketPlan` (local regions, for parameters registered with `reduce_in_backward`): the
   region's parameters are cut into DDP-sized buckets in reverse order (about the order
   backward produces their gradients).  Each backward through the region starts a bucket's
   collective as soon as its last gradient is ready, while backward goes on with the
-  earlier layers (a model whose gradients fit one bucket has nothing to overlap: its
-  bucket starts at the end); the region's last backward step waits for them and hands the
+  earlier layers; the region's last backward step waits for them and hands the
   parameters gradients that are already placed where the optimizer steps them, so it has
-  nothing left to reduce.
+  nothing left to reduce.  A region whose gradients fit one bucket has nothing to overlap:
+  it leaves them Partial for the pre-step, which packs them with the other regions' (one
+  collective where each region would send its own), so a dynamic step sends the buckets
+  its captured program (`to_static`, which reduces at the pre-step) sends.
   Every rank runs the same backward, so the buckets start in the same order everywhere.
   Gradient accumulation (a backward while the parameters still hold gradients) switches a
   bucket to deferred reduction for good, unless it was registered to reduce every backward
@@ -106,7 +108,8 @@ def reduce_grads(pending: list) -> None:
     pending = pending[::-1]
     reduced = GradReduction([p.grad for p, _ in pending], [plan for _, plan in pending]).finish()
     for (p, _), g in zip(pending, reduced):
-        p.grad = g
+        # in place: a caller holding the gradients (clip_grad_norm_'s list) sees them reduced
+        p.grad._local, p.grad._spec = g._local, g._spec
 
 
 class GradReduction:
@@ -119,26 +122,30 @@ class GradReduction:
         from .api.tensor import reshard
 
         self.out: list = list(grads)
-        buckets: dict = {}
+        filling: dict = {}  # (mesh, collective, dtype) -> the bucket being filled
+        buckets: list = []
         for n, (g, (moves, how, placed)) in enumerate(zip(grads, plans)):
             if not moves:
                 continue
             if how is None:
                 self.out[n] = reshard(g.detach(), placed.mesh, placed.placements)
             else:
-                buckets.setdefault((placed.mesh, how, g.dtype), []).append((n, g._local, placed))
+                local = g._local
+                b = _bucket_for(filling, buckets, (placed.mesh, how, g.dtype), local.numel() * local.element_size(),
+                                lambda: _Bucket(how, placed.mesh, False))
+                b.members.append((n, local, placed))
         rank = get_rank()
         self.started = []
-        for (mesh, how, _), entries in buckets.items():
-            locals_ = [local for _, local, _ in entries]
-            if how[1] and rank in mesh and sum(t.numel() for t in locals_):
-                collective = _Collective(how, mesh, [placed for _, _, placed in entries],
+        for b in buckets:
+            locals_ = [local for _, local, _ in b.members]
+            if b.how[1] and rank in b.mesh and sum(t.numel() for t in locals_):
+                collective = _Collective(b.how, b.mesh, [placed for _, _, placed in b.members],
                                          tuple(tuple(t.shape) for t in locals_))
-                self.started.append(([(n, placed) for n, _, placed in entries], collective, collective.start(locals_)))
-                for n, _, _ in entries:
+                self.started.append(([(n, placed) for n, _, placed in b.members], collective, collective.start(locals_)))
+                for n, _, _ in b.members:
                     self.out[n] = None
             else:
-                for n, local, placed in entries:
+                for n, local, placed in b.members:
                     self.out[n] = new_dist(local, placed)
 
     def finish(self) -> list:
@@ -147,6 +154,19 @@ class GradReduction:
                 self.out[n] = new_dist(local, placed)
         self.started = []
         return self.out
+
+
+def _bucket_for(filling: dict, buckets: list, key, nbytes: int, new, first_cap: Optional[int] = None) -> "_Bucket":
+    """The bucket of `key` that a gradient of `nbytes` joins, as DDP fills them: the one being
+    filled unless the gradient would take it past the cap (`first_cap`, DDP's 1 MiB, for the
+    first bucket, so that the last layers' gradients start moving early; 25 MiB after), else
+    a `new()` one.  The backward buckets and the pre-step's share this rule."""
+    b = filling.get(key)
+    if b is None or b.nbytes + nbytes > ((first_cap or FIRST_BUCKET_BYTES) if b is buckets[0] else BUCKET_BYTES):
+        b = filling[key] = new()
+        buckets.append(b)
+    b.nbytes += nbytes
+    return b
 
 
 class _Collective:
@@ -237,26 +257,31 @@ class BucketPlan:
     def build(params: list, grad_specs: list) -> Optional["BucketPlan"]:
         """None when no parameter's gradient is reduced in backward."""
         rank = get_rank()
-        filling: dict = {}  # (mesh, collective, dtype, every backward) -> the bucket being filled
-        buckets, placed = [], {}
+        reducible = []  # (position, spec reduced to, collective, every backward), last parameter first
         for i in reversed(range(len(params))):
             p, gs = params[i], grad_specs[i]
             entry = _registered(p)
             if entry is None or not p.requires_grad or rank not in p._spec.mesh:
                 continue
             _, how, spec = grad_plan(gs, entry[1])
-            if how is None or not how[1]:
-                continue
-            key = (spec.mesh, how, gs.meta.dtype, entry[2])
-            nbytes = p._local.numel() * p._local.element_size()
-            b = filling.get(key)
-            if b is None or b.nbytes + nbytes > (FIRST_BUCKET_BYTES if b is buckets[0] else BUCKET_BYTES):
-                b = filling[key] = _Bucket(how, spec.mesh, entry[2])
-                buckets.append(b)
+            if how is not None and how[1]:
+                reducible.append((i, spec, how, entry[2]))
+        nbytes = {i: params[i]._local.numel() * params[i]._local.element_size() for i, _, _, _ in reducible}
+        # a region whose gradients fit one DDP bucket is one bucket: no small first bucket per
+        # region (a model of many small regions would send two collectives per region)
+        first_cap = FIRST_BUCKET_BYTES if sum(nbytes.values()) > BUCKET_BYTES else BUCKET_BYTES
+        filling: dict = {}  # (mesh, collective, dtype, every backward) -> the bucket being filled
+        buckets, placed = [], {}
+        for i, spec, how, every in reducible:
+            b = _bucket_for(filling, buckets, (spec.mesh, how, grad_specs[i].meta.dtype, every), nbytes[i],
+                            lambda: _Bucket(how, spec.mesh, every), first_cap)
             b.members.append(i)
-            b.nbytes += nbytes
             placed[i] = spec
-        if not buckets:
+        if not buckets or (len(buckets) == 1 and not buckets[0].every_backward):
+            # one bucket has nothing to overlap: its collective would start and be waited for
+            # at the region's last backward step.  Its gradients stay Partial instead, and the
+            # optimizer's pre-step reduces them with every other region's in shared buckets:
+            # fewer collectives, and the buckets a captured step (which reduces there) has
             return None
         return BucketPlan(buckets, placed)
 

@@ -2,6 +2,7 @@
 
     python benchmarks/summarize.py benchmarks/results/*.jsonl
     python benchmarks/summarize.py --plot benchmarks/plots benchmarks/results/*.jsonl
+    python benchmarks/summarize.py --headline benchmarks/results/*.jsonl   # BENCHMARKS.md's first table
 
 Files named <name>.<TAG>.jsonl are run TAG of benchmark <name> (TAG: the commit measured,
 with a run number: `3b05c9f-1`).  A row is one
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -72,8 +74,71 @@ def table_markdown(recs) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+# (goal, measurement files, bench names (prefixes), autopar impls, ratio field, target: the ratio at most)
+HEADLINE = [
+    ("per-op overhead, ops in a module's forward (a local region), 1 rank", ("dispatch_1rank",), ("dispatch",), ("autopar_module",), "overhead_ratio_vs_dtensor", 0.5),
+    ("per-op overhead, a captured step (`to_static`), 1 rank", ("dispatch_1rank",), ("dispatch",), ("autopar_static",), "overhead_ratio_vs_dtensor", 0.5),
+    ("per-op overhead, one op at a time at top level, 1 rank", ("dispatch_1rank",), ("dispatch",), ("autopar",), "overhead_ratio_vs_dtensor", 0.5),
+    ("reshard S(0)->S(1), 16 MiB, 4 ranks (all-to-all, 1/4 of the bytes)", ("reshard_4ranks",), ("reshard_S0->S1",), ("autopar",), "ratio_vs_dtensor", 1.0),
+    ("reshard S(0)->R, P->R, P->S(0), R->S(0), 16 MiB, 4 ranks", ("reshard_4ranks",), ("reshard_S0->R", "reshard_P->R", "reshard_P->S0", "reshard_R->S0"), ("autopar",), "ratio_vs_dtensor", 1.0),
+    ("seed 4.2 TP MLP step, 2 ranks", ("tp_mlp_2ranks",), ("tp_mlp",), ("autopar",), "ratio_vs_dtensor", 1.0),
+    ("seed 4.2 TP MLP step, 4 ranks", ("tp_mlp_4ranks",), ("tp_mlp",), ("autopar",), "ratio_vs_dtensor", 1.0),
+    ("GPT 3.7 M, data parallel, 2 ranks: dynamic", ("gpt_3m7_2ranks",), ("gpt",), ("autopar_dp",), "ratio_vs_ddp", 1.0),
+    ("GPT 3.7 M, data parallel, 2 ranks: static", ("gpt_3m7_2ranks",), ("gpt",), ("autopar_dp_static",), "ratio_vs_ddp", 1.0),
+    ("GPT 3.7 M, tensor parallel, 2 ranks: dynamic / static", ("gpt_3m7_2ranks",), ("gpt",), ("autopar_dptp", "autopar_dptp_static"), "ratio_vs_dtensor_dptp", 1.0),
+    ("GPT tiny, data parallel, 2 ranks: dynamic", ("gpt_2ranks",), ("gpt",), ("autopar_dp",), "ratio_vs_ddp", 1.0),
+    ("GPT tiny, data parallel, 4 ranks on 2 cores: dynamic", ("gpt_4ranks",), ("gpt",), ("autopar_dp",), "ratio_vs_ddp", 1.0),
+    ("GPT tiny, data parallel, 2 / 4 ranks: static", ("gpt_2ranks", "gpt_4ranks"), ("gpt",), ("autopar_dp_static",), "ratio_vs_ddp", 1.0),
+    ("GPT tiny, dp x tp 2x2, 4 ranks: dynamic / static", ("gpt_4ranks",), ("gpt",), ("autopar_dptp", "autopar_dptp_static"), "ratio_vs_dtensor_dptp", 1.0),
+    ("GPT 3.7 M, 4 micro-batches accumulated, 2 ranks", ("gpt_accum4_3m7_2ranks",), ("gpt",), ("autopar_dp_accum",), "ratio_vs_ddp_accum_no_sync", 1.0),
+    ("AdamW step over TP-placed GPT parameters (dim 256 and 64), 2 ranks", ("optim_2ranks", "optim_small_2ranks"), ("adamw",), ("autopar",), "ratio_vs_dtensor", 1.0),
+    ("HF Llama data parallel (ZeRO level 0), 2 ranks", ("zero_2ranks",), ("zero",), ("autopar_z0",), "ratio_time_vs_ddp", 1.0),
+    ("HF Llama ZeRO-3, 2 ranks", ("zero_2ranks",), ("zero",), ("autopar_z3",), "ratio_time_vs_fsdp2", 1.1),
+    ("HF Llama ZeRO-3, 4 ranks on 2 cores", ("zero_4ranks",), ("zero",), ("autopar_z3",), "ratio_time_vs_fsdp2", 1.1),
+    ("HF Llama ZeRO-1 / ZeRO-2 against autopar's level 0, 2 ranks", ("zero_2ranks",), ("zero",), ("autopar_z1", "autopar_z2"), "ratio_time_vs_autopar_z0", 1.25),
+    ("pipeline 1F1B, 8 micro-batches, 2 stages", ("pipeline_2ranks",), ("pipeline",), ("autopar_1f1b",), "ratio_vs_torch_1f1b", 1.0),
+    ("ResNet data parallel with global BatchNorm, 2 ranks", ("resnet_2ranks",), ("resnet",), ("autopar_dp",), "ratio_vs_ddp_syncbn", 1.0),
+]
+PEER_OF = {"overhead_ratio_vs_dtensor": "DTensor's overhead", "ratio_vs_dtensor": "DTensor", "ratio_vs_ddp": "DDP",
+           "ratio_vs_dtensor_dptp": "DTensor", "ratio_vs_ddp_accum_no_sync": "DDP with no_sync",
+           "ratio_time_vs_fsdp2": "FSDP2", "ratio_time_vs_ddp": "DDP", "ratio_time_vs_autopar_z0": "autopar ZeRO-0",
+           "ratio_vs_torch_1f1b": "torch.distributed.pipelining", "ratio_vs_ddp_syncbn": "DDP + SyncBatchNorm"}
+
+
+def commands(run_all: str) -> dict:
+    """{measurement name: its command} from run_all.sh's `run NAME COMMAND` lines."""
+    out = {}
+    for line in open(run_all):
+        m = re.match(r"\s*run\s+(\S+)\s+(.*)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).replace('"$bench/', "benchmarks/").replace('.py"', ".py")
+    return out
+
+
+def headline_markdown(recs) -> None:
+    """One row per goal: the ratio's median over runs (and cases), its range, the target, met."""
+    cmds = commands(os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_all.sh"))
+    print("| goal | against | ratio (range) | target | met | command |")
+    print("|---|---|---|---|---|---|")
+    for goal, names, benches, impls, field, target in HEADLINE:
+        def values(impls):
+            return [r[field] for r in recs if r["_name"] in names and r["bench"].startswith(benches)
+                    and (r.get("variant") or r.get("impl")) in impls and r.get(field) is not None]
+
+        vals = values(impls)
+        if not vals:
+            continue
+        met = "yes" if statistics.median(vals) <= target else "**no**"
+        cmd = " ; ".join(f"`{cmds[n]}`" for n in names if n in cmds)
+        ratios = " / ".join(_cell(values((impl,))) for impl in impls)
+        print(f"| {goal} | {PEER_OF.get(field, field)} | {ratios} | <= {target} | {met} | {cmd} |")
+
+
 def main():
     args = sys.argv[1:]
+    if args[:1] == ["--headline"]:
+        headline_markdown(load(args[1:]))
+        return
     if args[:1] == ["--plot"]:
         from plots import plot_all
 

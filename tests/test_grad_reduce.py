@@ -102,10 +102,11 @@ def test_buckets_reduce_during_backward_and_match_single_process(net):
     for got in run_dist(_dp, 4, **net):
         _check_numbers(got, ref)
         losses, _, placements, step_comm, starts = got
-        # step 1 verifies the region op by op: the optimizer reduces its gradients; then the
-        # region's backward does, and the optimizer has nothing left to reduce
+        # step 1 verifies the region op by op: the optimizer reduces its gradients, in the
+        # buckets backward cuts later; then the region's backward does, and the optimizer has
+        # nothing left to reduce
         assert placements == [["[Partial()]"]] + [["[Replicate()]"]] * 2
-        assert step_comm == [["all_reduce"]] + [[]] * 2
+        assert step_comm == [["all_reduce"] * 3] + [[]] * 2
         assert len(starts) == 2 * 3, starts  # three buckets per backward
         # the first bucket (the last layer) started while backward still had layers to go
         assert starts[0] < trainable, (starts, trainable)
@@ -121,19 +122,88 @@ def test_gradient_accumulation_defers_reduction_to_one_per_step():
         _check_numbers(got, ref)
         losses, _, placements, step_comm, starts = got
         assert placements == [["[Partial()]"]] * 3
-        assert step_comm == [["all_reduce"]] * 3  # one bucketed all-reduce per step
+        assert step_comm == [["all_reduce"] * 3] * 3  # one reduction per step (three buckets)
         assert len(starts) == 3  # only step 2's first backward reduced (three buckets)
 
 
 def test_zero_stage_1_reduce_scatters_buckets_during_backward():
     """ZeRO-1 reduce-scatters the gradients onto this rank's shards, bucket by bucket while
     backward runs (after the first step, which verifies the region op by op: the optimizer
-    reduces its gradients in one bucket), and all-gathers the updated shards, one bucket (of
-    the same size cap) each."""
+    reduces its gradients, in the same buckets), and all-gathers the updated shards, one
+    bucket (of the same size cap) each."""
     ref = _reference()
     for got in run_dist(_dp, 4, stage=1):
         _check_numbers(got, ref)
         assert got[2] == [[str([Partial()])]] + [[str([Shard(0)])]] * 2
         assert len(got[4]) == 2 * 3  # three buckets reduce-scattered in each later backward
         gathers = ["all_gather"] * 3
-        assert got[3] == [["reduce_scatter"] + gathers, gathers, gathers], got[3]
+        assert got[3] == [["reduce_scatter"] * 3 + gathers, gathers, gathers], got[3]
+
+
+def _clip_first_step():
+    """Step 1 runs the region op by op: its gradients wait Partial for the optimizer.  Clipping
+    reads them all; the first read reduces every one, in the optimizer's buckets."""
+    caps = grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES
+    grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = 1200, 2500
+    try:
+        mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+        torch.manual_seed(0)
+        model = dist.shard_layer(Deep(), mesh)
+        opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+        (x, y), = _batches((1,))[0]
+        x, y = dist.shard_tensor(x, mesh, [S0]), dist.shard_tensor(y, mesh, [S0])
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with dist.comm_log() as clip_log:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        with dist.comm_log() as step_log:
+            opt.step()
+        return norm.item(), [r.op for r in clip_log], [r.op for r in step_log], dist.unshard_dtensor(model.layers[0].weight.detach())
+    finally:
+        grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = caps
+
+
+def test_clipping_reduces_pending_gradients_in_buckets():
+    torch.manual_seed(0)
+    model = Deep()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    (x, y), = _batches((1,))[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
+    opt.step()
+    for norm, clip_ops, step_ops, w in run_dist(_clip_first_step, 4):
+        np.testing.assert_allclose(norm, ref_norm, rtol=1e-5)
+        torch.testing.assert_close(w, model.layers[0].weight.detach(), rtol=1e-5, atol=1e-6)
+        assert clip_ops == ["all_reduce"] * 3, clip_ops  # the three buckets; the norm needs nothing more
+        assert step_ops == [], step_ops
+
+
+def _llama_gradient_collectives():
+    """HF Llama under dp 2 with a 64 KiB first bucket: the gradient all-reduces of a step
+    after the regions are verified."""
+    from hf_llama import batches, optimizer, tiny_llama
+
+    caps = grad_reduce.FIRST_BUCKET_BYTES
+    grad_reduce.FIRST_BUCKET_BYTES = 64 << 10
+    try:
+        mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+        model = tiny_llama(layers=3)
+        model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, {"dp_config": {"sharding_level": 0}})
+        sizes = []
+        for ids, labels in batches(5):
+            with dist.comm_log() as log:
+                model(input_ids=ids, labels=labels).loss.backward()
+                opt.step()
+            opt.zero_grad()
+            sizes = [r.bytes for r in log if r.op == "all_reduce" and r.bytes > 64]
+        return sizes, sum(p.numel() * 4 for p in model.parameters())
+    finally:
+        grad_reduce.FIRST_BUCKET_BYTES = caps
+
+
+def test_small_regions_share_ddp_sized_buckets():
+    """Decoder layers are regions of their own, each far below a bucket: their gradients wait
+    for the pre-step and travel in DDP's buckets (the 64 KiB first one, then one for the rest),
+    not in a first bucket per region."""
+    for sizes, model_bytes in run_dist(_llama_gradient_collectives, 2):
+        assert len(sizes) == 2, sizes  # an all-reduce of k=2 sends its whole buffer
+        assert sizes[0] <= 64 << 10 and sum(sizes) == model_bytes, (sizes, model_bytes)

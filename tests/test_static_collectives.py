@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import autopar as dist
 from distpool import run_dist
-from hf_llama import batches, optimizer, tiny_llama
+from hf_llama import batches, mp_plan, optimizer, tiny_llama
 
 STEPS = 3
 
@@ -25,13 +25,19 @@ def _next_token_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
-def _collectives(static):
-    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+def _collectives(static, mp=False, steps=STEPS):
+    if mp:
+        mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+        plan = {"model." + name: layer for name, layer in mp_plan().items()}
+        config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": plan}}
+    else:
+        mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+        config = {"dp_config": {"sharding_level": 0}}
     model = _Logits(tiny_llama(attention="sdpa"))
-    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, {"dp_config": {"sharding_level": 0}})
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     step_fn = dist.to_static(model, None, _next_token_loss, opt) if static else None
     losses, logs = [], []
-    for ids, labels in batches(STEPS):
+    for ids, labels in batches(steps):
         with dist.comm_log() as log:
             if static:
                 loss = step_fn(ids, labels)
@@ -52,3 +58,18 @@ def test_static_and_dynamic_data_parallel_steps_send_the_same_collectives():
         assert st_logs[-1] == dyn_logs[-1], (st_logs[-1], dyn_logs[-1])
         # replicated labels: the loss all-reduce and one gradient bucket, no all-to-all
         assert [op for op, _, _ in dyn_logs[-1] if op not in ("send", "recv")] == ["all_reduce", "all_reduce"], dyn_logs[-1]
+
+
+def test_static_and_dynamic_dp_x_mp_steps_send_the_same_collectives():
+    """dp x mp: the layers whose forward does not communicate (the MLPs) become local regions
+    one nesting level per step (each level is tried once); from then on their gradients wait
+    for the optimizer's pre-step and share its buckets, as the captured step's do."""
+    steps = 5
+    for (dyn_losses, dyn_logs), (st_losses, st_logs) in zip(run_dist(_collectives, 4, False, True, steps),
+                                                            run_dist(_collectives, 4, True, True, steps)):
+        np.testing.assert_allclose(st_losses, dyn_losses, rtol=1e-6)
+        assert st_logs[-1] == dyn_logs[-1], (st_logs[-1], dyn_logs[-1])
+        # one gradient bucket per group of ranks: the dp pairs (mp-split weights) and the whole
+        # mesh (replicated weights: norms, embedding)
+        buckets = [(ranks, shape) for op, ranks, shape in dyn_logs[-1] if op == "all_reduce" and len(shape) == 1 and shape[0] > 2]
+        assert len(buckets) == 2 and {len(r) for r, _ in buckets} == {2, 4}, dyn_logs[-1]

@@ -56,3 +56,40 @@ def test_llama_tensor_parallel_moves_only_megatrons_collectives(attention):
             [("all_reduce", (BATCH * SEQ, 1))] + [("all_reduce", activation)] * (2 * LAYERS)), bwd
         assert sum(b for op, shape, b in fwd if shape == activation) == 2 * LAYERS * act_bytes
         assert [op for op, _, _ in step] == ["all_reduce"], step
+
+
+def _clipped_norms():
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    model = tiny_llama(layers=LAYERS)
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh,
+                                  {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": mp_plan()}})
+    norms, logs = [], []
+    for ids, labels in batches(3):
+        model(input_ids=ids, labels=labels).loss.backward()
+        with dist.comm_log() as log:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        with dist.comm_log() as step:
+            opt.step()
+        opt.zero_grad()
+        logs.append(([(r.op, len(r.ranks)) for r in log], len(step)))
+    return norms, logs
+
+
+def test_clipping_dp_x_mp_gradients_takes_a_collective_per_bucket_and_norm_group():
+    """The gradients wait Partial over dp for the optimizer; clip_grad_norm_'s first read
+    reduces them all in the optimizer's buckets (one over each dp pair, one over the mesh for
+    the replicated weights), and its foreach norm adds one all-reduce per placement of the
+    mp-split gradients (columns, rows): not one collective per parameter."""
+    model = tiny_llama(layers=LAYERS)
+    opt = optimizer(model.parameters())
+    ref = []
+    for ids, labels in batches(3):
+        model(input_ids=ids, labels=labels).loss.backward()
+        ref.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        opt.step()
+        opt.zero_grad()
+    for norms, logs in run_dist(_clipped_norms, 4):
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref), rtol=1e-5, atol=0)
+        for clip_ops, step_ops in logs:
+            assert sorted(clip_ops) == [("all_reduce", 2)] * 3 + [("all_reduce", 4)], clip_ops
+            assert step_ops == 0

@@ -121,12 +121,29 @@ class ShardDataloader:
 
     def _convert(self, batch, global_rows: Optional[int]):
         items, kind = self._items(batch)
+        if global_rows is not _INFERRED:
+            rows = global_rows if global_rows is not None else next(
+                (v.shape[0] for _, v in items if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+            self._check_rows(rows)
         out = [(k, self._wrap(v, self._mesh_for(i, len(items)), global_rows)) for i, (k, v) in enumerate(items)]
         if kind == "dict":
             return {**batch, **dict(out)}
         if kind == "single":
             return out[0][1]
         return kind(v for _, v in out)
+
+    def _check_rows(self, rows: Optional[int]) -> None:
+        """Every rank that a batch is split over needs at least one sample of it (the same
+        verdict on every rank: they all see the same batch sizes)."""
+        for mesh, dim in zip(self.meshes, self.shard_dims):
+            if rows is None or dim is None or rows >= mesh.shape[dim]:
+                continue
+            raise ValueError(
+                f"shard_dataloader: a batch of {rows} samples cannot be split over the {mesh.shape[dim]} ranks of "
+                f"mesh dim '{mesh.dim_names[dim]}' (data-parallel degree {mesh.shape[dim]}): every rank needs at "
+                f"least one sample. This is usually the loader's last, short batch: pass drop_last=True to the "
+                f"DataLoader (or make the dataset size a multiple of the batch size)"
+            )
 
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self):
@@ -147,6 +164,7 @@ class ShardDataloader:
         # the random stream then goes on as when the loader itself is iterated
         torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
         for indices in batches:
+            self._check_rows(len(indices))
             mine = self._my_indices(list(indices))
             yield self._convert(collate([dataset[i] for i in mine]), len(indices))
 
@@ -183,7 +201,9 @@ def shard_dataloader(
     Each tensor is sharded on its batch dim (dim 0) over mesh dim `shard_dims` (a name or
     index per mesh; None replicates).  With several meshes (pipeline), inputs go to the
     first mesh and labels (the last batch item) to the last.  A batch that does not divide
-    evenly is split with the library's uneven rule (first pieces one row longer).  A shuffled
+    evenly is split with the library's uneven rule (first pieces one row longer); one with
+    fewer samples than ranks to split it over is refused (a short last batch: pass the
+    loader drop_last=True).  A shuffled
     loader gives every rank rank 0's order (collective: every rank iterates the loader).
 
     >>> import torch, autopar as dist

@@ -8,6 +8,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from .. import local_region
+from ..checkpoint import pretrained
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Replicate
@@ -64,8 +65,9 @@ _MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 def register_model(model: torch.nn.Module) -> None:
     """Note a model converted by `shard_layer` or `parallelize`: ZeRO-3 finds in it the layers
-    that hold the parameters it shards."""
+    that hold the parameters it shards; an HF model's save_pretrained writes the full weights."""
     _MODELS.add(model)
+    pretrained.install(model)
 
 
 def models() -> list:

@@ -19,14 +19,21 @@ The returned optimizer is the torch optimizer itself, stepping the user's Parame
   optimizer and the user keep the same Parameter objects); each layer gathers its
   parameters just before it runs and frees them after, gathers them again for its backward
   and reduce-scatters their gradients (`zero3.py`).
+
+A torch optimizer never given to shard_optimizer still steps distributed parameters, op by
+op through the dispatch; a global step pre-hook places its states like their parameters
+(at its first step and after each `load_state_dict`), as `place_states` does for ours.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm import all_gather_into, get_rank
+from ..dispatch import PARTIAL_READ_HOOKS
 from ..dtensor import DistTensor, new_dist
 from ..flat_shards import FlatShards
 from .. import grad_reduce
@@ -176,11 +183,18 @@ class _OptimizerSharding:
                            every_backward=self.stage == 2)
         self.local_step = LocalStep(optimizer, dispatch_foreach, self.piece_of)
         self.place_states()
+        _reduce_before_reads(self)
         self.arrived: list = []  # ZeRO-2: parameters whose gradients backward left unreduced
         if self.stage == 2:
             for p, spec in targets:
                 if spec is not None and p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._grad_arrived)
+
+    def reduce_if_pending(self, t: DistTensor) -> None:
+        """Before one Partial gradient of this optimizer's parameters is reduced for a read,
+        reduce all of them, in the pre-step's buckets."""
+        if any(p.grad is t for group in self.optimizer.param_groups for p in group["params"]):
+            self.prepare_grads()
 
     def _grad_arrived(self, p: torch.Tensor) -> None:
         """ZeRO-2 keeps no whole gradient past its backward: gradients that backward left
@@ -226,18 +240,7 @@ class _OptimizerSharding:
         return shard.piece() if shard is not None else whole_piece(p)
 
     def place_states(self) -> None:
-        """Put every tensor state where its parameter is stepped: states made for another
-        placement (an optimizer that stepped before the model was converted; a checkpoint of a
-        differently parallelized model, `opt.load_state_dict`) are resharded, plain ones cut."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                spec = self.step_spec(p)
-                state = self.optimizer.state.get(p)
-                if spec is None or not state:
-                    continue
-                for key, value in list(state.items()):
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == spec.shape:
-                        state[key] = _placed(value, spec)
+        place_states(self.optimizer, self.step_spec)
 
     # -- the step ---------------------------------------------------------------------------
     def pre_step(self, optimizer, args, kwargs) -> None:
@@ -307,6 +310,58 @@ class _OptimizerSharding:
                 layout = FlatShards.of(shapes, tuple(s.cut_dim for s in bucket), len(ranks))
                 out.append((ranks, ranks.index(rank), bucket, layout))
         return out
+
+
+def _reduce_before_reads(sharding: _OptimizerSharding) -> None:
+    """Let a read of a pending gradient reduce every pending one (`dispatch.PARTIAL_READ_HOOKS`),
+    for as long as the optimizer lives."""
+    ref = weakref.ref(sharding)
+
+    def hook(t):
+        owner = ref()
+        if owner is None:
+            PARTIAL_READ_HOOKS.remove(hook)
+        else:
+            owner.reduce_if_pending(t)
+
+    PARTIAL_READ_HOOKS.append(hook)
+
+
+def place_states(optimizer: torch.optim.Optimizer, step_spec: Callable) -> None:
+    """Put every tensor state where its parameter is stepped (`step_spec(p)`, None: whole):
+    states made for another placement (an optimizer that stepped before the model was
+    converted; a checkpoint of a differently parallelized model, `opt.load_state_dict`) are
+    resharded, plain ones cut."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            spec = step_spec(p)
+            state = optimizer.state.get(p)
+            if spec is None or not state:
+                continue
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == spec.shape:
+                    state[key] = _placed(value, spec)
+
+
+def _spec_of(p: torch.Tensor) -> Optional[DistSpec]:
+    return p._spec if type(p) is DistTensor else None
+
+
+def _place_states_of_plain_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """A global step pre-hook: an optimizer over distributed parameters that was never given
+    to shard_optimizer steps through the op dispatch, and its states must be placed like
+    their parameters too (loaded from a differently parallelized model's checkpoint, they
+    come on the saved mesh).  Done at its first step and after each `load_state_dict`; an
+    optimizer with no distributed parameter at its first step is left alone from then on."""
+    if getattr(optimizer, "_autopar_sharding", None) is not None or getattr(optimizer, "_autopar_placed", False):
+        return
+    optimizer._autopar_placed = True
+    if any(type(p) is DistTensor for group in optimizer.param_groups for p in group["params"]):
+        place_states(optimizer, _spec_of)
+        optimizer.register_load_state_dict_post_hook(lambda opt: place_states(opt, _spec_of))
+
+
+register_optimizer_step_pre_hook(_place_states_of_plain_optimizers)
 
 
 def _placed(value: torch.Tensor, spec: DistSpec) -> DistTensor:

@@ -334,7 +334,7 @@ def parallelize(
     """Make `model` and `optimizer` distributed with one config (in place; both are returned).
 
     `mesh` defaults to `get_mesh()`; its dims are found by the names "dp", "mp" and "pp".
-    `config` holds any of
+    `config` is "auto" (the planner chooses, see `_auto_config`) or holds any of
     - `"dp_config": {"sharding_level": 0|1|2|3}`: plain tensor inputs are split on dim 0
       over "dp"; the optimizer gets ZeRO stage `sharding_level` over "dp" (0: none);
     - `"mp_config": {"parallelize_plan": {name: plan or [plans]}}`: names of layers or of
@@ -368,6 +368,8 @@ def parallelize(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"parallelize needs a torch.nn.Module, got {type(model).__name__}")
     mesh = mesh if mesh is not None else get_mesh()
+    if isinstance(config, str):
+        mesh, config = _auto_config(model, mesh, config)
     config = _checked_config(config, mesh)
     if mesh is None or not config:
         return model, optimizer
@@ -395,6 +397,29 @@ def parallelize(
         level = config["dp_config"].get("sharding_level", 0) if "dp_config" in config else 0
         optimizer = _parallel_optimizer(optimizer, level, mesh)
     return model, optimizer
+
+
+def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: str) -> tuple[ProcessMesh, dict]:
+    """config="auto": the planner's fastest layout of `model` on `mesh`'s ranks (the "cpu"
+    profile, fp32, one sequence per rank).  A mesh naming dp/mp/pp dims keeps their sizes
+    (a missing one is 1); any other mesh is reshaped to the plan's ["pp", "dp", "mp"].
+    Sequence parallel stays off: its plans assume the seed's [s, b, h] activations, which
+    HF models do not use.  The plan is kept as `model._autopar_plan` (see its `why`)."""
+    if config != "auto":
+        raise ValueError(f"parallelize config must be a dict or 'auto', got {config!r}")
+    if mesh is None:
+        raise ValueError("parallelize(config='auto') needs a mesh (argument or set_mesh) to know the ranks")
+    from ..planner import plan
+
+    sizes = dict(zip(mesh.dim_names, mesh.shape))
+    fixed = {"sequence_parallel": False}
+    named = any(dim in sizes for dim in _CONFIG_DIMS.values())
+    if named:
+        fixed.update({dim: sizes.get(dim, 1) for dim in _CONFIG_DIMS.values()})
+    chosen = plan(model, world_size=len(mesh.process_ids), global_batch=len(mesh.process_ids), device="cpu",
+                  precision="fp32", fixed=fixed)
+    model._autopar_plan = chosen
+    return (mesh if named else chosen.mesh(mesh.process_ids)), chosen.config
 
 
 def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict:

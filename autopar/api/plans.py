@@ -11,12 +11,14 @@ outside the region work on [b, s, h] and the region on [s, b, h]: entering trans
 0 and 1, leaving transposes back.  Which dim is the sequence is read off the batch dim's
 split over "dp" (batch split on dim 0: [b, s, h], sequence dim 1; on dim 1: [s, b, h],
 sequence dim 0); a tensor whose batch is not split is [s, b, h] right after a transpose
-and [b, s, h] otherwise.  The sequence plans act on a layer's first input / its output (the
-first element of a tuple output), as Paddle's do.
+and [b, s, h] otherwise.  The sequence plans act on a layer's first input (positional or
+passed by keyword, as HF passes it) / its output (the first element of a tuple output), as
+Paddle's do.
 """
 from __future__ import annotations
 
 import enum
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -74,6 +76,36 @@ def _map_first(value, fn: Callable, what: str):
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
         return type(value)([fn(value[0]), *value[1:]])
     raise TypeError(f"{what}: expected a tensor or a tuple/list starting with one, got {type(value).__name__}")
+
+
+def _first_input_name(layer: torch.nn.Module) -> Optional[str]:
+    """The name of the first parameter of `layer.forward` (None if it takes *args first)."""
+    try:
+        params = list(inspect.signature(layer.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if params and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return params[0].name
+    return None
+
+
+def _hook_first_input(layer: torch.nn.Module, fn: Callable, what: str) -> None:
+    """Register a pre-hook applying `fn` to the layer's first input, passed positionally or
+    by keyword (HF calls `self_attn(hidden_states=..., ...)` with no positional argument)."""
+    first = _first_input_name(layer)
+
+    def hook(_m, args, kwargs):
+        if args:
+            return _map_first(args, fn, what), kwargs
+        if first in kwargs:
+            return args, {**kwargs, first: _map_first(kwargs[first], fn, what)}
+        named = f"'{first}'" if first else "a positional input"
+        raise TypeError(
+            f"{what}: the layer was called without its first input ({named}, positional or by keyword); "
+            f"got only the keywords {sorted(kwargs)}"
+        )
+
+    layer.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _swap_01(t: torch.Tensor) -> torch.Tensor:
@@ -182,9 +214,7 @@ class RowWiseParallel(_SplitWeights):
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
         if not self.is_input_parallel:
             what = f"RowWiseParallel(is_input_parallel=False) on '{name}'"
-            layer.register_forward_pre_hook(
-                lambda _m, args: _map_first(args, lambda t: _on_mp(t, mesh, Shard(-1)), what)
-            )
+            _hook_first_input(layer, lambda t: _on_mp(t, mesh, Shard(-1)), what)
 
 
 class SequenceParallelBegin(PlanBase):
@@ -238,7 +268,7 @@ class SequenceParallelEnd(PlanBase):
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
         what = f"SequenceParallelEnd on '{name}'"
-        layer.register_forward_pre_hook(lambda _m, args: _map_first(args, lambda t: self._gather(t, mesh), what))
+        _hook_first_input(layer, lambda t: self._gather(t, mesh), what)
 
 
 class SequenceParallelEnable(PlanBase):
@@ -262,7 +292,7 @@ class SequenceParallelEnable(PlanBase):
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
         what = f"SequenceParallelEnable on '{name}'"
-        layer.register_forward_pre_hook(lambda _m, args: _map_first(args, lambda t: self._split(t, mesh), what))
+        _hook_first_input(layer, lambda t: self._split(t, mesh), what)
 
 
 class SequenceParallelDisable(PlanBase):
@@ -299,7 +329,7 @@ class SequenceParallelDisable(PlanBase):
             dim = seq["dim"] if seq["dim"] in (0, 1) else sequence_dim(t, mesh, self.need_transpose)
             return _on_mp(t, mesh, Shard(dim))
 
-        layer.register_forward_pre_hook(lambda _m, args: _map_first(args, gather, what))
+        _hook_first_input(layer, gather, what)
         layer.register_forward_hook(lambda _m, _args, out: _map_first(out, split, what))
 
 

@@ -25,6 +25,22 @@ def _check_mesh(mesh: ProcessMesh, what: str) -> None:
         raise ValueError(f"{what}: mesh {mesh} names ranks {beyond} but the world has {world} processes")
 
 
+def _placements(placements, mesh: ProcessMesh, ndim: int, dtype: torch.dtype, what: str) -> tuple:
+    """`normalize_placements`, refusing Partial("avg") on an integer or bool tensor: an
+    average over ranks of integers is not an integer (it would fail, or truncate, only
+    when reduced, far from where it was made)."""
+    out = normalize_placements(placements, mesh.ndim, ndim, what)
+    if not (dtype.is_floating_point or dtype.is_complex):
+        for m, p in enumerate(out):
+            if p == Partial("avg"):
+                raise ValueError(
+                    f"{what}: {p} on mesh dim {m} ('{mesh.dim_names[m]}') of {mesh} needs a floating dtype, the "
+                    f"tensor is {dtype}: an average over ranks of integers is not an integer; use a floating "
+                    f"dtype, or Partial('sum') and divide later"
+                )
+    return out
+
+
 def _piece_of_full(full: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     """This rank's piece of `spec` cut from the full value (no communication), as its own
     storage: a cut piece must not pin the full tensor, each rank holds only its shard.
@@ -193,7 +209,6 @@ def shard_tensor(
     _check_mesh(mesh, "shard_tensor")
     is_param = isinstance(data, torch.nn.Parameter)
     if isinstance(data, DistTensor):
-        placements = normalize_placements(placements, mesh.ndim, data.dim(), f"tensor of shape {list(data.shape)}")
         out = reshard(data, mesh, placements)
         return distributed_parameter(out.detach(), data.requires_grad) if is_param else out
     if not isinstance(data, torch.Tensor):
@@ -203,7 +218,7 @@ def shard_tensor(
             raise TypeError(f"shard_tensor needs a tensor, ndarray or list, got {type(data).__name__}")
     if dtype is not None and data.dtype != dtype:
         data = data.to(dtype)
-    placements = normalize_placements(placements, mesh.ndim, data.dim(), f"tensor of shape {list(data.shape)}")
+    placements = _placements(placements, mesh, data.dim(), data.dtype, f"shard_tensor of shape {list(data.shape)}")
     spec = DistSpec(mesh, placements, TensorMeta.contiguous(data.shape, data.dtype))
     src = _source_rank(mesh, src_data_rank)
     requires_grad = data.requires_grad if stop_gradient is None else not stop_gradient
@@ -254,7 +269,8 @@ def dtensor_from_local(
     torch.Size([2, 2])
     """
     _check_mesh(mesh, "dtensor_from_local")
-    placements = normalize_placements(placements, mesh.ndim, local.dim(), f"local tensor of shape {list(local.shape)}")
+    placements = _placements(placements, mesh, local.dim(), local.dtype,
+                             f"dtensor_from_local of a piece of shape {list(local.shape)}")
     if shape is not None:
         global_shape = list(shape)
     elif any(p.is_shard() and k > 1 for p, k in zip(placements, mesh.shape)):
@@ -283,8 +299,8 @@ def dtensor_from_fn(fn: Callable, mesh: ProcessMesh, placements: Sequence[Placem
     torch.Size([4, 2])
     """
     _check_mesh(mesh, "dtensor_from_fn")
-    probe = fn(*args, **{**kwargs, "device": "meta"})
-    placements = normalize_placements(placements, mesh.ndim, probe.dim(), f"{getattr(fn, '__name__', fn)} result")
+    probe = _probe(fn, args, kwargs)
+    placements = _placements(placements, mesh, probe.dim(), probe.dtype, f"dtensor_from_fn({_name(fn)}) result")
     spec = DistSpec(mesh, placements, TensorMeta.contiguous(probe.shape, probe.dtype))
     rank = get_rank()
     if rank not in mesh:
@@ -302,6 +318,26 @@ def dtensor_from_fn(fn: Callable, mesh: ProcessMesh, placements: Sequence[Placem
     return DistTensor(local, spec, requires_grad=bool(kwargs.get("requires_grad", False)))
 
 
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _probe(fn: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """`fn`'s result on the meta device: the global shape and dtype, allocating nothing."""
+    need = (f"dtensor_from_fn needs a torch factory like torch.ones, torch.zeros, torch.full or torch.randn, "
+            f"taking the shape plus dtype/device keywords (it is called with device='meta' for the global shape, "
+            f"then with this rank's shape); {_name(fn)}")
+    try:
+        probe = fn(*args, **{**kwargs, "device": "meta"})
+    except TypeError as err:
+        raise TypeError(f"{need} failed with device='meta': {err}") from err
+    if not isinstance(probe, torch.Tensor):
+        raise TypeError(f"{need} returned {type(probe).__name__}, not a tensor")
+    if probe.device.type != "meta":
+        raise TypeError(f"{need} ignored device='meta' (it made a whole {list(probe.shape)} tensor on {probe.device})")
+    return probe
+
+
 def reshard(t: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Placement]) -> torch.Tensor:
     """Move `t` to `placements` on `mesh` (same mesh or another one), differentiably.
 
@@ -317,7 +353,7 @@ def reshard(t: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Placement])
     _check_mesh(mesh, "reshard")
     if not isinstance(t, DistTensor):
         return shard_tensor(t, mesh, placements)
-    placements = normalize_placements(placements, mesh.ndim, t.dim(), f"tensor of shape {list(t.shape)}")
+    placements = _placements(placements, mesh, t.dim(), t.dtype, f"reshard of a tensor of shape {list(t.shape)}")
     spec = DistSpec(mesh, placements, t._spec.meta)
     if spec == t._spec:
         return t

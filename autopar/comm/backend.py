@@ -73,6 +73,9 @@ def ensure_initialized() -> None:
     install_exit_handling()
 
 
+SIMULATING = [False]  # inside `simulate`: transfers move nothing and their outputs are made up
+
+
 def destroy_groups() -> None:
     """Tear down autopar's own groups, then the default one, so that no gloo thread is left
     for the interpreter's teardown."""
@@ -181,11 +184,19 @@ def group_for(ranks: tuple):
 def _make_backend(store, group_rank: int, size: int):
     from torch._C import _distributed_c10d as c10d
 
+    if tdist.get_backend() == "fake":  # `simulate`: a group that records, sends nothing
+        return c10d.FakeProcessGroup._create_internal(group_rank, size)
     if tdist.get_backend() == "nccl":
         opts = c10d.ProcessGroupNCCL.Options()
         opts._timeout = _timeout()
         return c10d.ProcessGroupNCCL(store, group_rank, size, opts)
     return c10d.ProcessGroupGloo(store, group_rank, size, _timeout())
+
+
+def forget_job() -> None:
+    """Forget the rank, world size and groups read from the current job (`simulate` swaps jobs)."""
+    _WHO[0] = None
+    reset_groups()
 
 
 def reset_groups() -> None:

@@ -12,9 +12,10 @@ import torch.distributed as tdist
 from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 
 from ..placement import ReduceType
-from .backend import get_rank, group_for
+from .backend import SIMULATING, get_rank, group_for
 from .faults import arrive, check_signature, debugging, fail
 from .log import record
+from .simulate import plausible
 
 _TORCH_OP = {
     ReduceType.SUM: tdist.ReduceOp.SUM,
@@ -66,6 +67,8 @@ class Wire:
             self.run(*tensors)
         except RuntimeError as e:
             fail(self.op, self.ranks, seq, e)
+        if SIMULATING[0]:
+            plausible(self.op, tensors, self.logs)
         for log in self.logs:
             record(*log)
 

@@ -19,9 +19,10 @@ from typing import Sequence
 import torch
 import torch.distributed as tdist
 
-from .backend import CommError, channel_group, get_rank
+from .backend import SIMULATING, CommError, channel_group, get_rank
 from .collectives import CAPTURE_HOOKS, send_recv
 from .log import record
+from .simulate import received
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -47,6 +48,8 @@ class P2PWork:
                     f"{self.op} {direction} rank {self.peer} on channel {self.channel!r} failed on rank {get_rank()}: "
                     f"{e}. The peer may have crashed or not reached this transfer (timeout: AUTOPAR_TIMEOUT)."
                 ) from e
+            if SIMULATING[0] and self.op == "recv":
+                received(self.tensor)
         return self.tensor
 
     def is_completed(self) -> bool:
@@ -133,4 +136,7 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
                 work.wait()
         except RuntimeError as e:
             raise CommError(f"receive from ranks {[s for _, s in recvs]} failed on rank {me}: {e}") from e
+        if SIMULATING[0]:
+            for buf, _ in recvs:
+                received(buf)
         window.recv_seconds += time.perf_counter() - t1

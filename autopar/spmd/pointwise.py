@@ -166,3 +166,14 @@ def new_rule(call: OpCall) -> list[Strategy]:
         return _follow(call) + [Strategy((Replicate(),), (None,))]
     same = [d for d in range(len(dst)) if len(src) == len(dst) and src[d] == dst[d] != 1]
     return [Strategy((Shard(d),), (Shard(d),)) for d in same] + [Strategy((Replicate(),), (None,))]
+
+
+@register([aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor])
+def isin_rule(call: OpCall) -> list[Strategy]:
+    """isin(elements, test_elements) asks of each element whether it is anywhere in
+    test_elements: the result follows the elements' shards, test_elements stays whole
+    (a scalar `elements` leaves nothing to shard)."""
+    if call.func is aten.isin.Scalar_Tensor:
+        return []
+    rest = (Replicate(),) * (len(call.inputs) - 1)
+    return [Strategy((Shard(d),), (Shard(d),) + rest) for d, n in enumerate(call.inputs[0].shape) if n != 1]

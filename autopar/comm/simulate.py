@@ -1,0 +1,87 @@
+"""One rank of an N-rank job, run in this process without any other: `simulate(world_size, rank)`.
+
+Every collective and transfer goes to torch's fake process group, which returns at once and
+moves nothing, so the program makes the same decisions it makes in the real job (the
+placements, the reshards, the buckets) and `comm_log` records the same collectives with the
+same bytes, while the values that come back are meaningless.  Running each rank (or one
+rank per distinct role) of a job this way tells what it will send and hold without the
+machines: the planner's exact check on small worlds.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch.distributed as tdist
+
+import torch
+
+from . import backend
+
+
+@contextlib.contextmanager
+def simulate(world_size: int, rank: int):
+    """Run the body as rank `rank` of a `world_size`-rank job, with no communication.
+
+    >>> import torch, autopar as dist
+    >>> with dist.simulate(8, 3), dist.comm_log() as log:
+    ...     mesh = dist.ProcessMesh(list(range(8)), dim_names=["dp"])
+    ...     t = dist.dtensor_from_local(torch.ones(2, 4), mesh, [dist.Shard(0)], shape=(16, 4))
+    ...     full = dist.reshard(t, mesh, [dist.Replicate()])
+    >>> full.shape, [(r.op, len(r.ranks), r.bytes) for r in log]
+    (torch.Size([16, 4]), [('all_gather', 8, 224)])
+
+    The body must not depend on the values collectives return (a loss read to decide a
+    branch gets a meaningless number).  Refused inside a real job.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"simulate: rank {rank} is not in a world of {world_size} ranks")
+    if tdist.is_initialized():
+        raise RuntimeError("simulate: this process already belongs to a real job; simulate from a plain process")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    _forget_job()
+    backend.SIMULATING[0] = True
+    try:
+        yield
+    finally:
+        backend.SIMULATING[0] = False
+        tdist.destroy_process_group()
+        _forget_job()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def plausible(op: str, tensors: tuple, logs: tuple) -> None:
+    """Give a simulated transfer's outputs values a program can go on with (the fake group
+    leaves them as allocated): gathered pieces are copies of this rank's own (shapes a rank
+    gathers from its peers agree in an SPMD program), received data is zeros (ids index
+    tables), reductions keep this rank's terms."""
+    if op == "all_gather":
+        out, t = tensors
+        out.view((-1,) + tuple(t.shape)).copy_(t.unsqueeze(0).expand((out.numel() // max(t.numel(), 1),) + tuple(t.shape)))
+    elif op in ("reduce_scatter", "all_to_all"):
+        out, t = tensors
+        out.copy_(t.reshape(-1)[: out.numel()].view(out.shape)) if out.numel() <= t.numel() else out.zero_()
+    elif op == "send/recv":
+        for buf in tensors[len(tensors) - sum(log[0] == "recv" for log in logs):]:
+            buf.zero_()
+
+
+def received(buf: torch.Tensor) -> torch.Tensor:
+    """A simulated receive's buffer, zeroed (see `plausible`)."""
+    return buf.zero_()
+
+
+def _forget_job() -> None:
+    """Drop what this process cached about its job: its rank, groups and decisions."""
+    from .. import dispatch
+
+    backend.forget_job()
+    dispatch.clear_cache()

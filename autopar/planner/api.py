@@ -1,0 +1,189 @@
+"""`dist.plan`: the layout to train a model with, as a `parallelize` config, and why."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from .cost import DeviceProfile, load_profile
+from .describe import HF_LLAMA, ModelNames, config_json, describe, parallelize_config
+from .model import Estimate, TransformerSpec
+from .search import search
+
+GB = 1e9
+
+
+@dataclass
+class Plan:
+    """The chosen layout and what it costs per rank.  `config` goes to `dist.parallelize`
+    on `mesh()`; recompute and gradient accumulation (pp = 1) are the training loop's."""
+
+    estimate: Estimate
+    runner_up: Optional[Estimate]
+    compared: Optional[Estimate]  # the best layout with the degrees asked for by `compare`
+    config: dict
+    spec: TransformerSpec
+    profile: DeviceProfile
+    memory_limit: float
+    why: str
+
+    @property
+    def degrees(self) -> dict:
+        s = self.estimate.layout.shape
+        return {"dp": s.dp, "mp": s.tp, "pp": s.pp}
+
+    @property
+    def memory_per_rank_bytes(self) -> dict:
+        return {**self.estimate.memory, "total": self.estimate.peak_memory}
+
+    @property
+    def bytes_per_step(self) -> dict:
+        return self.estimate.bytes_per_step
+
+    @property
+    def step_time_s(self) -> float:
+        return self.estimate.step_time
+
+    @property
+    def mfu(self) -> float:
+        return self.estimate.mfu
+
+    def mesh(self, process_ids: Optional[list] = None):
+        """The ProcessMesh the config runs on: dims ["pp", "dp", "mp"], mp fastest."""
+        import numpy as np
+
+        from ..mesh import ProcessMesh
+
+        s = self.estimate.layout.shape
+        ids = list(range(s.world)) if process_ids is None else list(process_ids)
+        if len(ids) != s.world:
+            raise ValueError(f"the plan is for {s.world} ranks, got {len(ids)} process ids")
+        return ProcessMesh(np.array(ids).reshape(s.pp, s.dp, s.tp).tolist(), dim_names=["pp", "dp", "mp"])
+
+    def to_json(self) -> dict:
+        layout = self.estimate.layout
+        return {
+            "config": config_json(self.config),
+            "degrees": self.degrees,
+            "micro_batch": layout.shape.micro_batch,
+            "micro_batches": layout.shape.micro_batches,
+            "sequence_parallel": layout.shape.sequence_parallel,
+            "stage_layers": list(layout.stage_layers),
+            "recompute_layers": list(layout.recompute),
+            "memory_per_rank_bytes": self.memory_per_rank_bytes,
+            "memory_limit_bytes": self.memory_limit,
+            "bytes_per_step": self.bytes_per_step,
+            "step_time_s": self.step_time_s,
+            "time_s": self.estimate.time,
+            "mfu": self.mfu,
+            "compare": None if self.compared is None else _summary(self.compared),
+            "runner_up": None if self.runner_up is None else _summary(self.runner_up),
+            "why": self.why,
+        }
+
+    def __str__(self) -> str:
+        layout, est = self.estimate.layout, self.estimate
+        s = layout.shape
+        lines = [
+            f"plan: dp {s.dp} x mp {s.tp} x pp {s.pp} on {s.world} {self.profile.name} ranks, ZeRO-{s.zero}, "
+            f"sequence parallel {'on' if s.sequence_parallel else 'off'}, {s.micro_batches} micro-batches of "
+            f"{s.micro_batch}",
+            f"  layers per stage {list(layout.stage_layers)}, recomputed {list(layout.recompute)}",
+            f"  step time {est.step_time:.3f} s, MFU {est.mfu:.1%}",
+            "  memory per rank (fullest stage): " + ", ".join(
+                f"{k} {v / GB:.2f} GB" for k, v in self.memory_per_rank_bytes.items())
+            + f" (limit {self.memory_limit / GB:.1f} GB)",
+            "  time: " + ", ".join(f"{k} {v:.3f} s" for k, v in est.time.items() if v),
+            "  bytes per step per rank: " + (", ".join(
+                f"{k} {v / GB:.2f} GB" for k, v in est.bytes_per_step.items()) or "none"),
+        ]
+        if self.compared is not None:
+            c = self.compared
+            lines.append(f"  compared: {_name(c)}: step {c.step_time:.3f} s, MFU {c.mfu:.1%}, "
+                         f"memory {c.peak_memory / GB:.1f} GB ({c.step_time / est.step_time - 1:+.1%} time)")
+        lines.append("  why: " + self.why)
+        return "\n".join(lines)
+
+
+def _name(est: Estimate) -> str:
+    s = est.layout.shape
+    return (f"dp{s.dp} tp{s.tp} pp{s.pp} zero{s.zero}{' sp' if s.sequence_parallel else ''} "
+            f"mb{s.micro_batch}x{s.micro_batches}")
+
+
+def _summary(est: Estimate) -> dict:
+    return {"layout": _name(est), "step_time_s": est.step_time, "mfu": est.mfu,
+            "memory_per_rank_bytes": est.peak_memory}
+
+
+def _batch_dims(sample_batch: Any) -> tuple[int, int]:
+    """(batch, sequence) of a sample batch: token ids [b, s], or a tuple / dict holding them first."""
+    if isinstance(sample_batch, dict):
+        sample_batch = sample_batch.get("input_ids", next(iter(sample_batch.values())))
+    if isinstance(sample_batch, (list, tuple)):
+        sample_batch = sample_batch[0]
+    if not isinstance(sample_batch, torch.Tensor) or sample_batch.dim() < 2:
+        raise ValueError(f"sample_batch must hold token ids of shape [batch, seq], got {sample_batch!r:.80}")
+    return sample_batch.shape[0], sample_batch.shape[1]
+
+
+def plan(
+    model: Union[torch.nn.Module, TransformerSpec],
+    sample_batch: Any = None,
+    world_size: Optional[int] = None,
+    device: Union[str, DeviceProfile] = "h100",
+    memory_per_rank: Optional[float] = None,
+    *,
+    global_batch: Optional[int] = None,
+    precision: str = "bf16",
+    fixed: Optional[dict] = None,
+    compare: Optional[dict] = None,
+    names: Optional[ModelNames] = None,
+) -> Plan:
+    """The fastest layout of `model` on `world_size` ranks of `device` that fits
+    `memory_per_rank` bytes (default: the device's memory).
+
+    `model` is a module (its dimensions read by `describe`) or a `TransformerSpec`;
+    `sample_batch` (token ids [global batch, seq]) gives the batch and sequence length, or
+    `global_batch` does with the spec's seq.  `fixed` pins degrees or settings
+    ({"mp": 8, "pp": 4, "zero": 1, ...}); `compare` prices the best layout with the degrees
+    it names next to the plan (a hand configuration).
+    """
+    if isinstance(model, TransformerSpec):
+        spec, names = model, names or HF_LLAMA
+    else:
+        spec, found = describe(model)
+        names = names or found
+    if sample_batch is not None:
+        global_batch, seq = _batch_dims(sample_batch)
+        spec = TransformerSpec(**{**spec.__dict__, "seq": seq})
+    if global_batch is None:
+        raise ValueError("plan needs a sample_batch (token ids [batch, seq]) or a global_batch")
+    if world_size is None:
+        from ..comm import get_world_size
+
+        world_size = get_world_size()
+    profile = load_profile(device)
+    result = search(spec, world_size, global_batch, profile, memory_per_rank, precision, fixed)
+    limit = profile.memory_bytes if memory_per_rank is None else memory_per_rank
+    compared = None
+    if compare:
+        compared = search(spec, world_size, global_batch, profile, memory_per_rank, precision,
+                          {**(fixed or {}), **compare}).best
+    best = result.best
+    why = (
+        f"searched {result.searched} layouts of {world_size} ranks (dp x mp x pp with mp within a node of "
+        f"{profile.ranks_per_node} dividing {spec.heads} heads and {spec.kv_heads} kv heads, pp <= {spec.layers} "
+        f"layers, every micro-batch size dividing the batch, ZeRO 0-3, sequence parallel on/off"
+        + (f", fixed {fixed}" if fixed else "") + f"); for {result.solved} of them HiGHS solved the integer "
+        f"program of layers and recomputed layers per stage ({result.infeasible} cannot fit {limit / GB:.1f} GB), "
+        f"the other {result.bounded} were bounded out by a step-time lower bound. "
+        f"Chose {_name(best)}: {best.step_time:.3f} s per step, MFU {best.mfu:.1%}, "
+        f"{best.peak_memory / GB:.1f} GB per rank."
+    )
+    if result.runner_up is not None:
+        r = result.runner_up
+        why += (f" Runner-up with other degrees: {_name(r)}, {r.step_time:.3f} s "
+                f"({r.step_time / best.step_time - 1:+.1%}), {r.peak_memory / GB:.1f} GB.")
+    return Plan(best, result.runner_up, compared, parallelize_config(names, best.layout), spec, profile, limit, why)

@@ -1,0 +1,72 @@
+"""`python -m autopar.plan`: plan a Llama-shaped model on N devices, or calibrate this machine.
+
+    python -m autopar.plan --model llama --layers 80 --hidden 8192 --heads 64 --kv-heads 8 \\
+        --ffn 28672 --vocab 128256 --seq 4096 --global-batch 1024 --ranks 1024 --device h100 \\
+        --compare tp8,pp4 [--json]
+    python -m autopar.plan --calibrate cpu.json      # then --device cpu.json, or AUTOPAR_CPU_PROFILE
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from .api import plan
+from .cost import calibrate, save_profile
+from .model import TransformerSpec
+
+_DEGREE = {"tp": "mp", "mp": "mp", "pp": "pp", "dp": "dp", "zero": "zero"}
+
+
+def parse_degrees(text: str) -> dict:
+    """"tp8,pp4" -> {"mp": 8, "pp": 4} (tp and mp are the same dim; also dp, zero).
+
+    >>> parse_degrees("tp8,pp4,zero1")
+    {'mp': 8, 'pp': 4, 'zero': 1}
+    """
+    out = {}
+    for part in filter(None, text.split(",")):
+        key = part.rstrip("0123456789")
+        if key not in _DEGREE or key == part:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected one of {sorted(_DEGREE)} followed by a number")
+        out[_DEGREE[key]] = int(part[len(key):])
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m autopar.plan", description=__doc__.splitlines()[0])
+    p.add_argument("--calibrate", metavar="OUT.json", help="measure this machine (2 gloo ranks) into a device profile")
+    p.add_argument("--model", choices=["llama"], default="llama")
+    for name, default in (("layers", 32), ("hidden", 4096), ("heads", 32), ("kv-heads", None), ("ffn", 14336),
+                          ("vocab", 128256), ("seq", 4096), ("global-batch", 512), ("ranks", 8)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--device", default="h100", help="h100, h200, a100, cpu or a profile JSON")
+    p.add_argument("--memory-per-rank", type=float, help="GB per rank (default: the device's memory)")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--fix", type=parse_degrees, help="pin degrees, e.g. tp8 or pp4,zero1")
+    p.add_argument("--compare", type=parse_degrees, help="also price a hand configuration, e.g. tp8,pp4")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.calibrate:
+        profile = calibrate()
+        save_profile(profile, args.calibrate)
+        print(f"wrote {args.calibrate}: {profile}")
+        return 0
+    spec = TransformerSpec(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads or args.heads,
+        ffn=args.ffn, vocab=args.vocab, seq=args.seq,
+    )
+    memory = None if args.memory_per_rank is None else args.memory_per_rank * 1e9
+    try:
+        result = plan(spec, world_size=args.ranks, global_batch=args.global_batch, device=args.device,
+                      memory_per_rank=memory, precision=args.precision, fixed=args.fix, compare=args.compare)
+    except ValueError as err:
+        print(f"autopar.plan: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_json(), indent=1) if args.json else result)
+    return 0

@@ -1,0 +1,226 @@
+"""The cost model: device profiles, compute time and alpha-beta collective times.
+
+Everything here is a pure function of a `DeviceProfile` and sizes, so the planner can
+price a thousand-rank layout without touching a device.  GPU profiles come from published
+specifications; the "cpu" profile is measured on this machine (`calibrate`, run by
+`python -m autopar.plan --calibrate out.json`) and loaded from the JSON it writes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Union
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator and its links.  Bandwidths are bytes/s in one direction per device
+    (what a ring step can push), latencies seconds per message."""
+
+    name: str
+    peak_flops_bf16: float  # dense (no sparsity) tensor-core peak, FLOP/s
+    peak_flops_fp32: float
+    memory_bytes: float
+    hbm_bandwidth: float
+    intra_bandwidth: float  # within a node (NVLink)
+    intra_latency: float
+    inter_bandwidth: float  # across nodes (InfiniBand, one NIC per device)
+    inter_latency: float
+    ranks_per_node: int
+    # large GEMMs reach this fraction of peak (cuBLAS bf16 on H100: ~700 of 989 TFLOP/s);
+    # each kernel launch adds `kernel_latency`: together the efficiency curve of small GEMMs
+    matmul_efficiency: float = 0.7
+    kernel_latency: float = 5e-6
+    reserved_bytes: float = 4 * GB  # context, library workspaces and communication buffers
+
+    def peak_flops(self, precision: str) -> float:
+        return {"bf16": self.peak_flops_bf16, "fp32": self.peak_flops_fp32}[precision]
+
+
+# NVIDIA datasheets: H100 SXM5 989 TFLOP/s dense BF16, 67 TFLOP/s FP32, 80 GB HBM3 at
+# 3.35 TB/s, NVLink 4 900 GB/s bidirectional; ConnectX-7 400 Gb/s per GPU.  H200: the
+# same chip with 141 GB HBM3e at 4.8 TB/s.  A100 SXM 80GB: 312 TFLOP/s BF16, 19.5 FP32,
+# 2.0 TB/s, NVLink 3 600 GB/s bidirectional, 200 Gb/s HDR per GPU.
+H100 = DeviceProfile(
+    name="h100", peak_flops_bf16=989e12, peak_flops_fp32=67e12, memory_bytes=80 * GB,
+    hbm_bandwidth=3.35e12, intra_bandwidth=450 * GB, intra_latency=3e-6,
+    inter_bandwidth=400e9 / 8, inter_latency=6e-6, ranks_per_node=8,
+)
+H200 = dataclasses.replace(H100, name="h200", memory_bytes=141 * GB, hbm_bandwidth=4.8e12)
+A100 = DeviceProfile(
+    name="a100", peak_flops_bf16=312e12, peak_flops_fp32=19.5e12, memory_bytes=80 * GB,
+    hbm_bandwidth=2.0e12, intra_bandwidth=300 * GB, intra_latency=3e-6,
+    inter_bandwidth=200e9 / 8, inter_latency=6e-6, ranks_per_node=8,
+)
+_ONE_MACHINE = 1 << 16  # the cpu profile's ranks all share this machine
+# `python -m autopar.plan --calibrate` on the development machine (one thread per rank, gloo
+# over loopback); every rank of a job must plan with the same numbers, so "cpu" is this
+# fixed profile unless $AUTOPAR_CPU_PROFILE names a file measured on yours
+CPU = DeviceProfile(
+    name="cpu", peak_flops_bf16=1.11e11, peak_flops_fp32=1.11e11, memory_bytes=25e9, hbm_bandwidth=2.5e10,
+    intra_bandwidth=2.5e9, intra_latency=9.2e-5, inter_bandwidth=2.5e9, inter_latency=9.2e-5,
+    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=1.3e-6, reserved_bytes=0.0,
+)
+PROFILES = {p.name: p for p in (H100, H200, A100)}
+CPU_PROFILE_ENV = "AUTOPAR_CPU_PROFILE"  # path of a calibrated profile JSON for "cpu"
+
+
+def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
+    """A profile by name ("h100", "h200", "a100", "cpu"), from a JSON file, or as given.
+    "cpu" reads $AUTOPAR_CPU_PROFILE when set."""
+    if isinstance(device, DeviceProfile):
+        return device
+    if device in PROFILES:
+        return PROFILES[device]
+    if device == "cpu":
+        path = os.environ.get(CPU_PROFILE_ENV)
+        return load_profile(path) if path else CPU
+    if os.path.exists(device):
+        with open(device) as f:
+            return DeviceProfile(**json.load(f))
+    raise ValueError(f"unknown device {device!r}: use one of {sorted(PROFILES) + ['cpu']} or a profile JSON file")
+
+
+# -- compute -----------------------------------------------------------------------------------
+def matmul_time(flops: float, kernels: int, profile: DeviceProfile, precision: str = "bf16") -> float:
+    """Seconds for `kernels` GEMMs doing `flops` in all."""
+    return flops / (profile.peak_flops(precision) * profile.matmul_efficiency) + kernels * profile.kernel_latency
+
+
+def memory_bound_time(nbytes: float, profile: DeviceProfile) -> float:
+    """Seconds for element-wise kernels moving `nbytes` through device memory."""
+    return nbytes / profile.hbm_bandwidth
+
+
+# -- collectives -------------------------------------------------------------------------------
+# (latency steps, bandwidth factor) of a ring over n ranks; `nbytes` is the whole tensor
+# (all_gather: the gathered result; reduce_scatter and all_reduce: the input)
+_RING = {
+    "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
+    "all_gather": lambda n: (n - 1, (n - 1) / n),
+    "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
+    "all_to_all": lambda n: (n - 1, (n - 1) / n),
+    "send": lambda n: (1, 1.0),
+}
+COLLECTIVES = tuple(_RING)
+
+
+def link(profile: DeviceProfile, group_size: int, stride: int) -> tuple[float, float]:
+    """(latency, bandwidth) of a group of `group_size` ranks `stride` apart in rank order:
+    NVLink if they share a node (ranks fill nodes in order), else the inter-node network."""
+    if group_size * stride <= profile.ranks_per_node:
+        return profile.intra_latency, profile.intra_bandwidth
+    return profile.inter_latency, profile.inter_bandwidth
+
+
+def collective_time(op: str, nbytes: float, group_size: int, profile: DeviceProfile, stride: int = 1) -> float:
+    """Seconds for one collective `op` on `nbytes` over `group_size` ranks (alpha-beta ring).
+
+    >>> collective_time("all_reduce", 1e9, 8, H100)  # 2*7/8 GB at 450 GB/s + 14 hops
+    0.003930888888888889
+    """
+    if group_size == 1:
+        return 0.0
+    if op not in _RING:
+        raise ValueError(f"no cost model for collective {op!r}; known: {list(_RING)}")
+    steps, factor = _RING[op](group_size)
+    alpha, bandwidth = link(profile, group_size, stride)
+    return steps * alpha + factor * nbytes / bandwidth
+
+
+# -- calibration -------------------------------------------------------------------------------
+def _fit_line(xs: list, ys: list) -> tuple[float, float]:
+    """y = a*x + b by least squares on the relative error (small and large sizes count
+    alike), a and b kept positive."""
+    w = [1.0 / (y * y) for y in ys]
+    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    a = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    return max(a, 1e-30), max((sy - a * sx) / sw, 1e-9)
+
+
+def _best_time(fn, repeats: int) -> float:
+    import time
+
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _measure_allreduce(rank: int, world: int, port: int, sizes: list, out) -> None:
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    times = []
+    for n in sizes:
+        t = torch.ones(n // 4)
+        times.append(_best_time(lambda: tdist.all_reduce(t), 5))
+    tdist.barrier()
+    if rank == 0:
+        out.put(times)
+    tdist.destroy_process_group()
+
+
+def calibrate(world: int = 2) -> DeviceProfile:
+    """Measure this machine: fp32 GEMM rate and launch cost (one thread per rank, as the
+    ranks run), memory bandwidth, and gloo all_reduce latency and bandwidth on `world` ranks."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        flops, times = [], []
+        for n in (32, 64, 128, 256, 384):
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            flops.append(2.0 * n**3)
+            times.append(_best_time(lambda: torch.mm(a, b), 5))
+        per_flop, launch = _fit_line(flops, times)
+        x, y, out = (torch.ones(1 << 24) for _ in range(3))
+        hbm = 3 * x.numel() * 4 / _best_time(lambda: torch.add(x, y, out=out), 5)  # 2 reads, 1 write
+    finally:
+        torch.set_num_threads(threads)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sizes = [1 << k for k in range(8, 24, 2)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_measure_allreduce, args=(r, world, port, sizes, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    times = queue.get(timeout=300)
+    for p in procs:
+        p.join()
+    steps, factor = _RING["all_reduce"](world)
+    per_byte, fixed = _fit_line([factor * s for s in sizes], times)
+    peak = 1.0 / per_flop
+    return DeviceProfile(
+        name="cpu", peak_flops_bf16=peak, peak_flops_fp32=peak, memory_bytes=float(_total_memory()),
+        hbm_bandwidth=hbm, intra_bandwidth=1.0 / per_byte, intra_latency=fixed / steps,
+        inter_bandwidth=1.0 / per_byte, inter_latency=fixed / steps, ranks_per_node=_ONE_MACHINE,
+        matmul_efficiency=1.0, kernel_latency=launch, reserved_bytes=0.0,
+    )
+
+
+def _total_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def save_profile(profile: DeviceProfile, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(profile), f, indent=1)

@@ -1,0 +1,150 @@
+"""From a model to the planner and back: a module's dimensions (`describe`) and the
+`parallelize` config that runs a layout on it (`parallelize_config`).
+
+Two families are recognised: HuggingFace Llama-like models (a `config` with
+num_hidden_layers, hidden_size, ...) and plain decoder stacks like the examples' GPT (a
+ModuleList of identical blocks between token embeddings and a vocabulary-sized head).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .model import Layout, TransformerSpec
+
+# linear layers of a block split by output features (column) or input features (row)
+_COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "q", "k", "v", "fc1")
+_ROW = ("o_proj", "down_proj", "proj", "fc2")
+_GATED = ("gate_proj", "gate_up_proj")
+_FINAL_NORM = ("norm", "ln", "ln_f", "final_layernorm")
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """Where the planner's pieces live in the module (names as `named_modules()` gives them)."""
+
+    layers: str  # the ModuleList of decoder blocks
+    column: tuple  # block-relative names of column-parallel linears
+    row: tuple
+    embedding: str
+    head: str  # the vocabulary projection
+    final_norm: Optional[str] = None
+
+
+def _layer_list(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)
+             and len({type(x) for x in m}) == 1]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: found no ModuleList of identical blocks to plan as the layers")
+    return max(lists, key=lambda nm: len(nm[1]))
+
+
+def describe(model: torch.nn.Module, seq: Optional[int] = None) -> tuple[TransformerSpec, ModelNames]:
+    """The transformer dimensions of `model` and the names of its parts.  `seq` defaults to
+    the model's position table (learned, or HF's max_position_embeddings)."""
+    layers_name, blocks = _layer_list(model)
+    block = blocks[0]
+    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    leaf = lambda n: n.rpartition(".")[2]  # noqa: E731
+    column = tuple(n for n in linears if leaf(n) in _COLUMN)
+    row = tuple(n for n in linears if leaf(n) in _ROW)
+    if not column or not row:
+        raise ValueError(
+            f"{type(model).__name__}: its blocks' linears {sorted(linears)} name no column-parallel "
+            f"({', '.join(_COLUMN)}) or row-parallel ({', '.join(_ROW)}) layer"
+        )
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
+    if not embeddings:
+        raise ValueError(f"{type(model).__name__}: found no token embedding (nn.Embedding)")
+    emb_name, emb = max(embeddings, key=lambda nm: nm[1].num_embeddings)
+    vocab, hidden = emb.num_embeddings, emb.embedding_dim
+    heads_of = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.out_features == vocab
+                and not n.startswith(layers_name + ".")]
+    raw = [n for n, p in model.named_parameters() if p.dim() == 2 and p.shape == (hidden, vocab)]
+    head = heads_of[-1] if heads_of else raw[-1].rpartition(".")[0] if raw else None
+    if head is None:
+        raise ValueError(f"{type(model).__name__}: found no output layer projecting onto the vocabulary of {vocab}")
+    head_weight = model.get_submodule(head).weight
+    cfg = getattr(model, "config", None)
+    gated = any(leaf(n) in _GATED for n in linears)
+    up_name, up = next((n, m) for n, m in linears.items() if leaf(n) in ("up_proj", "fc1", "gate_up_proj"))
+    ffn = up.out_features // (2 if leaf(up_name) == "gate_up_proj" else 1)
+    if cfg is not None and hasattr(cfg, "num_attention_heads"):
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        seq = seq or cfg.max_position_embeddings
+    else:
+        heads = next(getattr(m, a) for m in block.modules() for a in ("heads", "num_heads", "n_head") if hasattr(m, a))
+        k = [m for n, m in linears.items() if leaf(n) in ("k_proj", "k")]
+        kv_heads = k[0].out_features * heads // hidden if k else heads
+    positions = [m.num_embeddings for n, m in embeddings if n != emb_name]
+    seq = seq or (positions[0] if positions else None)
+    if seq is None:
+        raise ValueError(f"{type(model).__name__}: give the sequence length (no position table to read it from)")
+    norms = [n for n, _ in model.named_modules() if leaf(n) in _FINAL_NORM and not n.startswith(layers_name + ".")]
+    spec = TransformerSpec(
+        layers=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq=seq,
+        gated=gated, tied=head_weight is emb.weight, bias=any(m.bias is not None for m in linears.values()),
+        positions=positions[0] if positions else 0,
+    )
+    return spec, ModelNames(layers_name, column, row, emb_name, head, norms[-1] if norms else None)
+
+
+HF_LLAMA = ModelNames(
+    layers="model.layers",
+    column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+    row=("self_attn.o_proj", "mlp.down_proj"),
+    embedding="model.embed_tokens",
+    head="lm_head",
+    final_norm="model.norm",
+)
+
+
+def parallelize_config(names: ModelNames, layout: Layout) -> dict:
+    """The `parallelize` config of `layout`: ZeRO over "dp", Megatron's column/row plan over
+    "mp" (the embedding split on hidden, the head on vocabulary; sequence parallel between
+    the blocks when the layout says so), 1F1B stages over "pp" cut where the layout cuts."""
+    import autopar as dist
+
+    shape = layout.shape
+    config: dict = {"dp_config": {"sharding_level": shape.zero}}
+    if shape.tp > 1:
+        each = f"{names.layers}.*."
+        plan = {each + n: dist.ColWiseParallel() for n in names.column}
+        plan.update({each + n: dist.RowWiseParallel() for n in names.row})
+        plan[names.embedding] = dist.ColWiseParallel()
+        plan[names.head] = dist.ColWiseParallel()
+        if shape.sequence_parallel:
+            plan[names.embedding] = [dist.ColWiseParallel(), dist.SequenceParallelBegin()]
+            for part in sorted({n.partition(".")[0] for n in names.column + names.row if "." in n}):
+                plan[each + part] = dist.SequenceParallelDisable()
+            if names.final_norm:
+                plan[names.final_norm] = dist.SequenceParallelEnable()
+            plan[names.head] = [dist.ColWiseParallel(), dist.SequenceParallelEnd()]
+        config["mp_config"] = {"parallelize_plan": plan}
+    if shape.pp > 1:
+        starts, at = [], 0
+        for n in layout.stage_layers[:-1]:
+            at += n
+            starts.append(at)
+        config["pp_config"] = {
+            "split_spec": {f"{names.layers}.{i}": dist.SplitPoint.BEGINNING for i in starts},
+            "schedule_mode": "1F1B", "accumulate_steps": shape.micro_batches,
+        }
+    return config
+
+
+def config_json(config: dict) -> dict:
+    """`config` with plans and split points as strings (for --json and printing)."""
+    def plain(v):
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            return v
+        return repr(v) if not hasattr(v, "name") else v.name
+
+    return plain(config)

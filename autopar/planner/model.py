@@ -1,0 +1,321 @@
+"""Analytic accounting of a decoder-only transformer (Llama, GPT) under a parallel layout.
+
+For a layout (dp x tp x pp degrees, ZeRO level, sequence parallel, micro-batch size and
+count, layers and fully recomputed layers per pipeline stage) it gives per rank: memory
+by category, the time of one training step and the bytes each collective kind moves.
+
+Every figure of a stage is affine in (n, r), the stage's layer count and recomputed layer
+count (`Affine`); `stage_terms` computes those coefficients once, `evaluate` reads them at
+the layout's (n, r), and the planner's integer program (search.py) optimises over them:
+the two cannot disagree.
+
+Conventions (Megatron-LM's, Korthikanti et al. 2022 for activations):
+- ranks are ordered tp fastest, then dp, then pp (a tp group shares a node);
+- bf16 mixed precision: 2-byte weights and activations, fp32 gradients accumulated over
+  micro-batches and reduced in bf16, Adam's fp32 master weights and two moments (12 bytes);
+  "fp32": 4-byte everything, no master copy;
+- attention is flash attention (no s x s scores kept) and causal (half the score FLOPs);
+- 1F1B: stage s holds min(pp - s, m) micro-batches of activations; a step takes
+  (m - 1) x the slowest stage's micro-batch time + one micro-batch through every stage;
+- the data-parallel gradient reduction and the optimizer run after the pipeline flushes,
+  not overlapped with the backward (an upper bound on the step time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .cost import DeviceProfile, collective_time, matmul_time, memory_bound_time
+
+MEMORY = ("params", "grads", "optimizer", "activations", "reserved")
+TIME = ("compute", "tp_comm", "zero_comm", "p2p", "dp_comm", "optimizer")
+# bytes per parameter: (weights, gradients, optimizer states, reduced gradient, gathered weight)
+_STATE_BYTES = {"bf16": (2, 4, 12, 2, 2), "fp32": (4, 4, 8, 4, 4)}
+_ACT_BYTES = {"bf16": 2, "fp32": 4}
+_ADAM_TRAFFIC = {"bf16": 30, "fp32": 28}  # bytes read + written per parameter by one Adam update
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """The dimensions that set a decoder-only transformer's cost."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    gated: bool = True  # SwiGLU MLP (gate, up, down); else fc1-act-fc2
+    tied: bool = False  # LM head shares the embedding's weight
+    bias: bool = False  # linear biases and LayerNorm shifts (GPT)
+    positions: int = 0  # rows of a learned position embedding (0: rotary)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated else 2
+
+    def layer_matmul_params(self) -> int:
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_dim + self.mlp_matrices * h * self.ffn
+
+    def layer_split_params(self) -> int:
+        """Parameters a tensor-parallel group splits: the matrices and their column biases."""
+        biases = (self.hidden + 2 * self.kv_dim + (self.mlp_matrices - 1) * self.ffn) if self.bias else 0
+        return self.layer_matmul_params() + biases
+
+    def layer_replicated_params(self) -> int:
+        """Norm weights (and shifts) and the row-parallel biases, whole on every tp rank."""
+        return (4 if self.bias else 2) * self.hidden + (2 * self.hidden if self.bias else 0)
+
+    def layer_params(self) -> int:
+        return self.layer_split_params() + self.layer_replicated_params()
+
+    def embedding_params(self) -> int:
+        return (self.vocab + self.positions) * self.hidden
+
+    def head_params(self) -> int:
+        """LM head (unless tied) and the final norm."""
+        return (0 if self.tied else self.vocab * self.hidden) + (2 if self.bias else 1) * self.hidden
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs of forward + backward per token: 6 x the matmul parameters (the LM
+        head included) + causal attention's scores and weighted sum (6 s h per layer)."""
+        matmul = self.layers * self.layer_matmul_params() + self.vocab * self.hidden
+        return 6.0 * matmul + 6.0 * self.layers * self.seq * self.hidden
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A layout without its stage split: degrees, ZeRO level, sequence parallel, batching."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int  # sequences per micro-batch
+    micro_batches: int  # per step, per data-parallel rank
+    zero: int = 0
+    sequence_parallel: bool = False
+    precision: str = "bf16"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.micro_batches
+
+
+@dataclass(frozen=True)
+class Layout:
+    shape: Shape
+    stage_layers: tuple  # decoder layers per pipeline stage
+    recompute: tuple  # of those, fully recomputed in the backward
+
+
+@dataclass(frozen=True)
+class Affine:
+    """c + n * per_layer + r * per_recompute."""
+
+    c: float = 0.0
+    per_layer: float = 0.0
+    per_recompute: float = 0.0
+
+    def __add__(self, other: "Affine") -> "Affine":
+        return Affine(self.c + other.c, self.per_layer + other.per_layer, self.per_recompute + other.per_recompute)
+
+    def __mul__(self, k: float) -> "Affine":
+        return Affine(self.c * k, self.per_layer * k, self.per_recompute * k)
+
+    def at(self, n: int, r: int) -> float:
+        return self.c + n * self.per_layer + r * self.per_recompute
+
+
+@dataclass
+class StageTerms:
+    """One stage's figures as Affine in (n, r): memory bytes by category, the time of one
+    micro-batch (forward + backward) and of the step's end by category, and bytes per
+    collective kind per micro-batch and per step end."""
+
+    memory: dict = field(default_factory=dict)
+    micro_time: dict = field(default_factory=dict)
+    end_time: dict = field(default_factory=dict)
+    micro_bytes: dict = field(default_factory=dict)
+    end_bytes: dict = field(default_factory=dict)
+
+    def add(self, kind: str, key: str, term: Affine) -> None:
+        table = getattr(self, kind)
+        table[key] = table.get(key, Affine()) + term
+
+
+def _collective(terms: StageTerms, where: str, category: str, op: str, group: int, stride: int,
+                messages: Affine, nbytes: Affine, profile: DeviceProfile) -> None:
+    """Charge `messages` collectives `op` moving `nbytes` in all over `group` ranks `stride`
+    apart: a latency per message and the ring's bandwidth term per byte.  `where` is
+    "micro" (per micro-batch) or "end" (once per step)."""
+    if group == 1:
+        return
+    alpha = collective_time(op, 0.0, group, profile, stride)
+    per_byte = collective_time(op, 1.0, group, profile, stride) - alpha
+    terms.add(f"{where}_time", category, messages * alpha + nbytes * per_byte)
+    terms.add(f"{where}_bytes", op, nbytes)
+
+
+def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, stage: int) -> StageTerms:
+    """Stage `stage`'s figures per rank as Affine in (its layers, its recomputed layers)."""
+    h, tp, dp, pp = spec.hidden, shape.tp, shape.dp, shape.pp
+    first, last = stage == 0, stage == pp - 1
+    wb, gb, ob, reduce_b, gather_b = _STATE_BYTES[shape.precision]
+    a = _ACT_BYTES[shape.precision]
+    tokens = shape.micro_batch * spec.seq
+    sp_div = tp if shape.sequence_parallel else 1
+    inflight = min(pp - stage, shape.micro_batches)
+    terms = StageTerms()
+
+    # parameters this rank holds (a tp shard of the matrices, whole norms)
+    layer_p = spec.layer_split_params() / tp + spec.layer_replicated_params()
+    fixed_p = (spec.embedding_params() / tp if first else 0.0) + (spec.head_params() / tp if last else 0.0)
+    if spec.tied and last and not first:
+        fixed_p += spec.vocab * h / tp  # the last stage keeps its own copy of the shared weight
+    params = Affine(fixed_p, layer_p)
+    shard = lambda level: 1.0 / dp if shape.zero >= level else 1.0  # noqa: E731
+    terms.add("memory", "params", params * (wb * shard(3)))
+    terms.add("memory", "grads", params * (gb * shard(2)))
+    terms.add("memory", "optimizer", params * (ob * shard(1)))
+    if shape.zero >= 3 and dp > 1:  # two layers gathered at a time (the one running, the next prefetched)
+        terms.add("memory", "params", Affine(2 * layer_p * wb * (1 - 1 / dp)))
+
+    # activations: a full layer keeps its norms' inputs and outputs (split only under sequence
+    # parallel), q/k/v, the attention output and the MLP's inner tensors; a recomputed layer
+    # keeps only its input
+    mlp_acts = (3 if spec.gated else 2) * spec.ffn
+    full = tokens * a * (4 * h / sp_div + (2 * h + 2 * spec.kv_dim + mlp_acts) / tp)
+    ckpt = tokens * a * h / sp_div
+    act = Affine(full, inflight * full, -inflight * (full - ckpt))  # + one layer's working set in the backward
+    if first:
+        act += Affine(inflight * tokens * a * h / sp_div)  # the embedding's output
+    if last:
+        act += Affine(tokens * spec.vocab / tp * (a + 4 + 4))  # logits, fp32 softmax and its gradient
+    terms.add("memory", "activations", act)
+    terms.add("memory", "reserved", Affine(profile.reserved_bytes))
+
+    # compute of one micro-batch, forward + backward (backward = 2 x forward), recompute = + forward
+    prec = shape.precision
+    layer_flops = 2.0 * tokens * spec.layer_matmul_params() / tp + 2.0 * tokens * spec.seq * h / tp
+    gemms = 4 + spec.mlp_matrices + 1  # q, k, v, o, the MLP's matrices, one fused attention kernel
+    fwd = matmul_time(layer_flops, gemms, profile, prec)
+    norm_bytes, other_bytes = 10 * h, 2 * (h + spec.kv_dim) + (3 if spec.gated else 2) * spec.ffn
+    fwd += memory_bound_time(tokens * a * (norm_bytes / sp_div + other_bytes / tp), profile)
+    compute = Affine(0.0, 3 * fwd, fwd)
+    if last:
+        head = matmul_time(3 * 2.0 * tokens * h * spec.vocab / tp, 3, profile, prec)
+        compute += Affine(head + memory_bound_time(3 * tokens * spec.vocab / tp * (a + 8), profile))
+    if first:
+        compute += Affine(memory_bound_time(3 * tokens * h * a, profile))  # lookup, its gradient's scatter
+    terms.add("micro_time", "compute", compute)
+
+    # tensor parallel: per layer, forward (again when recomputed) and backward each gather the
+    # attention's and the MLP's input and reduce-scatter their outputs (sequence parallel), or
+    # all-reduce the outputs; the embedding and the head add one each
+    activation = tokens * a * h
+    if tp > 1:
+        ops = ("all_gather", "reduce_scatter") if shape.sequence_parallel else ("all_reduce",)
+        ends = (1 if first else 0) + (1 if last else 0)
+        per_op = Affine(ends, 4, 2)
+        for op in ops:
+            _collective(terms, "micro", "tp_comm", op, tp, 1, per_op, per_op * activation, profile)
+
+    # ZeRO-2/3 keep only a shard of the gradient, so each micro-batch reduce-scatters it;
+    # ZeRO-3 also gathers each layer's weights for its forward and again for its backward
+    # (the embedding and the head are units of their own)
+    units = Affine((1 if first else 0) + (1 if last else 0), 1)
+    if shape.zero >= 2:
+        _collective(terms, "micro", "zero_comm", "reduce_scatter", dp, tp, units, params * reduce_b, profile)
+    if shape.zero >= 3:
+        _collective(terms, "micro", "zero_comm", "all_gather", dp, tp, units * 2, params * (2 * gather_b), profile)
+
+    # pipeline: the activation (split over tp) goes forward, its gradient backward
+    if pp > 1:
+        sends = Affine((0 if last else 1) + (0 if first else 1))
+        _collective(terms, "micro", "p2p", "send", 2, tp * dp, sends, sends * (activation / tp), profile)
+
+    # end of step: gradients all-reduced over dp (ZeRO-1: reduce-scattered), the updated
+    # weight shards all-gathered (ZeRO-1/2), then Adam
+    once = Affine(1.0)
+    if shape.zero == 0:
+        _collective(terms, "end", "dp_comm", "all_reduce", dp, tp, once, params * reduce_b, profile)
+    if shape.zero == 1:
+        _collective(terms, "end", "dp_comm", "reduce_scatter", dp, tp, once, params * reduce_b, profile)
+    if shape.zero in (1, 2):
+        _collective(terms, "end", "dp_comm", "all_gather", dp, tp, once, params * gather_b, profile)
+    terms.add("end_time", "optimizer", params * (_ADAM_TRAFFIC[prec] * shard(1) / profile.hbm_bandwidth))
+    return terms
+
+
+@dataclass
+class Estimate:
+    """What a layout costs per rank (memory: the stage that needs most)."""
+
+    layout: Layout
+    memory: dict  # category -> bytes, on the fullest stage
+    memory_per_stage: list  # total bytes per stage
+    step_time: float
+    time: dict  # category -> seconds of the step
+    bytes_per_step: dict  # collective kind -> bytes a rank of the busiest stage moves per step
+    model_flops: float  # per step, whole job, recompute not counted
+    mfu: float
+    fits: Optional[bool] = None
+
+    @property
+    def peak_memory(self) -> float:
+        return max(self.memory_per_stage)
+
+
+def all_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape) -> list:
+    return [stage_terms(spec, profile, shape, s) for s in range(shape.pp)]
+
+
+def pipeline_time(micro: list, end: list, micro_batches: int) -> float:
+    """1F1B step time from each stage's micro-batch time and end-of-step time."""
+    return (micro_batches - 1) * max(micro) + sum(micro) + max(end)
+
+
+def evaluate(spec: TransformerSpec, profile: DeviceProfile, layout: Layout,
+             memory_limit: Optional[float] = None) -> Estimate:
+    """Memory, step time, bytes and MFU of `layout` (see the module's conventions)."""
+    shape = layout.shape
+    if len(layout.stage_layers) != shape.pp or sum(layout.stage_layers) != spec.layers:
+        raise ValueError(f"stage_layers {layout.stage_layers} must split {spec.layers} layers into {shape.pp} stages")
+    terms = all_terms(spec, profile, shape)
+    nr = list(zip(layout.stage_layers, layout.recompute))
+    at = lambda table, key, s: table[key].at(*nr[s]) if key in table else 0.0  # noqa: E731
+    per_stage = [sum(at(t.memory, k, s) for k in MEMORY) for s, t in enumerate(terms)]
+    fullest = max(range(shape.pp), key=per_stage.__getitem__)
+    micro = [sum(v.at(*nr[s]) for v in t.micro_time.values()) for s, t in enumerate(terms)]
+    end = [sum(v.at(*nr[s]) for v in t.end_time.values()) for s, t in enumerate(terms)]
+    step = pipeline_time(micro, end, shape.micro_batches)
+    slow, last_end = max(range(shape.pp), key=micro.__getitem__), max(range(shape.pp), key=end.__getitem__)
+    m = shape.micro_batches
+    time = {k: m * at(terms[slow].micro_time, k, slow) for k in TIME[:4]}
+    time.update({k: at(terms[last_end].end_time, k, last_end) for k in TIME[4:]})
+    time["bubble"] = step - sum(time.values())
+    busiest = [{op: m * b.at(*nr[s]) for op, b in t.micro_bytes.items()} for s, t in enumerate(terms)]
+    for s, t in enumerate(terms):
+        for op, b in t.end_bytes.items():
+            busiest[s][op] = busiest[s].get(op, 0.0) + b.at(*nr[s])
+    bytes_per_step = max(busiest, key=lambda d: sum(d.values()))
+    flops = spec.flops_per_token() * shape.global_batch * spec.seq
+    mfu = flops / (shape.world * profile.peak_flops(shape.precision) * step)
+    return Estimate(
+        layout=layout, memory={k: at(terms[fullest].memory, k, fullest) for k in MEMORY},
+        memory_per_stage=per_stage, step_time=step, time=time, bytes_per_step=bytes_per_step,
+        model_flops=flops, mfu=mfu, fits=None if memory_limit is None else max(per_stage) <= memory_limit,
+    )

@@ -1,0 +1,178 @@
+"""The planner: the fastest layout that fits, and the `parallelize` config that runs it.
+
+It enumerates the shapes (dp x tp x pp = world with tp inside a node and dividing the
+heads and kv heads, pp at most the layers, micro-batch size, ZeRO level, sequence
+parallel), and for each solves one small integer program with HiGHS: how many layers
+each pipeline stage gets and how many of them it recomputes, minimising the 1F1B step
+time subject to every stage's memory.  Stages differ (the first holds the embedding and
+the most micro-batches in flight, the last the LM head and logits), so uneven splits and
+per-stage recompute are real choices.  Shapes are visited by a lower bound on their step
+time and skipped once the bound passes the runner-up.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from .cost import DeviceProfile, load_profile
+from .model import Affine, Estimate, Layout, Shape, TransformerSpec, all_terms, evaluate
+
+_NO_SOLVER = "the planner needs HiGHS: pip install 'autopar[plan]' (or pip install highspy)"
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: DeviceProfile,
+           precision: str = "bf16", fixed: Optional[dict] = None) -> list:
+    """Every Shape worth pricing.  `fixed` pins any of dp/tp/pp/zero/micro_batch/sequence_parallel."""
+    fixed = fixed or {}
+    out = []
+    for tp in _divisors(world):
+        if tp > profile.ranks_per_node or spec.heads % tp or spec.kv_heads % tp:
+            continue
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp > spec.layers or global_batch % dp:
+                continue
+            for b in _divisors(global_batch // dp):
+                for zero in range(4):
+                    for sp in (False, True) if tp > 1 else (False,):
+                        shape = Shape(dp, tp, pp, b, global_batch // (dp * b), zero, sp, precision)
+                        if all(getattr(shape, _FIXED[k]) == v for k, v in fixed.items()):
+                            out.append(shape)
+    return out
+
+
+_FIXED = {"dp": "dp", "tp": "tp", "mp": "tp", "pp": "pp", "zero": "zero", "sharding_level": "zero",
+          "micro_batch": "micro_batch", "sequence_parallel": "sequence_parallel"}
+
+
+def lower_bound(terms: list, shape: Shape, layers: int) -> float:
+    """A step time no split or recompute of `shape` beats: the layers spread evenly, none
+    recomputed (recompute only adds time), memory ignored."""
+    total = sum(sum(v.c for v in t.micro_time.values()) for t in terms)
+    total += layers * sum(v.per_layer for v in terms[0].micro_time.values())
+    end = max(sum(v.c for v in t.end_time.values()) for t in terms)
+    end += layers / shape.pp * sum(v.per_layer for v in terms[0].end_time.values())
+    return (shape.micro_batches - 1) * total / shape.pp + total + end
+
+
+def solve_split(terms: list, shape: Shape, layers: int, memory_limit: float) -> Optional[tuple]:
+    """(stage_layers, recompute) minimising the step time with every stage's memory within
+    `memory_limit`, or None if nothing fits.  Variables: n_s >= 1 layers and 0 <= r_s <= n_s
+    recomputed layers per stage (integers), T >= each stage's micro-batch time, E >= each
+    stage's end-of-step time; minimise (m - 1) T + sum_s time_s + E."""
+    highspy, h = _highs()
+    pp = shape.pp
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 0.0)
+    h.setOptionValue("mip_abs_gap", 0.0)
+    n = [h.addIntegral(lb=1, ub=layers) for _ in range(pp)]
+    r = [h.addIntegral(lb=0, ub=layers) for _ in range(pp)]
+    big_t, big_e = h.addVariable(lb=0.0), h.addVariable(lb=0.0)
+    const, objective = 0.0, (shape.micro_batches - 1) * big_t + big_e
+    h.addConstr(sum(n) == layers)
+    for s, t in enumerate(terms):
+        micro = _total(t.micro_time)
+        end = _total(t.end_time)
+        memory = _total(t.memory)
+        const += micro.c
+        objective = objective + micro.per_layer * n[s] + micro.per_recompute * r[s]
+        h.addConstr(r[s] <= n[s])
+        h.addConstr(big_t >= micro.c + micro.per_layer * n[s] + micro.per_recompute * r[s])
+        h.addConstr(big_e >= end.c + end.per_layer * n[s] + end.per_recompute * r[s])
+        scale = 1.0 / memory_limit  # memory rows in units of the limit
+        h.addConstr(memory.per_layer * scale * n[s] + memory.per_recompute * scale * r[s] <= 1.0 - memory.c * scale)
+    h.minimize(objective)
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    values = h.getSolution().col_value
+    stage_layers = tuple(round(values[v.index]) for v in n)
+    recompute = tuple(round(values[v.index]) for v in r)
+    return stage_layers, recompute
+
+
+def _highs():
+    """(highspy, a fresh solver), its banner kept off stdout (it would spoil --json)."""
+    try:
+        import highspy
+    except ImportError:  # pragma: no cover - the extra is part of the test install
+        raise ImportError(_NO_SOLVER) from None
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        return highspy, highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
+def _total(table: dict) -> Affine:
+    return sum(table.values(), Affine())
+
+
+def _rank(est: Estimate) -> tuple:
+    """Faster first; within a nanosecond, less memory first."""
+    return round(est.step_time, 9), est.peak_memory
+
+
+@dataclass
+class SearchResult:
+    best: Estimate
+    runner_up: Optional[Estimate]
+    searched: int  # shapes enumerated
+    solved: int  # integer programs solved (the others were bounded out)
+    bounded: int
+    infeasible: int = 0
+
+
+def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
+           memory_per_rank: Optional[float] = None, precision: str = "bf16",
+           fixed: Optional[dict] = None) -> SearchResult:
+    """The fastest layout of `spec` on `world` ranks of `device` within `memory_per_rank`
+    bytes (default: the device's memory), and the fastest with other dp/tp/pp degrees."""
+    profile = load_profile(device)
+    limit = profile.memory_bytes if memory_per_rank is None else memory_per_rank
+    candidates = []
+    for shape in shapes(spec, world, global_batch, profile, precision, fixed):
+        terms = all_terms(spec, profile, shape)
+        candidates.append((lower_bound(terms, shape, spec.layers), shape, terms))
+    if not candidates:
+        raise ValueError(
+            f"no dp x tp x pp layout of {world} ranks suits this model and batch: tp must divide "
+            f"heads={spec.heads} and kv_heads={spec.kv_heads} within {profile.ranks_per_node} ranks per node, "
+            f"pp <= layers={spec.layers}, dp must divide global_batch={global_batch}"
+            + (f", and {fixed}" if fixed else "")
+        )
+    candidates.sort(key=lambda c: c[0])
+    best: dict = {}  # (dp, tp, pp) -> its fastest Estimate (ties: the one needing less memory)
+    solved = infeasible = 0
+    for bound, shape, terms in candidates:
+        ranked = sorted(best.values(), key=_rank)
+        if len(ranked) >= 2 and bound >= ranked[1].step_time:
+            break
+        solved += 1
+        split = solve_split(terms, shape, spec.layers, limit)
+        if split is None:
+            infeasible += 1
+            continue
+        est = evaluate(spec, profile, Layout(shape, *split), limit)
+        degrees = (shape.dp, shape.tp, shape.pp)
+        if degrees not in best or _rank(est) < _rank(best[degrees]):
+            best[degrees] = est
+    found = sorted(best.values(), key=_rank)
+    if not found:
+        raise ValueError(
+            f"nothing fits: no layout of this model on {world} ranks of {profile.name} stays within "
+            f"{limit / 1e9:.1f} GB per rank (tried {len(candidates)} shapes, recompute and uneven stages included)"
+        )
+    return SearchResult(
+        best=found[0], runner_up=found[1] if len(found) > 1 else None,
+        searched=len(candidates), solved=solved, bounded=len(candidates) - solved, infeasible=infeasible,
+    )

@@ -1,0 +1,81 @@
+"""`python -m autopar.plan`: Llama-3 70B on 1024 H100s as JSON within the time limit, the
+calibration command, and `dist.plan` surviving an import of the module `autopar.plan`."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA3_70B = ("--model llama --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ffn 28672 --vocab 128256 "
+              "--seq 4096 --global-batch 1024 --ranks 1024 --device h100").split()
+
+
+def _cli(*args, timeout=120):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "autopar.plan", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_llama3_70b_on_1024_h100_json():
+    start = time.monotonic()
+    out = _cli(*LLAMA3_70B, "--compare", "tp8,pp4", "--json")
+    elapsed = time.monotonic() - start
+    assert out.returncode == 0, out.stderr
+    assert elapsed < 120
+    plan = json.loads(out.stdout)
+    assert {"config", "memory_per_rank_bytes", "bytes_per_step", "step_time_s", "mfu"} <= set(plan)
+    assert plan["memory_per_rank_bytes"]["total"] <= 80e9
+    assert 0.30 <= plan["mfu"] <= 0.50, plan["mfu"]  # Meta: 38-43% for Llama 3 405B on H100
+    d = plan["degrees"]
+    assert d["dp"] * d["mp"] * d["pp"] == 1024 and d["mp"] <= 8
+    assert plan["compare"]["layout"].startswith("dp32 tp8 pp4")
+    assert plan["step_time_s"] <= plan["compare"]["step_time_s"]
+    assert set(plan["bytes_per_step"]) <= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
+    assert plan["config"]["dp_config"]["sharding_level"] in (0, 1, 2, 3)
+    assert sum(plan["stage_layers"]) == 80 and len(plan["stage_layers"]) == d["pp"]
+
+
+def test_text_output_and_bad_arguments():
+    out = _cli("--layers", "4", "--hidden", "512", "--heads", "8", "--ffn", "2048", "--vocab", "8000",
+               "--seq", "1024", "--global-batch", "16", "--ranks", "8", "--compare", "tp2")
+    assert out.returncode == 0, out.stderr
+    assert "plan: dp" in out.stdout and "MFU" in out.stdout and "compared: dp4 tp2 pp1" in out.stdout
+    bad = _cli("--compare", "xx8")
+    assert bad.returncode == 2 and "'xx8'" in bad.stderr
+    none = _cli("--ranks", "5", "--global-batch", "3", "--layers", "4")
+    assert none.returncode == 2 and "no dp x tp x pp layout of 5 ranks" in none.stderr
+
+
+def test_calibrate_writes_a_measured_profile(tmp_path):
+    path = tmp_path / "cpu.json"
+    out = _cli("--calibrate", str(path), timeout=300)
+    assert out.returncode == 0, out.stderr
+    prof = json.loads(path.read_text())
+    assert prof["name"] == "cpu"
+    assert 1e8 < prof["peak_flops_fp32"] < 1e13  # a CPU core's matmul rate
+    assert 1e-7 < prof["intra_latency"] < 1e-2 and 1e6 < prof["intra_bandwidth"] < 1e12  # gloo over loopback
+    from autopar.planner import load_profile
+
+    assert load_profile(str(path)).peak_flops_fp32 == prof["peak_flops_fp32"]
+
+
+def test_dist_plan_survives_importing_the_cli_module():
+    code = ("import autopar as dist, autopar.plan, inspect; "
+            "from autopar.planner import TransformerSpec; "
+            "p = dist.plan(TransformerSpec(2, 64, 4, 2, 128, 128, 16), world_size=2, global_batch=4); "
+            "print(p.degrees['dp'] * p.degrees['mp'] * p.degrees['pp'])")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2"
+
+
+def test_parse_degrees():
+    from autopar.planner.cli import parse_degrees
+
+    assert parse_degrees("tp8,pp4") == {"mp": 8, "pp": 4}
+    with pytest.raises(Exception, match="'pp'"):
+        parse_degrees("pp")

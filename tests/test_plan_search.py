@@ -1,0 +1,100 @@
+"""The planner finds the optimum that brute force finds, and says what it chose."""
+import dataclasses
+import itertools
+import json
+
+import pytest
+
+import autopar as dist
+from autopar.planner import H100, TransformerSpec, evaluate
+from autopar.planner.model import Layout
+from autopar.planner.search import search, shapes
+
+SPEC = TransformerSpec(layers=4, hidden=512, heads=8, kv_heads=4, ffn=2048, vocab=8000, seq=4096)
+DEVICE = dataclasses.replace(H100, reserved_bytes=0.0, ranks_per_node=4)  # tp groups fit 4 ranks
+WORLD, BATCH = 8, 16
+
+
+def _compositions(total, parts):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0,) + cuts + (total,)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _brute_force(limit):
+    """The fastest fitting layout over every shape, stage split and per-stage recompute count."""
+    best = None
+    for shape in shapes(SPEC, WORLD, BATCH, DEVICE):
+        for split in _compositions(SPEC.layers, shape.pp):
+            for recompute in itertools.product(*(range(n + 1) for n in split)):
+                est = evaluate(SPEC, DEVICE, Layout(shape, split, recompute), limit)
+                if est.fits and (best is None or est.step_time < best.step_time):
+                    best = est
+    return best
+
+
+@pytest.fixture(scope="module")
+def unlimited():
+    return _brute_force(1e15)
+
+
+@pytest.mark.parametrize("squeeze", [1.0, 0.5, 0.25, 0.12])
+def test_planner_finds_the_brute_force_optimum(unlimited, squeeze):
+    limit = unlimited.peak_memory * squeeze
+    want = _brute_force(limit)
+    got = search(SPEC, WORLD, BATCH, DEVICE, memory_per_rank=limit).best
+    assert got.fits and got.peak_memory <= limit
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-9), (got.layout, want.layout)
+
+
+def test_tight_memory_brings_recompute_or_uneven_stages(unlimited):
+    limit = unlimited.peak_memory * 0.12
+    got = search(SPEC, WORLD, BATCH, DEVICE, memory_per_rank=limit).best
+    layout = got.layout
+    assert sum(layout.recompute) > 0 or len(set(layout.stage_layers)) > 1 or layout.shape.zero > 0, layout
+
+
+def test_nothing_fits_is_said_with_the_limit():
+    with pytest.raises(ValueError, match=r"nothing fits: .* 8 ranks of h100 stays within 0.0 GB"):
+        search(SPEC, WORLD, BATCH, DEVICE, memory_per_rank=1e6)
+
+
+def test_no_layout_names_the_constraints():
+    with pytest.raises(ValueError, match="no dp x tp x pp layout of 5 ranks.*heads=8 and kv_heads=4.*global_batch=3"):
+        search(SPEC, 5, 3, DEVICE)  # 5 splits no head count, exceeds the 4 layers and divides no batch of 3
+
+
+def test_dist_plan_returns_a_parallelize_config_and_why():
+    plan = dist.plan(SPEC, world_size=WORLD, global_batch=BATCH, device=DEVICE, compare={"mp": 2, "pp": 2})
+    d = plan.degrees
+    assert d["dp"] * d["mp"] * d["pp"] == WORLD
+    assert plan.config["dp_config"] == {"sharding_level": plan.estimate.layout.shape.zero}
+    assert ("mp_config" in plan.config) == (d["mp"] > 1) and ("pp_config" in plan.config) == (d["pp"] > 1)
+    assert plan.compared.layout.shape.tp == 2 and plan.compared.layout.shape.pp == 2
+    assert plan.step_time_s <= plan.compared.step_time
+    assert "searched" in plan.why and "HiGHS" in plan.why and "Runner-up" in plan.why
+    assert plan.mesh().shape == [d["pp"], d["dp"], d["mp"]]
+    out = json.loads(json.dumps(plan.to_json()))
+    assert out["step_time_s"] == plan.step_time_s and out["memory_per_rank_bytes"]["total"] == plan.estimate.peak_memory
+
+
+def test_fixed_degrees_give_the_config_of_that_layout():
+    plan = dist.plan(SPEC, world_size=WORLD, global_batch=BATCH, device=DEVICE,
+                     fixed={"mp": 2, "pp": 2, "zero": 1, "sequence_parallel": False})
+    assert plan.degrees == {"dp": 2, "mp": 2, "pp": 2}
+    mp = plan.config["mp_config"]["parallelize_plan"]
+    assert type(mp["model.layers.*.self_attn.q_proj"]).__name__ == "ColWiseParallel"
+    assert type(mp["model.layers.*.mlp.down_proj"]).__name__ == "RowWiseParallel"
+    pp = plan.config["pp_config"]
+    first = plan.estimate.layout.stage_layers[0]
+    assert pp["split_spec"] == {f"model.layers.{first}": dist.SplitPoint.BEGINNING}
+    assert pp["accumulate_steps"] == plan.estimate.layout.shape.micro_batches
+
+
+def test_plan_reads_dims_from_a_module_and_a_sample_batch():
+    import torch
+    from hf_llama import tiny_llama
+
+    plan = dist.plan(tiny_llama(), torch.zeros(8, 16, dtype=torch.long), world_size=2, device=DEVICE)
+    assert plan.spec.layers == 2 and plan.spec.kv_heads == 2 and plan.spec.seq == 16
+    assert plan.estimate.layout.shape.global_batch == 8

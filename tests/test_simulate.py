@@ -1,0 +1,128 @@
+"""`dist.simulate`: one rank of an N-rank job run in a plain process records the collectives,
+groups and bytes the real job's rank sends, for data, tensor, pipeline parallel and ZeRO."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import autopar as dist
+from distpool import run_dist
+from hf_llama import batches, mp_plan, optimizer, tiny_llama
+
+KINDS = ("dp0", "zero1", "zero2", "zero3", "dpmp", "pp")
+
+
+def program(kind: str) -> list:
+    """Three training steps of a tiny HF Llama on 4 ranks; every step's comm_log as
+    [(op, ranks, bytes, shape)]."""
+    if kind == "dpmp":
+        mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+        config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": mp_plan()}}
+    elif kind == "pp":
+        mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"])
+        config = {"dp_config": {"sharding_level": 0}, "pp_config": {"split_spec": "model.layers"}}
+    else:
+        mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+        config = {"dp_config": {"sharding_level": 0 if kind == "dp0" else int(kind[-1])}}
+    model = tiny_llama()
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
+    logs = []
+    for ids, labels in batches(3):
+        with dist.comm_log() as log:
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        loss.item()
+        logs.append([[r.op, list(r.ranks), r.bytes, list(r.shape)] for r in log])
+    return logs
+
+
+def _simulated(world: int) -> dict:
+    """{kind: [logs of rank 0, 1, ...]} from one plain process simulating every rank."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        "import json, sys; sys.path.insert(0, %r)\n"
+        "import autopar as dist, test_simulate as t\n"
+        "out = {}\n"
+        "for kind in t.KINDS:\n"
+        "    out[kind] = []\n"
+        "    for rank in range(%d):\n"
+        "        with dist.simulate(%d, rank):\n"
+        "            out[kind].append(t.program(kind))\n"
+        "print(json.dumps(out))\n" % (here, world, world)
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    return _simulated(4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_simulated_rank_sends_what_the_real_rank_sends(kind, simulated):
+    real = run_dist(program, 4, kind)
+    for rank in range(4):
+        assert simulated[kind][rank] == real[rank], (kind, rank)
+    assert any(real[0]), kind  # the job communicates
+
+
+def test_simulate_refuses_a_rank_outside_the_world():
+    with pytest.raises(ValueError, match="rank 4 is not in a world of 4"):
+        with dist.simulate(4, 4):
+            pass
+
+
+def test_the_docstring_example_runs_in_a_plain_process():
+    code = ("import doctest, autopar.comm.simulate as m\n"
+            "r = doctest.testmod(m, optionflags=doctest.ELLIPSIS)\n"
+            "assert r.attempted > 0 and not r.failed, r\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def _explained_mlp():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    torch.manual_seed(0)
+    x = dist.shard_tensor(torch.randn(4, 8), mesh, [dist.Replicate()])
+    w1 = dist.shard_tensor(torch.randn(8, 16), mesh, [dist.Shard(1)])
+    w2 = dist.shard_tensor(torch.randn(16, 8), mesh, [dist.Shard(0)])
+    with dist.explain() as ex:
+        y = (x @ w1).relu() @ w2  # Megatron's column then row split: the product is Partial
+        z = y + 1                 # adding a constant needs the reduced value
+    return [(r.op, r.inputs, r.outputs, r.reshards, [(c.op, c.bytes) for c in r.comm]) for r in ex], ex.total_bytes()
+
+
+def test_explain_names_each_ops_placements_and_the_reshard_it_caused():
+    for records, total in run_dist(_explained_mlp, 2):
+        ops = [r[0] for r in records]
+        assert ops == ["aten.mm.default", "aten.relu.default", "aten.mm.default", "aten.add.Tensor"], ops
+        assert records[0][1:3] == (["[R]", "[S(1)]"], ["[S(1)]"])
+        assert records[2][2] == ["[P]"] and records[2][4] == []
+        add = records[3]
+        assert add[3] == [(0, "[P]", "[R]")] and add[4] == [("all_reduce", 4 * 8 * 4)], add
+        assert total == sum(b for r in records for _, b in r[4])
+
+
+def test_explain_runs_under_simulate():
+    """The same record for rank 1 of the 2-rank job, from a plain process."""
+    code = ("import json, sys; sys.path.insert(0, %r)\n"
+            "import autopar as dist, test_simulate as t\n"
+            "with dist.simulate(2, 1):\n"
+            "    print(json.dumps(t._explained_mlp()))\n" % os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    simulated = json.loads(done.stdout.strip().splitlines()[-1])
+    real = run_dist(_explained_mlp, 2)[1]
+    assert simulated == json.loads(json.dumps(real))
