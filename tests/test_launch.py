@@ -294,3 +294,11 @@ def test_main_job_prints_a_clean_summary_and_plots_the_loss(tmp_path):
     bars = [line for line in r.stderr.splitlines() if line.startswith("[rank0]: train:")]
     assert len(bars) == 1 and "4/4" in bars[0], r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_correct_job_whose_ranks_leave_seconds_apart_exits_zero():
+    """Rank 1 leaves while rank 0 still works (past the exit handler's 3 s wait for peers):
+    rank 0's groups lose their peer while idle, and the job still exits 0."""
+    r = launch("--nproc_per_node", "2", str(SCRIPTS / "clean_exit.py"), "5", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert rank_lines(r.stdout, "sum ") == {0: "12.0", 1: "12.0"}
