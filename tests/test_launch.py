@@ -148,6 +148,8 @@ def test_two_nodes_c10d_rendezvous():
     (["--nnodes", "1:2", "SCRIPT"], "needs a dynamic backend"),
     (["--rdzv_backend", "c10d", "SCRIPT"], "needs --rdzv_endpoint"),
     (["--nproc_per_node", "2", "no_such_script.py"], "training script not found: no_such_script.py"),
+    (["--log-ranks", "0,one", "SCRIPT"], "expected comma-separated ranks, got '0,one'"),
+    (["--local-ranks-filter", "-1", "SCRIPT"], "ranks must be >= 0, got '-1'"),
 ])
 def test_usage_errors(capsys, argv, message):
     argv = [str(SCRIPTS / "allreduce.py") if a == "SCRIPT" else a for a in argv]
