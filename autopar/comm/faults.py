@@ -25,9 +25,7 @@ _ARRIVED: dict[str, int] = {}  # group name -> collectives this rank entered on 
 _ARRIVED_GENERATION = [0]  # `reset_groups` makes new groups: their counts start again
 _FAILED = [False]
 _GRACE = 3.0  # seconds to wait for peers' reports after a failure, and for peers at exit
-
-
-_NAMES: dict = {}
+_NAMES: dict = {}  # (ranks, value read?) -> the group's name in messages and reports
 
 
 def _group_name(ranks) -> str:
@@ -116,15 +114,18 @@ def fail(op: str, ranks, seq: int, err: Exception):
     rank lists differ between the sides, are not counted): the op, the group, the ranks that
     did not arrive, and what a value read must do."""
     name = _group_name(ranks)
-    absent = not_arrived(op, ranks, seq) if seq else []
-    who = ("; ".join(absent) + ".") if absent else "every peer arrived at it or is gone without a trace."
+    if not seq:
+        who = "A peer may have crashed or not reached this transfer."
+    else:
+        absent = not_arrived(op, ranks, seq)
+        who = (f"Ranks that did not arrive: {'; '.join(absent)}." if absent
+               else "Every peer reached this collective; one may have crashed in it.")
     read = reading()
     hint = (f" This collective belongs to a value read ({read}): value reads are collective over the job, "
             f"every rank of the tensor's mesh must make the same read (not only `if rank == 0`)."
             if read else "")
     raise CommError(
-        f"{op}{f' #{seq}' if seq else ''} over {name} failed on rank {get_rank()}: {err}. "
-        f"Ranks that did not arrive: {who}"
+        f"{op}{f' #{seq}' if seq else ''} over {name} failed on rank {get_rank()}: {err}. {who}"
         f"{hint} (timeout: AUTOPAR_TIMEOUT={timeout_seconds():g} s)"
     ) from err
 
@@ -137,6 +138,7 @@ _MAX_DIMS = 8
 
 
 def debugging() -> bool:
+    """AUTOPAR_DEBUG_COLLECTIVES=1 (read at every collective, so a test or a debugger can flip it)."""
     return os.environ.get("AUTOPAR_DEBUG_COLLECTIVES") == "1"
 
 
