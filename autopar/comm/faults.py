@@ -24,6 +24,7 @@ from .backend import CommError, channel_group, destroy_groups, get_rank, get_wor
 _ARRIVED: dict[str, int] = {}  # group name -> collectives this rank entered on it
 _ARRIVED_GENERATION = [0]  # `reset_groups` makes new groups: their counts start again
 _FAILED = [False]
+_EXIT_STATUS: list = [None]  # the status this rank leaves with, when the launcher's worker knows it
 _GRACE = 3.0  # seconds to wait for peers' reports after a failure, and for peers at exit
 _NAMES: dict = {}  # (ranks, value read?) -> the group's name in messages and reports
 
@@ -74,7 +75,7 @@ def _absence(peer: int, state, name: str, seq: int) -> str | None:
         return f"rank {peer} sent no report (busy outside collectives, hung, or killed)"
     kind, what = state
     if kind == "left":
-        return f"rank {peer} has {'died of an exception' if what == 'failed' else 'exited'}"
+        return f"rank {peer} has {'died of an exception' if what == 'failed' else what}"
     entered = what["arrived"].get(name, 0)
     if entered >= seq:
         return None
@@ -181,7 +182,8 @@ def check_signature(op: str, ranks, t: torch.Tensor) -> None:
 # -- leaving the program ----------------------------------------------------------------------
 def install_exit_handling() -> None:
     """On exit, record that this rank left; a clean exit waits a few seconds for its peers to
-    leave too, then tears the groups down; a rank dying of an exception leaves at once."""
+    leave too, then tears the groups down; a rank dying of an exception (or leaving with an
+    error status the launcher's worker reported) leaves at once."""
     atexit.register(_leave)
     sys.excepthook = _note_failure(sys.excepthook)
 
@@ -194,13 +196,21 @@ def _note_failure(hook):
     return excepthook
 
 
+def leaving_with(status: int) -> None:
+    """Tell the exit handler the status the program leaves with (the launcher's worker knows
+    it): a rank leaving with an error does not wait for its peers, and they can name it."""
+    _EXIT_STATUS[0] = status
+
+
 def _leave() -> None:
     if not tdist.is_initialized():
         return
     store, me, world = _store(), get_rank(), get_world_size()
+    status = _EXIT_STATUS[0]
+    how = "failed" if _FAILED[0] else f"exited with code {status}" if status else "exited"
     try:
-        store.set(_key("left", me), "failed" if _FAILED[0] else "exited")
-        if _FAILED[0]:
+        store.set(_key("left", me), how)
+        if _FAILED[0] or status:
             return
         # Peers still computing get a few seconds to finish; a peer blocked in a collective
         # this rank will never join fails as soon as the groups are torn down below.

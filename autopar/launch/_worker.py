@@ -15,6 +15,8 @@ import runpy
 import sys
 import threading
 
+from ..comm.faults import leaving_with
+
 
 def _status(exit: SystemExit) -> int:
     """The process exit status `sys.exit(code)` asks for (a message means 1, as in Python)."""
@@ -65,6 +67,7 @@ def leave(status: int) -> None:
         for thread in threading.enumerate():
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()
+        leaving_with(status)
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
