@@ -69,7 +69,7 @@ def test_a_timeout_names_the_op_the_group_and_the_ranks_that_did_not_arrive():
     assert msgs[2] is None
 
 
-def _lone_read():
+def _lone_read(unshard=False):
     """Rank 0 reads a value alone (`if rank == 0: print(loss.item())`); rank 1 goes on to its
     next training collective, an all-gather of the same size that the read used to pair with."""
     _short_timeout_groups()
@@ -77,7 +77,7 @@ def _lone_read():
     t = dist.shard_tensor(torch.arange(4.0), mesh, [dist.Shard(0)])
     msg = None
     if dist.get_rank() == 0:
-        msg = _caught(lambda: t.sum().item())
+        msg = _caught(lambda: dist.unshard_dtensor(t * 10) if unshard else t.sum().item())
     elif dist.get_rank() == 1:
         msg = _caught(lambda: dist.reshard(t * 10, mesh, [dist.Replicate()]))
     comm.reset_groups()
@@ -91,6 +91,12 @@ def test_a_value_read_on_some_ranks_only_fails_naming_the_read():
     assert "rank 1 entered only 0 collective(s) on this group and waits in all_gather #1 over ranks [0, 1]" in msgs[0]
     assert msgs[1] is not None and msgs[1].startswith("all_gather #1 over ranks [0, 1] failed on rank 1"), msgs[1]
     assert "over ranks [0, 1] (value reads)" in msgs[1], msgs[1]
+
+
+def test_unshard_dtensor_on_some_ranks_only_fails_naming_the_read():
+    msgs = run_dist(_lone_read, 3, True)
+    assert "This collective belongs to a value read (unshard_dtensor)" in msgs[0], msgs[0]
+    assert msgs[1] is not None and msgs[1].startswith("all_gather #1 over ranks [0, 1] failed on rank 1"), msgs[1]
 
 
 def _reads_between_training_collectives():
