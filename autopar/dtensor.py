@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _foreach_utils
 
+from .comm.backend import value_read
 from .comm.collectives import reading_values as _reading_values
 from .spec import DistSpec
 
@@ -87,21 +88,43 @@ class DistTensor(torch.Tensor):
         return True
 
     # -- conversions to Python give the global value --------------------------------
+    # Collective over the job: each runs on the value-read groups (`comm.value_read`), so
+    # a read made on some ranks only is reported instead of pairing with training traffic.
     def full_value(self) -> torch.Tensor:
         from .api.tensor import full_value
 
-        return full_value(self)
+        with value_read("full_value()"):
+            return full_value(self)
+
+    def item(self):
+        with value_read(".item()"):
+            return super().item()
+
+    def __bool__(self):
+        with value_read("bool()"):
+            return super().__bool__()
+
+    def __float__(self):
+        with value_read("float()"):
+            return super().__float__()
+
+    def __int__(self):
+        with value_read("int()"):
+            return super().__int__()
 
     def tolist(self):
         _reading_values("tolist")
-        return self.full_value().tolist()
+        with value_read(".tolist()"):
+            return self.full_value().tolist()
 
     def numpy(self, *args, **kwargs):
         _reading_values("numpy")
-        return self.full_value().detach().cpu().numpy(*args, **kwargs)
+        with value_read(".numpy()"):
+            return self.full_value().detach().cpu().numpy(*args, **kwargs)
 
     def __repr__(self, *, tensor_contents=None):
-        value = self.full_value().detach()
+        with value_read("print/repr"):
+            value = self.full_value().detach()
         grad = ", requires_grad=True" if self.requires_grad else ""
         return (
             f"DistTensor({value}, mesh={self._spec.mesh.process_ids} shape={self._spec.mesh.shape}, "

@@ -128,9 +128,10 @@ def headline_markdown(recs) -> None:
         vals = values(impls)
         if not vals:
             continue
-        met = "yes" if statistics.median(vals) <= target else "**no**"
+        per_impl = [values((impl,)) for impl in impls]
+        met = " / ".join("yes" if v and statistics.median(v) <= target else "**no**" for v in per_impl)
         cmd = " ; ".join(f"`{cmds[n]}`" for n in names if n in cmds)
-        ratios = " / ".join(_cell(values((impl,))) for impl in impls)
+        ratios = " / ".join(_cell(v) for v in per_impl)
         print(f"| {goal} | {PEER_OF.get(field, field)} | {ratios} | <= {target} | {met} | {cmd} |")
 
 

@@ -2,6 +2,7 @@
 
     python -m autopar.launch --nproc_per_node 4 examples/train_gpt.py
     python -m autopar.launch --nproc_per_node 4 examples/train_gpt.py --pp 2 --schedule 1F1B --micro-batches 4
+    python -m autopar.launch --nproc_per_node 4 --log-ranks 0 examples/train_gpt.py --check --plot loss.png
 
 The model is plain PyTorch (token + position embedding, pre-norm blocks with causal
 self-attention and an MLP, a final layer norm, an untied LM head).  One annotation plan
@@ -180,6 +181,31 @@ def print_plan(model, mesh):
     print("  (blocks.1.. as blocks.0)")
 
 
+def plot_losses(path: str, losses: list, reference: list | None, title: str) -> None:
+    """The loss curve (and the single-process one under --check) as an image file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, label="autopar", linewidth=2)
+    if reference is not None:
+        ax.plot(range(1, len(reference) + 1), reference, "--", label="one process", linewidth=1)
+    ax.set(xlabel="step", ylabel="cross-entropy loss", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary(rows: list) -> str:
+    """Aligned `name  value` lines under a heading."""
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["summary"] + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model, data and optimizer settings (shared with benchmarks/bench_gpt.py)."""
     p.add_argument("--vocab", type=int, default=64)
@@ -204,6 +230,7 @@ def main():
     p.add_argument("--schedule", default="1F1B", help="pipeline schedule: FThenB, 1F1B; static also ZBH1, VPP")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step with --pp")
     p.add_argument("--vpp", type=int, default=1, help="stages per pipeline rank (with --schedule VPP)")
+    p.add_argument("--plot", metavar="PNG", help="write the loss curve to this image file (matplotlib)")
     args = p.parse_args()
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -222,14 +249,23 @@ def main():
     start = time.perf_counter()
     _, losses = train(args, mesh, progress=rank == 0, static=args.static)
     elapsed = time.perf_counter() - start
-    if rank == 0:
-        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess: {math.log(args.vocab):.3f}) "
-              f"in {args.steps} steps, {1000 * elapsed / args.steps:.0f} ms/step")
-    if args.check:
-        _, ref = train(args, None)
+    ref = train(args, None)[1] if args.check else None
+    if ref is not None:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
-        if rank == 0:
-            print(f"check: {args.steps} losses match the single-process run")
+    if rank != 0:
+        return
+    layout = " x ".join(f"{n} {k}" for n, k in zip(mesh.dim_names, mesh.shape))
+    mode = "static (to_static)" if args.static else "dynamic"
+    rows = [("mesh", f"{layout} ({world} ranks), {mode}"),
+            ("model", f"GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}, batch {args.batch} x {args.seq}"),
+            ("steps", f"{args.steps}, {1000 * elapsed / args.steps:.0f} ms/step"),
+            ("loss", f"{losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess: {math.log(args.vocab):.3f})")]
+    if ref is not None:
+        rows.append(("check", f"{args.steps} losses match the single-process run"))
+    if args.plot:
+        plot_losses(args.plot, losses, ref, f"GPT on {layout} ({world} ranks)")
+        rows.append(("plot", args.plot))
+    print(summary(rows))
 
 
 if __name__ == "__main__":

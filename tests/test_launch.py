@@ -5,8 +5,10 @@ test instead of hanging the suite.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from autopar.launch import main
+from autopar.launch._output import RankOutput
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
@@ -145,6 +148,8 @@ def test_two_nodes_c10d_rendezvous():
     (["--nnodes", "1:2", "SCRIPT"], "needs a dynamic backend"),
     (["--rdzv_backend", "c10d", "SCRIPT"], "needs --rdzv_endpoint"),
     (["--nproc_per_node", "2", "no_such_script.py"], "training script not found: no_such_script.py"),
+    (["--log-ranks", "0,one", "SCRIPT"], "expected comma-separated ranks, got '0,one'"),
+    (["--local-ranks-filter", "-1", "SCRIPT"], "ranks must be >= 0, got '-1'"),
 ])
 def test_usage_errors(capsys, argv, message):
     argv = [str(SCRIPTS / "allreduce.py") if a == "SCRIPT" else a for a in argv]
@@ -176,3 +181,126 @@ def test_autopar_job_with_a_failing_rank_ends_fast_with_its_error():
     assert proc.returncode != 0
     assert "boom from rank 1" in proc.stdout + proc.stderr
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("code", [3, 0])
+def test_rank_that_exits_ends_the_job_within_seconds(code):
+    """A rank leaving (sys.exit(3), or exit(0) while its peer goes on into a collective) ends
+    the job in seconds, not after AUTOPAR_TIMEOUT, non-zero, naming the rank that left."""
+    r = launch("--nproc_per_node", "2", str(SCRIPTS / "rank1_exits.py"), str(code), timeout=120)
+    ended = time.time()
+    assert r.returncode != 0, r.stdout + r.stderr
+    left = float(rank_lines(r.stdout, "leaving at ")[1])
+    assert ended - left < 12, f"the job ended {ended - left:.1f}s after rank 1 left"
+    assert "rank 0 outlived rank 1" not in r.stdout
+    if code:
+        assert "rank 1 exited with code 3; the other ranks were stopped" in r.stderr, r.stderr
+    else:
+        assert re.search(r"all_gather #\d+ over ranks \[0, 1\] failed on rank 0", r.stderr), r.stderr
+        assert "Ranks that did not arrive: rank 1 has exited." in r.stderr, r.stderr
+
+
+def test_worker_keeps_python_script_semantics(tmp_path):
+    """Ranks run the script as __main__ with its own directory on sys.path and its argv; its
+    non-daemon threads finish, then its atexit handlers run; its exit status (a sys.exit
+    message gives 1) is the rank's."""
+    (tmp_path / "helper_mod.py").write_text("VALUE = 7\n")
+    (tmp_path / "main.py").write_text(
+        "import atexit, sys, threading, time, helper_mod\n"
+        "print('SEM', __name__, helper_mod.VALUE, sys.argv[1:])\n"
+        "atexit.register(lambda: print('SEM atexit'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), print('SEM thread'))).start()\n"
+        "sys.exit('bad argument' if sys.argv[1] == 'fail' else 0)\n")
+    ok = launch("--nproc_per_node", "1", str(tmp_path / "main.py"), "fine")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines() == ["[rank0]: SEM __main__ 7 ['fine']", "[rank0]: SEM thread", "[rank0]: SEM atexit"]
+    bad = launch("--nproc_per_node", "1", str(tmp_path / "main.py"), "fail")
+    assert bad.returncode == 1 and "[rank0]: bad argument" in bad.stderr, bad.stderr
+
+
+def test_a_progress_bar_is_one_line_tagged_once_in_a_log():
+    """tqdm redraws its bar after carriage returns: a log (a pipe here) shows each rank's
+    bar once, in its last state, tagged once; ordinary lines are tagged once too."""
+    r = launch("--nproc_per_node", "2", str(SCRIPTS / "progress.py"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == ["[rank0]: end rank 0", "[rank0]: start rank 0",
+                                             "[rank1]: end rank 1", "[rank1]: start rank 1"], r.stdout
+    bars = [line for line in r.stderr.splitlines() if line.startswith("[rank")]
+    assert sorted(bars) == ["[rank0]: train 5/5", "[rank1]: train 5/5"], r.stderr
+    assert "\r" not in r.stderr
+
+
+def test_a_traceback_is_tagged_once():
+    r = launch("--nproc_per_node", "2", str(SCRIPTS / "autopar_fail_rank1.py"), timeout=120)
+    assert r.returncode != 0
+    assert "[rank1]: RuntimeError: boom from rank 1" in r.stderr.splitlines(), r.stderr
+    assert "[rank1]: [rank1]:" not in r.stderr
+
+
+@pytest.mark.parametrize("option, rank", [("--log-ranks", 0), ("--local-ranks-filter", 1)])
+def test_chosen_ranks_only(option, rank):
+    r = launch("--nproc_per_node", "2", option, str(rank), str(SCRIPTS / "progress.py"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"[rank{rank}]: start rank {rank}", f"[rank{rank}]: end rank {rank}"]
+    assert [line for line in r.stderr.splitlines() if line.startswith("[rank")] == [f"[rank{rank}]: train 5/5"]
+
+
+def test_a_hidden_rank_that_fails_is_quoted_in_the_summary(tmp_path):
+    r = launch("--nproc_per_node", "2", "--log-ranks", "0", str(SCRIPTS / "fail_rank1.py"),
+               str(tmp_path / "pid"), "sleep")
+    assert r.returncode == 1
+    shown, summary = r.stderr.split("its output was not shown; the end of its stderr:")
+    assert "rank 1 exited with code 1; the other ranks were stopped (" in shown[-200:]
+    assert "[rank1]" not in r.stdout + shown
+    assert "RuntimeError: boom from rank 1" in summary
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_on_a_terminal_a_carriage_return_redraws_the_line(tmp_path):
+    out, err = _Terminal(), _Terminal()
+    output = RankOutput()
+    (tmp_path / "o").write_text("")
+    (tmp_path / "e").write_text("")
+    output.follow(0, str(tmp_path / "o"), str(tmp_path / "e"), True, out, err)
+    output.follow(1, str(tmp_path / "o1"), str(tmp_path / "e1"), False, out, err)  # hidden: never read
+    with open(tmp_path / "e", "a") as bar, open(tmp_path / "o", "a") as text:
+        for chunk in ["\rstep 1", "\rstep 2"]:
+            bar.write(chunk)
+            bar.flush()
+            output.poll()
+        text.write("a line\n")
+        text.flush()
+        output.poll()
+        bar.write("\rstep 3\n")
+        bar.flush()
+        output.close()
+    # another stream's line leaves the bar on screen and goes on below it
+    assert err.getvalue() == "\r[rank0]: step 1\x1b[K\r[rank0]: step 2\x1b[K\n[rank0]: step 3\n"
+    assert out.getvalue() == "[rank0]: a line\n"
+
+
+def test_main_job_prints_a_clean_summary_and_plots_the_loss(tmp_path):
+    png = tmp_path / "loss.png"
+    r = launch("--nproc_per_node", "4", "--log-ranks", "0", "examples/train_gpt.py", "--steps", "4", "--check",
+               "--plot", str(png), timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = r.stdout.splitlines()
+    assert all(line.startswith("[rank0]: ") and not line.startswith("[rank0]: [rank0]") for line in lines), r.stdout
+    summary = lines[lines.index("[rank0]: summary"):]
+    assert [line.split()[1] for line in summary[1:]] == ["mesh", "model", "steps", "loss", "check", "plot"], summary
+    assert "dp 2 x mp 2 (4 ranks)" in summary[1] and summary[-1].endswith(str(png))
+    bars = [line for line in r.stderr.splitlines() if line.startswith("[rank0]: train:")]
+    assert len(bars) == 1 and "4/4" in bars[0], r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_correct_job_whose_ranks_leave_seconds_apart_exits_zero():
+    """Rank 1 leaves while rank 0 still works (past the exit handler's 3 s wait for peers):
+    rank 0's groups lose their peer while idle, and the job still exits 0."""
+    r = launch("--nproc_per_node", "2", str(SCRIPTS / "clean_exit.py"), "5", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert rank_lines(r.stdout, "sum ") == {0: "12.0", 1: "12.0"}

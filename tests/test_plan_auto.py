@@ -8,16 +8,18 @@ from distpool import run_dist
 import hf_llama
 
 
-def _auto(mesh_ids, dim_names):
+def _auto(mesh_ids, dim_names, with_grads=True):
+    """Train under config="auto"; with_grads also gathers each step's gradients (every rank
+    must hold a gradient of every parameter for that: not with pipeline stages)."""
     model = hf_llama.tiny_llama()
     opt = hf_llama.optimizer(model.parameters())
     model, opt = dist.parallelize(model, opt, dist.ProcessMesh(mesh_ids, dim_names=dim_names), config="auto")
-    grads = []
+    grads = [] if with_grads else None
     losses = hf_llama.train(model, opt, hf_llama.batches(), grads=grads)
     weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
-    placed = {k: (v.process_mesh.dim_names, v.process_mesh.shape, [str(p) for p in v.placements])
+    placed = {k: (v.process_mesh.dim_names, v.process_mesh.process_ids, [str(p) for p in v.placements])
               for k, v in model.named_parameters()}
-    return (losses, weights, grads), model._autopar_plan.degrees, model._autopar_plan.config, placed
+    return (losses, weights, grads or []), model._autopar_plan.degrees, model._autopar_plan.config, placed
 
 
 @pytest.mark.parametrize("mesh_ids, dim_names", [([0, 1], ["x"]), ([[0, 1]], ["pp", "dp"])])
@@ -34,8 +36,22 @@ def test_auto_on_two_ranks_matches_one_process(mesh_ids, dim_names):
         assert w[0] == (["pp", "dp", "mp"] if dim_names == ["x"] else dim_names)
         if degrees["mp"] == 2:
             assert "Shard(1)" in w[2]
-        assert config["dp_config"]["sharding_level"] in (0, 1, 2, 3)
     assert all(r[1] == results[0][1] for r in results)  # every rank planned the same
+
+
+@pytest.mark.parametrize("dim_names", [["dp", "mp"], ["pp", "dp"], ["pp", "mp"]])
+def test_auto_on_four_ranks_keeps_the_named_mesh(dim_names):
+    """The planner's config for tensor parallel (Megatron's plan on HF names) and for pipeline
+    stages (split points where the plan cuts, 1F1B) trains as one process does."""
+    ref = hf_llama.reference(hf_llama.batches())
+    pipeline = "pp" in dim_names
+    for got, degrees, config, placed in run_dist(_auto, 4, [[0, 1], [2, 3]], dim_names, not pipeline):
+        hf_llama.assert_matches(got, (*ref, []))
+        assert degrees == {dim: 2 if dim in dim_names else 1 for dim in ("dp", "mp", "pp")}
+        assert ("pp_config" in config) == pipeline and ("mp_config" in config) == ("mp" in dim_names)
+        if pipeline:
+            assert placed["model.layers.0.mlp.down_proj.weight"][1] == [0, 1]  # one layer per stage
+            assert placed["model.layers.1.mlp.down_proj.weight"][1] == [2, 3]
 
 
 def test_auto_refuses_other_strings_and_no_mesh():
@@ -48,3 +64,86 @@ def test_auto_refuses_other_strings_and_no_mesh():
             dist.parallelize(torch.nn.Linear(2, 2), None, None, config="auto")
     finally:
         dist.set_mesh(saved)
+
+
+def _example(name):
+    """An examples/ script as a module (its classes; its main does not run)."""
+    import importlib.util
+    import os
+    import sys
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    sys.path.insert(0, examples)  # their own helpers (_check)
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(examples, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpt(mesh_names=None):
+    """The examples' GPT trained 3 steps; with mesh dim names, under config="auto" on 2 ranks."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = _example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=2, seq=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if mesh_names:
+        model, opt = dist.parallelize(model, opt, dist.ProcessMesh([0, 1], dim_names=mesh_names), config="auto")
+    g, losses = torch.Generator().manual_seed(1), []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (4, 9), generator=g)
+        loss = F.cross_entropy(model(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    full = dist.unshard_dtensor if mesh_names else (lambda t: t)
+    degrees = model._autopar_plan.degrees if mesh_names else None
+    return losses, {k: full(v.detach()) for k, v in model.named_parameters()}, degrees
+
+
+@pytest.mark.parametrize("mesh_names", [["x"], ["mp"]])
+def test_auto_on_the_examples_gpt(mesh_names):
+    ref_losses, ref_weights, _ = _gpt()
+    for losses, weights, degrees in run_dist(_gpt, 2, mesh_names):
+        if mesh_names == ["mp"]:
+            assert degrees == {"dp": 1, "mp": 2, "pp": 1}
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for k, v in ref_weights.items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_describe_reads_the_examples_models_and_hf_llama():
+    from autopar.planner import describe
+
+    gpt, names = describe(_example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=3, seq=8))
+    assert (gpt.layers, gpt.hidden, gpt.heads, gpt.kv_heads, gpt.ffn, gpt.vocab, gpt.seq) == (3, 32, 4, 4, 128, 64, 8)
+    assert not gpt.gated and gpt.bias and gpt.positions == 8 and not gpt.tied
+    assert gpt.params() == sum(p.numel() for p in _example("train_gpt").GPT(64, 32, 4, 3, 8).parameters())
+    assert (names.layers, names.column, names.row, names.embedding, names.head) == (
+        "blocks", ("q", "k", "v", "fc1"), ("proj", "fc2"), "tok", "head")
+    llama, names = describe(_example("parallelize_llama").LlamaForCausalLM(128, 64, 96, 4, 2, 16))
+    assert (llama.ffn, llama.kv_heads, llama.gated, llama.positions) == (96, 4, True, 16)
+    assert names.column == ("self_attn.qkv_proj", "mlp.gate_up_proj") and names.head == "lm_head"
+    hf = hf_llama.tiny_llama(layers=3, tie=True)
+    spec, names = describe(hf)
+    assert (spec.layers, spec.kv_heads, spec.tied) == (3, 2, True)
+    assert spec.params() == sum(p.numel() for p in hf.parameters())
+    assert names.final_norm == "model.norm"
+    with pytest.raises(ValueError, match=r"Sequential: found no ModuleList of identical blocks"):
+        describe(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_plan_takes_the_sequence_from_the_sample_batch_when_the_model_has_no_table():
+    class Rotary(torch.nn.Module):  # a GPT without a position table
+        def __init__(self):
+            super().__init__()
+            gpt = _example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=2, seq=8)
+            self.tok, self.blocks, self.head = gpt.tok, gpt.blocks, gpt.head
+
+    from autopar.planner import describe
+
+    with pytest.raises(ValueError, match="Rotary: give the sequence length"):
+        describe(Rotary())
+    plan = dist.plan(Rotary(), torch.zeros(2, 12, dtype=torch.long), world_size=2, device="cpu", precision="fp32")
+    assert plan.spec.seq == 12 and plan.spec.positions == 0

@@ -38,6 +38,15 @@ def test_llama3_70b_on_1024_h100_json():
     assert sum(plan["stage_layers"]) == 80 and len(plan["stage_layers"]) == d["pp"]
 
 
+def test_png_draws_stages_and_memory(tmp_path):
+    path = tmp_path / "plan.png"
+    out = _cli("--layers", "8", "--hidden", "1024", "--heads", "8", "--ffn", "4096", "--vocab", "32000",
+               "--seq", "2048", "--global-batch", "32", "--ranks", "16", "--fix", "pp4", "--png", str(path))
+    assert out.returncode == 0, out.stderr
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
 def test_text_output_and_bad_arguments():
     out = _cli("--layers", "4", "--hidden", "512", "--heads", "8", "--ffn", "2048", "--vocab", "8000",
                "--seq", "1024", "--global-batch", "16", "--ranks", "8", "--compare", "tp2")

@@ -9,6 +9,7 @@ import torch
 
 from .. import comm
 from ..comm import get_rank, get_world_size
+from ..comm.backend import value_read
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Partial, Placement, Replicate, Shard, normalize_placements
@@ -384,9 +385,10 @@ def unshard_dtensor(t: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(t, DistTensor):
         return t
-    if isinstance(t, torch.nn.Parameter):
-        return torch.nn.Parameter(full_value(t.detach()), requires_grad=t.requires_grad)
-    return full_value(t)
+    with value_read("unshard_dtensor"):  # a read: collective over the job, on the reads' groups
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(full_value(t.detach()), requires_grad=t.requires_grad)
+        return full_value(t)
 
 
 def is_dist_tensor(t) -> bool:

@@ -1,11 +1,11 @@
 """Starting the default process group and caching one group per ordered rank tuple."""
 from __future__ import annotations
 
-import atexit
+import contextlib
 import datetime
+import math
 import os
 import socket
-import sys
 
 import torch
 import torch.distributed as tdist
@@ -15,8 +15,24 @@ class CommError(RuntimeError):
     """A collective failed or timed out; the message names the op and the group."""
 
 
+def timeout_seconds() -> float:
+    """AUTOPAR_TIMEOUT: how long a collective may wait for its peers (seconds, default 300).
+    A typo must not turn into a zero or negative timeout that fails every collective at once."""
+    raw = os.environ.get("AUTOPAR_TIMEOUT", "300")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(
+            f"AUTOPAR_TIMEOUT={raw!r}: expected a positive number of seconds (how long a collective "
+            f"waits for its peers, default 300), e.g. AUTOPAR_TIMEOUT=600 or 0.5"
+        )
+    return seconds
+
+
 def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("AUTOPAR_TIMEOUT", "300")))
+    return datetime.timedelta(seconds=timeout_seconds())
 
 
 def _backend() -> str:
@@ -52,39 +68,23 @@ def ensure_initialized() -> None:
         torch.cuda.set_device(current_device())
         kwargs["device_id"] = current_device()
     tdist.init_process_group(backend, timeout=_timeout(), **kwargs)
-    atexit.register(_shutdown)
-    sys.excepthook = _note_failure(sys.excepthook)
+    from .faults import install_exit_handling
+
+    install_exit_handling()
 
 
-_FAILED = [False]
 SIMULATING = [False]  # inside `simulate`: transfers move nothing and their outputs are made up
 
 
-def _note_failure(hook):
-    def excepthook(*exc_info):
-        _FAILED[0] = True
-        hook(*exc_info)
-
-    return excepthook
-
-
-def _shutdown() -> None:
-    """Leave together: a rank whose peers already closed their connections can abort in
-    gloo's threads at exit, so on a clean exit wait for everyone, then tear the groups down.
-    A rank dying of an exception leaves at once (its peers may never reach a barrier)."""
-    if not tdist.is_initialized() or _FAILED[0]:
-        return
-    try:
-        tdist.barrier()
-    except Exception:  # a peer is gone: the job is failing anyway, just tear down
-        pass
+def destroy_groups() -> None:
+    """Tear down autopar's own groups, then the default one, so that no gloo thread is left
+    for the interpreter's teardown."""
+    default = tdist.distributed_c10d._get_default_group()
     for pg in _GROUPS.values():
         shutdown = getattr(pg, "shutdown", None)
-        if shutdown is not None and pg is not tdist.distributed_c10d._get_default_group():
-            try:
+        if shutdown is not None and pg is not default:
+            with contextlib.suppress(Exception):
                 shutdown()
-            except Exception:
-                pass
     _GROUPS.clear()
     _WHO[0] = None
     tdist.destroy_process_group()
@@ -130,14 +130,37 @@ _GROUPS: dict[tuple, object] = {}
 _GENERATION = [0]
 
 
+_READING: list = [None]  # what value read is running (`.item()`, ...), None in training code
+
+
+@contextlib.contextmanager
+def value_read(what: str):
+    """Run the collectives of a value read (`.item()`, `.tolist()`, `print(t)`) on groups of
+    their own: a read made on some ranks only then waits for the missing ranks' read and
+    times out naming it, instead of pairing with their next training collective."""
+    outer, _READING[0] = _READING[0], _READING[0] or what
+    try:
+        yield
+    finally:
+        _READING[0] = outer
+
+
+def reading() -> str | None:
+    """The value read in progress on this rank, if any."""
+    return _READING[0]
+
+
 def group_for(ranks: tuple):
     """The process group whose group rank i is `ranks[i]`; made on first use by its members only.
+    Inside `value_read` it is the members' group reserved for value reads.
 
     torch's `new_group(use_local_synchronization=True)` names a group after how many groups
     the calling rank made before, which differs between ranks of an SPMD program that skip
     meshes they are not in, and then hangs.  autopar builds the backend itself on a store
     prefix derived from the ordered rank tuple, so members agree without any other rank.
     """
+    if _READING[0] is not None:
+        return channel_group(ranks, "value-read")
     pg = _GROUPS.get(ranks)
     if pg is None:
         ensure_initialized()

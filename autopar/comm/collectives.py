@@ -12,7 +12,8 @@ import torch.distributed as tdist
 from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 
 from ..placement import ReduceType
-from .backend import SIMULATING, CommError, get_rank, group_for
+from .backend import SIMULATING, get_rank, group_for
+from .faults import arrive, check_signature, debugging, fail
 from .log import record
 from .simulate import plausible
 
@@ -28,11 +29,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _fail(op: str, ranks: Sequence[int], err: Exception):
-    raise CommError(
-        f"{op} over ranks {list(ranks)} failed on rank {get_rank()}: {err}. "
-        f"A peer may have crashed or not reached this collective (timeout: AUTOPAR_TIMEOUT)."
-    ) from err
+def _enter(op: str, ranks, t: torch.Tensor) -> int:
+    """Count this rank into the collective (see `faults`); under AUTOPAR_DEBUG_COLLECTIVES=1
+    first check that every member calls the same op on the same shapes.  Point-to-point
+    transfers (whose rank lists differ between the sides) are neither counted nor checked."""
+    if op == "send/recv":
+        return 0
+    if debugging():
+        check_signature(op, ranks, t)
+    return arrive(ranks)
 
 
 # A graph capture (autopar.static) listens here: every transfer is one call of `_wire`.
@@ -57,10 +62,11 @@ class Wire:
         self.op, self.ranks, self.run, self.logs = op, tuple(ranks), run, logs
 
     def __call__(self, *tensors) -> None:
+        seq = _enter(self.op, self.ranks, tensors[-1])
         try:
             self.run(*tensors)
         except RuntimeError as e:
-            _fail(self.op, self.ranks, e)
+            fail(self.op, self.ranks, seq, e)
         if SIMULATING[0]:
             plausible(self.op, tensors, self.logs)
         for log in self.logs:
@@ -149,10 +155,11 @@ class Pending:
     """A collective in flight (`all_reduce_start`, `reduce_scatter_start`, `all_gather_start`):
     `wait()` returns its result, logged once it has arrived."""
 
-    __slots__ = ("op", "out", "work", "ranks", "log", "finish")
+    __slots__ = ("op", "out", "work", "ranks", "log", "finish", "seq")
 
-    def __init__(self, op: str, out: torch.Tensor, work, ranks: tuple, log: tuple = (), finish=None):
+    def __init__(self, op: str, out: torch.Tensor, work, ranks: tuple, log: tuple = (), finish=None, seq: int = 0):
         self.op, self.out, self.work, self.ranks, self.log, self.finish = op, out, work, tuple(ranks), log, finish
+        self.seq = seq
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -160,7 +167,7 @@ class Pending:
             try:
                 work.wait()
             except RuntimeError as e:
-                _fail(self.op, self.ranks, e)
+                fail(self.op, self.ranks, self.seq, e)
             record(self.op, self.ranks, *self.log)
             if self.finish is not None:
                 self.out = self.finish(self.out)
@@ -171,12 +178,13 @@ def _done(op: str, out: torch.Tensor, ranks) -> Pending:
     return Pending(op, out, None, ranks)
 
 
-def _started(op: str, ranks: tuple, post, out: torch.Tensor, log: tuple, finish=None) -> Pending:
+def _started(op: str, ranks: tuple, post, t: torch.Tensor, out: torch.Tensor, log: tuple, finish=None) -> Pending:
+    seq = _enter(op, ranks, t)
     try:
         work = post()
     except RuntimeError as e:
-        _fail(op, ranks, e)
-    return Pending(op, out, work, ranks, log, finish)
+        fail(op, ranks, seq, e)
+    return Pending(op, out, work, ranks, log, finish, seq)
 
 
 def _synchronous(ranks) -> bool:
@@ -193,7 +201,7 @@ def all_reduce_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Re
     k = len(ranks)
     moved = _all_reduce_bytes(t, k)
     opts = _all_reduce_options(reduce_type)
-    return _started("all_reduce", ranks, lambda: group_for(ranks).allreduce([t], opts), t,
+    return _started("all_reduce", ranks, lambda: group_for(ranks).allreduce([t], opts), t, t,
                     (moved, moved, tuple(t.shape)), lambda out: _all_reduced(out, reduce_type, k))
 
 
@@ -207,7 +215,7 @@ def reduce_scatter_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType 
     opts = _reduce_scatter_options(reduce_type)
     moved = (k - 1) * _nbytes(out)
     finish = (lambda o: o.div_(k)) if reduce_type is ReduceType.AVG else None
-    return _started("reduce_scatter", ranks, lambda: group_for(ranks)._reduce_scatter_base(out, t, opts), out,
+    return _started("reduce_scatter", ranks, lambda: group_for(ranks)._reduce_scatter_base(out, t, opts), t, out,
                     (moved, moved, tuple(t.shape)), finish)
 
 
@@ -216,7 +224,8 @@ def all_gather_start(t: torch.Tensor, ranks: tuple) -> Pending:
     if _synchronous(ranks):
         return _done("all_gather", all_gather_into(t, ranks), ranks)
     t, out, n = _all_gather_buffers(t, len(ranks))
-    return _started("all_gather", ranks, lambda: group_for(ranks)._allgather_base(out, t), out, (n, n, tuple(t.shape)))
+    return _started("all_gather", ranks, lambda: group_for(ranks)._allgather_base(out, t), t, out,
+                    (n, n, tuple(t.shape)))
 
 
 def _reduce_scatter_options(reduce_type: ReduceType) -> ReduceScatterOptions:

@@ -11,9 +11,16 @@ relies on:
 * ``--devices 0,1,...``: one rank per listed device, the list exported as
   ``AUTOPAR_DEVICES`` so a rank uses ``devices[int(os.environ["LOCAL_RANK"])]``;
 * ``OMP_NUM_THREADS=1`` unless the user set it;
-* every rank's output on the launcher's stdout/stderr, prefixed ``[rank<N>]: ``;
+* every rank's output on the launcher's stdout/stderr, each line tagged
+  ``[rank<N>]: `` once; a progress bar's carriage-return updates redraw the line
+  on a terminal and leave only its last state in a log; ``--log-ranks 0,2`` (or
+  torchrun's ``--local-ranks-filter``) shows chosen ranks only;
 * a rank that fails stops the whole job at once: the other ranks are killed,
-  the failing rank's traceback is on stderr, the launcher exits non-zero.
+  the failing rank's traceback is on stderr (quoted in the summary when its
+  output was hidden), the launcher exits non-zero;
+* each rank runs the script through :mod:`._worker`, which ends it with
+  ``os._exit`` after its threads and atexit handlers: a correct job exits 0,
+  and a rank that exits early ends the job in seconds (see docs/failures.md).
 
 Run ``python -m autopar.launch --help`` for the options; see :func:`main`.
 """

@@ -38,6 +38,17 @@ def _device_list(value: str) -> list[int]:
     return devices
 
 
+def _rank_set(value: str) -> set[int]:
+    """``"0"`` or ``"0,2"`` -> ``{0, 2}``."""
+    try:
+        ranks = {int(r) for r in value.split(",")}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ranks, got {value!r}") from None
+    if any(r < 0 for r in ranks):
+        raise argparse.ArgumentTypeError(f"ranks must be >= 0, got {value!r}")
+    return ranks
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argument parser (no validation across options; see :func:`parse_args`)."""
     p = argparse.ArgumentParser(
@@ -66,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="times to restart all workers after a failure (default: 0)")
     p.add_argument("--log_dir", "--log-dir", default=None,
                    help="keep per-rank stdout/stderr/error files here (default: a temporary dir, removed)")
+    p.add_argument("--log-ranks", "--log_ranks", type=_rank_set, default=None,
+                   help="show only these (global) ranks' output, e.g. 0 or 0,2 (default: all); "
+                        "the per-rank log files keep everything")
+    p.add_argument("--local-ranks-filter", "--local_ranks_filter", type=_rank_set, default=None,
+                   help="torchrun's spelling, by local rank: show only these local ranks' output")
     p.add_argument("-m", "--module", action="store_true",
                    help="treat SCRIPT as a module name, like python -m")
     p.add_argument("script", help="training script (or module with -m)")

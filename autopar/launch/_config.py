@@ -7,10 +7,11 @@ this module only decides how to ask for them:
   a free port (what ``torchrun --standalone`` does), so concurrent jobs on one
   machine never collide on 29500; otherwise the options pass through as
   torchrun would pass them;
-* worker output: every rank's stdout/stderr is tee'd into per-rank log files
-  and onto the launcher's own streams, each line prefixed ``[rank<N>]: ``. That
-  is what puts a failing rank's traceback on the launcher's stderr even when the
-  script does not decorate its main with elastic's ``@record``;
+* worker output: every rank's stdout/stderr goes to per-rank log files, which
+  :mod:`._output` forwards onto the launcher's own streams, each line tagged
+  ``[rank<N>]: `` once (``--log-ranks`` picks whose). That is what puts a failing
+  rank's traceback on the launcher's stderr even when the script does not
+  decorate its main with elastic's ``@record``;
 * the environment every rank inherits on top of what elastic sets (RANK,
   WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 """
@@ -21,11 +22,11 @@ import os
 import sys
 import uuid
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.launcher.api import LaunchConfig
 
+from ._output import FollowedLogsSpecs, RankOutput
+
 DEFAULT_MASTER_PORT = 29500
-RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
 DEVICES_ENV = "AUTOPAR_DEVICES"
 
 
@@ -39,8 +40,18 @@ def _rendezvous(args: argparse.Namespace) -> tuple[str, str, str, dict]:
     return "static", endpoint, args.rdzv_id, {"rank": args.node_rank}
 
 
-def launch_config(args: argparse.Namespace, log_dir: str) -> LaunchConfig:
-    """The elastic ``LaunchConfig`` for parsed options, with per-rank logs under ``log_dir``."""
+def shown(args: argparse.Namespace):
+    """Whether a rank's output is shown: ``--log-ranks`` (global) and ``--local-ranks-filter``."""
+    def show(rank: int, local_rank: int) -> bool:
+        return ((args.log_ranks is None or rank in args.log_ranks)
+                and (args.local_ranks_filter is None or local_rank in args.local_ranks_filter))
+
+    return show
+
+
+def launch_config(args: argparse.Namespace, log_dir: str, output: RankOutput) -> LaunchConfig:
+    """The elastic ``LaunchConfig`` for parsed options, with per-rank logs under ``log_dir``
+    forwarded by ``output``."""
     backend, endpoint, run_id, rdzv_configs = _rendezvous(args)
     return LaunchConfig(
         min_nodes=args.min_nodes,
@@ -51,15 +62,15 @@ def launch_config(args: argparse.Namespace, log_dir: str) -> LaunchConfig:
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
         max_restarts=args.max_restarts,
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
-        log_line_prefix_template=RANK_PREFIX_TEMPLATE,
+        logs_specs=FollowedLogsSpecs(log_dir, output, shown(args)),
     )
 
 
 def worker_command(args: argparse.Namespace) -> tuple[str, list[str]]:
-    """``(executable, argv)`` each rank runs: unbuffered Python on the script or module."""
+    """``(executable, argv)`` each rank runs: unbuffered Python running the script or module
+    through :mod:`autopar.launch._worker` (which ends the rank quickly and surely)."""
     mode = ["-m"] if args.module else []
-    return sys.executable, ["-u", *mode, args.script, *args.script_args]
+    return sys.executable, ["-u", "-m", "autopar.launch._worker", *mode, args.script, *args.script_args]
 
 
 def export_worker_env(args: argparse.Namespace) -> None:

@@ -2,8 +2,9 @@
 
 Failure propagation is elastic's: the agent polls its workers every 0.1 s, and
 as soon as one exits non-zero it SIGTERMs the process group of every other
-local rank (SIGKILL after 30 s if one lingers) and raises ``ChildFailedError``. By then the
-failing rank's traceback has already been tee'd onto our stderr. ``@record``
+local rank (SIGKILL after 30 s if one lingers) and raises ``ChildFailedError``. The
+failing rank's traceback is forwarded onto our stderr before the summary (from its
+log file, when ``--log-ranks`` hides the rank). ``@record``
 forwards an error file the worker did write (scripts decorated with elastic's
 ``@record``) to this launcher's own ``TORCHELASTIC_ERROR_FILE`` for schedulers;
 we then print elastic's failure summary and exit 1 instead of dumping the
@@ -22,7 +23,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ._cli import parse_args
-from ._config import export_worker_env, launch_config, worker_command
+from ._config import export_worker_env, launch_config, shown, worker_command
+from ._output import RankOutput
+
+_HIDDEN_TAIL_LINES = 30
 
 
 @record
@@ -30,11 +34,24 @@ def _launch(config: LaunchConfig, executable: str, argv: list[str]) -> None:
     elastic_launch(config, executable)(*argv)
 
 
-def _failure_summary(error: ChildFailedError) -> str:
-    """Elastic's failure report, pointing at the tee'd output where no error file was written."""
+def _tail(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-_HIDDEN_TAIL_LINES:])
+    except OSError:
+        return ""
+
+
+def _failure_summary(error: ChildFailedError, script: str, output: RankOutput, shown) -> str:
+    """Elastic's failure report, naming the script and each failed rank with its exit code,
+    pointing at its output above, or quoting the end of it when ``--log-ranks`` hid it."""
+    error.name = script
     for rank, failure in error.failures.items():
         if failure.exitcode > 0 and not os.path.isfile(failure.error_file):
-            failure.message = f"see the lines prefixed [rank{rank}]: above"
+            where = f"its output is prefixed [rank{rank}]: above"
+            if not shown(rank, failure.local_rank) and rank in output.paths:
+                where = f"its output was not shown; the end of its stderr:\n{_tail(output.paths[rank][1])}"
+            failure.message = f"rank {rank} exited with code {failure.exitcode}; the other ranks were stopped ({where})"
     return error.format_msg()
 
 
@@ -68,10 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     export_worker_env(args)
     with contextlib.ExitStack() as stack:
         log_dir = args.log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="autopar_launch_"))
+        output = RankOutput()
+        output.start()
         try:
-            _launch(launch_config(args, log_dir), *worker_command(args))
+            try:
+                _launch(launch_config(args, log_dir, output), *worker_command(args))
+            finally:
+                output.close()
         except ChildFailedError as e:
-            print(_failure_summary(e), file=sys.stderr)
+            print(_failure_summary(e, args.script, output, shown(args)), file=sys.stderr)
             return 1
         except SignalException as e:
             return 128 + int(e.sigval)

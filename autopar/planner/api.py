@@ -1,6 +1,7 @@
 """`dist.plan`: the layout to train a model with, as a `parallelize` config, and why."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -9,7 +10,7 @@ import torch
 from .cost import DeviceProfile, load_profile
 from .describe import HF_LLAMA, ModelNames, config_json, describe, parallelize_config
 from .model import Estimate, TransformerSpec
-from .search import search
+from .search import SOLVE_SECONDS, search
 
 GB = 1e9
 
@@ -90,17 +91,17 @@ class Plan:
             f"sequence parallel {'on' if s.sequence_parallel else 'off'}, {s.micro_batches} micro-batches of "
             f"{s.micro_batch}",
             f"  layers per stage {list(layout.stage_layers)}, recomputed {list(layout.recompute)}",
-            f"  step time {est.step_time:.3f} s, MFU {est.mfu:.1%}",
+            f"  step time {est.step_time:.4g} s, MFU {est.mfu:.1%}",
             "  memory per rank (fullest stage): " + ", ".join(
                 f"{k} {v / GB:.2f} GB" for k, v in self.memory_per_rank_bytes.items())
             + f" (limit {self.memory_limit / GB:.1f} GB)",
-            "  time: " + ", ".join(f"{k} {v:.3f} s" for k, v in est.time.items() if v),
+            "  time: " + ", ".join(f"{k} {v:.4g} s" for k, v in est.time.items() if v),
             "  bytes per step per rank: " + (", ".join(
                 f"{k} {v / GB:.2f} GB" for k, v in est.bytes_per_step.items()) or "none"),
         ]
         if self.compared is not None:
             c = self.compared
-            lines.append(f"  compared: {_name(c)}: step {c.step_time:.3f} s, MFU {c.mfu:.1%}, "
+            lines.append(f"  compared: {_name(c)}: step {c.step_time:.4g} s, MFU {c.mfu:.1%}, "
                          f"memory {c.peak_memory / GB:.1f} GB ({c.step_time / est.step_time - 1:+.1%} time)")
         lines.append("  why: " + self.why)
         return "\n".join(lines)
@@ -150,14 +151,16 @@ def plan(
     ({"mp": 8, "pp": 4, "zero": 1, ...}); `compare` prices the best layout with the degrees
     it names next to the plan (a hand configuration).
     """
+    seq = None
+    if sample_batch is not None:
+        global_batch, seq = _batch_dims(sample_batch)
     if isinstance(model, TransformerSpec):
         spec, names = model, names or HF_LLAMA
     else:
-        spec, found = describe(model)
+        spec, found = describe(model, seq)
         names = names or found
-    if sample_batch is not None:
-        global_batch, seq = _batch_dims(sample_batch)
-        spec = TransformerSpec(**{**spec.__dict__, "seq": seq})
+    if seq is not None:
+        spec = dataclasses.replace(spec, seq=seq)
     if global_batch is None:
         raise ValueError("plan needs a sample_batch (token ids [batch, seq]) or a global_batch")
     if world_size is None:
@@ -177,13 +180,14 @@ def plan(
         f"{profile.ranks_per_node} dividing {spec.heads} heads and {spec.kv_heads} kv heads, pp <= {spec.layers} "
         f"layers, every micro-batch size dividing the batch, ZeRO 0-3, sequence parallel on/off"
         + (f", fixed {fixed}" if fixed else "") + f"); for {result.solved} of them HiGHS solved the integer "
-        f"program of layers and recomputed layers per stage ({result.infeasible} cannot fit {limit / GB:.1f} GB), "
+        f"program of layers and recomputed layers per stage ({result.infeasible} cannot fit {limit / GB:.1f} GB"
+        + (f", {result.unproven} stopped at {SOLVE_SECONDS:g} s without proof" if result.unproven else "") + "), "
         f"the other {result.bounded} were bounded out by a step-time lower bound. "
-        f"Chose {_name(best)}: {best.step_time:.3f} s per step, MFU {best.mfu:.1%}, "
+        f"Chose {_name(best)}: {best.step_time:.4g} s per step, MFU {best.mfu:.1%}, "
         f"{best.peak_memory / GB:.1f} GB per rank."
     )
     if result.runner_up is not None:
         r = result.runner_up
-        why += (f" Runner-up with other degrees: {_name(r)}, {r.step_time:.3f} s "
+        why += (f" Runner-up with other degrees: {_name(r)}, {r.step_time:.4g} s "
                 f"({r.step_time / best.step_time - 1:+.1%}), {r.peak_memory / GB:.1f} GB.")
     return Plan(best, result.runner_up, compared, parallelize_config(names, best.layout), spec, profile, limit, why)

@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", type=parse_degrees, help="pin degrees, e.g. tp8 or pp4,zero1")
     p.add_argument("--compare", type=parse_degrees, help="also price a hand configuration, e.g. tp8,pp4")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--png", metavar="OUT.png", help="also draw the stages and memory per rank (matplotlib)")
     return p
 
 
@@ -69,4 +70,8 @@ def main(argv: Optional[list] = None) -> int:
         print(f"autopar.plan: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_json(), indent=1) if args.json else result)
+    if args.png:
+        from .picture import draw
+
+        draw(result, args.png)
     return 0

@@ -19,6 +19,8 @@ _COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "ga
 _ROW = ("o_proj", "down_proj", "proj", "fc2")
 _GATED = ("gate_proj", "gate_up_proj")
 _FINAL_NORM = ("norm", "ln", "ln_f", "final_layernorm")
+_MLP_IN = ("up_proj", "fc1", "gate_up_proj")
+_HEADS = ("heads", "num_heads", "n_head")
 
 
 @dataclass(frozen=True)
@@ -69,14 +71,18 @@ def describe(model: torch.nn.Module, seq: Optional[int] = None) -> tuple[Transfo
     head_weight = model.get_submodule(head).weight
     cfg = getattr(model, "config", None)
     gated = any(leaf(n) in _GATED for n in linears)
-    up_name, up = next((n, m) for n, m in linears.items() if leaf(n) in ("up_proj", "fc1", "gate_up_proj"))
+    up_name, up = next(((n, m) for n, m in linears.items() if leaf(n) in _MLP_IN), (None, None))
+    if up is None:
+        raise ValueError(f"{type(model).__name__}: its blocks' linears {sorted(linears)} name no MLP input {_MLP_IN}")
     ffn = up.out_features // (2 if leaf(up_name) == "gate_up_proj" else 1)
     if cfg is not None and hasattr(cfg, "num_attention_heads"):
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         seq = seq or cfg.max_position_embeddings
     else:
-        heads = next(getattr(m, a) for m in block.modules() for a in ("heads", "num_heads", "n_head") if hasattr(m, a))
+        heads = next((getattr(m, a) for m in block.modules() for a in _HEADS if hasattr(m, a)), None)
+        if heads is None:
+            raise ValueError(f"{type(model).__name__}: no config.num_attention_heads and no block attribute {_HEADS}")
         k = [m for n, m in linears.items() if leaf(n) in ("k_proj", "k")]
         kv_heads = k[0].out_features * heads // hidden if k else heads
     positions = [m.num_embeddings for n, m in embeddings if n != emb_name]
@@ -103,13 +109,13 @@ HF_LLAMA = ModelNames(
 
 
 def parallelize_config(names: ModelNames, layout: Layout) -> dict:
-    """The `parallelize` config of `layout`: ZeRO over "dp", Megatron's column/row plan over
+    """The `parallelize` config of `layout`, a key per dim of degree > 1: ZeRO over "dp", Megatron's column/row plan over
     "mp" (the embedding split on hidden, the head on vocabulary; sequence parallel between
     the blocks when the layout says so), 1F1B stages over "pp" cut where the layout cuts."""
     import autopar as dist
 
     shape = layout.shape
-    config: dict = {"dp_config": {"sharding_level": shape.zero}}
+    config: dict = {"dp_config": {"sharding_level": shape.zero}} if shape.dp > 1 else {}
     if shape.tp > 1:
         each = f"{names.layers}.*."
         plan = {each + n: dist.ColWiseParallel() for n in names.column}

@@ -265,8 +265,7 @@ class Estimate:
     """What a layout costs per rank (memory: the stage that needs most)."""
 
     layout: Layout
-    memory: dict  # category -> bytes, on the fullest stage
-    memory_per_stage: list  # total bytes per stage
+    memory_by_stage: list  # per stage: category -> bytes
     step_time: float
     time: dict  # category -> seconds of the step
     bytes_per_step: dict  # collective kind -> bytes a rank of the busiest stage moves per step
@@ -275,8 +274,17 @@ class Estimate:
     fits: Optional[bool] = None
 
     @property
+    def memory_per_stage(self) -> list:
+        return [sum(m.values()) for m in self.memory_by_stage]
+
+    @property
     def peak_memory(self) -> float:
         return max(self.memory_per_stage)
+
+    @property
+    def memory(self) -> dict:
+        """category -> bytes on the stage that needs most."""
+        return max(self.memory_by_stage, key=lambda m: sum(m.values()))
 
 
 def all_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape) -> list:
@@ -297,8 +305,8 @@ def evaluate(spec: TransformerSpec, profile: DeviceProfile, layout: Layout,
     terms = all_terms(spec, profile, shape)
     nr = list(zip(layout.stage_layers, layout.recompute))
     at = lambda table, key, s: table[key].at(*nr[s]) if key in table else 0.0  # noqa: E731
-    per_stage = [sum(at(t.memory, k, s) for k in MEMORY) for s, t in enumerate(terms)]
-    fullest = max(range(shape.pp), key=per_stage.__getitem__)
+    memory = [{k: at(t.memory, k, s) for k in MEMORY} for s, t in enumerate(terms)]
+    peak = max(sum(m.values()) for m in memory)
     micro = [sum(v.at(*nr[s]) for v in t.micro_time.values()) for s, t in enumerate(terms)]
     end = [sum(v.at(*nr[s]) for v in t.end_time.values()) for s, t in enumerate(terms)]
     step = pipeline_time(micro, end, shape.micro_batches)
@@ -315,7 +323,6 @@ def evaluate(spec: TransformerSpec, profile: DeviceProfile, layout: Layout,
     flops = spec.flops_per_token() * shape.global_batch * spec.seq
     mfu = flops / (shape.world * profile.peak_flops(shape.precision) * step)
     return Estimate(
-        layout=layout, memory={k: at(terms[fullest].memory, k, fullest) for k in MEMORY},
-        memory_per_stage=per_stage, step_time=step, time=time, bytes_per_step=bytes_per_step,
-        model_flops=flops, mfu=mfu, fits=None if memory_limit is None else max(per_stage) <= memory_limit,
+        layout=layout, memory_by_stage=memory, step_time=step, time=time, bytes_per_step=bytes_per_step,
+        model_flops=flops, mfu=mfu, fits=None if memory_limit is None else peak <= memory_limit,
     )

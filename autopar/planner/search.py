@@ -26,10 +26,18 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# the settings `fixed` may pin, by the names users know them by -> Shape's field
+_FIXED = {"dp": "dp", "tp": "tp", "mp": "tp", "pp": "pp", "zero": "zero", "sharding_level": "zero",
+          "micro_batch": "micro_batch", "sequence_parallel": "sequence_parallel"}
+
+
 def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: DeviceProfile,
            precision: str = "bf16", fixed: Optional[dict] = None) -> list:
     """Every Shape worth pricing.  `fixed` pins any of dp/tp/pp/zero/micro_batch/sequence_parallel."""
     fixed = fixed or {}
+    unknown = sorted(set(fixed) - set(_FIXED))
+    if unknown:
+        raise ValueError(f"plan: cannot fix {unknown}; known settings: {sorted(_FIXED)}")
     out = []
     for tp in _divisors(world):
         if tp > profile.ranks_per_node or spec.heads % tp or spec.kv_heads % tp:
@@ -47,30 +55,34 @@ def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: Device
     return out
 
 
-_FIXED = {"dp": "dp", "tp": "tp", "mp": "tp", "pp": "pp", "zero": "zero", "sharding_level": "zero",
-          "micro_batch": "micro_batch", "sequence_parallel": "sequence_parallel"}
-
-
 def lower_bound(terms: list, shape: Shape, layers: int) -> float:
-    """A step time no split or recompute of `shape` beats: the layers spread evenly, none
-    recomputed (recompute only adds time), memory ignored."""
+    """A step time no split or recompute of `shape` beats (recompute only adds time, memory
+    is ignored).  A layer costs the same on every stage: the slowest stage is at least the
+    average, and the end of the step at least the stage with the largest fixed part holding
+    one layer, or the least fixed part holding an even share."""
     total = sum(sum(v.c for v in t.micro_time.values()) for t in terms)
     total += layers * sum(v.per_layer for v in terms[0].micro_time.values())
-    end = max(sum(v.c for v in t.end_time.values()) for t in terms)
-    end += layers / shape.pp * sum(v.per_layer for v in terms[0].end_time.values())
+    fixed_end = [sum(v.c for v in t.end_time.values()) for t in terms]
+    per_layer_end = sum(v.per_layer for v in terms[0].end_time.values())
+    end = max(max(fixed_end) + per_layer_end, min(fixed_end) + per_layer_end * layers / shape.pp)
     return (shape.micro_batches - 1) * total / shape.pp + total + end
 
 
-def solve_split(terms: list, shape: Shape, layers: int, memory_limit: float) -> Optional[tuple]:
-    """(stage_layers, recompute) minimising the step time with every stage's memory within
-    `memory_limit`, or None if nothing fits.  Variables: n_s >= 1 layers and 0 <= r_s <= n_s
-    recomputed layers per stage (integers), T >= each stage's micro-batch time, E >= each
-    stage's end-of-step time; minimise (m - 1) T + sum_s time_s + E."""
+SOLVE_SECONDS = 5.0  # per integer program; past it the best split found so far is taken
+GAP = 1e-7  # relative optimality gap at which HiGHS may stop
+
+
+def solve_split(terms: list, shape: Shape, layers: int, memory_limit: float) -> tuple[Optional[tuple], bool]:
+    """((stage_layers, recompute), proven optimal) minimising the step time with every
+    stage's memory within `memory_limit`; (None, proven) if nothing fits or nothing was found
+    in SOLVE_SECONDS.  Variables: n_s >= 1 layers and 0 <= r_s <= n_s recomputed layers per
+    stage (integers), T >= each stage's micro-batch time, E >= each stage's end-of-step
+    time; minimise (m - 1) T + sum_s time_s + E."""
     highspy, h = _highs()
     pp = shape.pp
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("mip_rel_gap", 0.0)
-    h.setOptionValue("mip_abs_gap", 0.0)
+    h.setOptionValue("mip_rel_gap", GAP)
+    h.setOptionValue("time_limit", SOLVE_SECONDS)
     n = [h.addIntegral(lb=1, ub=layers) for _ in range(pp)]
     r = [h.addIntegral(lb=0, ub=layers) for _ in range(pp)]
     big_t, big_e = h.addVariable(lb=0.0), h.addVariable(lb=0.0)
@@ -88,12 +100,14 @@ def solve_split(terms: list, shape: Shape, layers: int, memory_limit: float) -> 
         scale = 1.0 / memory_limit  # memory rows in units of the limit
         h.addConstr(memory.per_layer * scale * n[s] + memory.per_recompute * scale * r[s] <= 1.0 - memory.c * scale)
     h.minimize(objective)
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None
+    status = h.getModelStatus()
+    proven = status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible)
+    if status != highspy.HighsModelStatus.kOptimal and h.getInfo().primal_solution_status != 2:  # none feasible
+        return None, proven
     values = h.getSolution().col_value
     stage_layers = tuple(round(values[v.index]) for v in n)
     recompute = tuple(round(values[v.index]) for v in r)
-    return stage_layers, recompute
+    return (stage_layers, recompute), proven
 
 
 def _highs():
@@ -130,6 +144,7 @@ class SearchResult:
     solved: int  # integer programs solved (the others were bounded out)
     bounded: int
     infeasible: int = 0
+    unproven: int = 0  # integer programs stopped at SOLVE_SECONDS (their best split so far taken)
 
 
 def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
@@ -152,18 +167,21 @@ def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
         )
     candidates.sort(key=lambda c: c[0])
     best: dict = {}  # (dp, tp, pp) -> its fastest Estimate (ties: the one needing less memory)
-    solved = infeasible = 0
+    solved = infeasible = unproven = 0
     for bound, shape, terms in candidates:
         ranked = sorted(best.values(), key=_rank)
         if len(ranked) >= 2 and bound >= ranked[1].step_time:
-            break
+            break  # neither the best nor the runner-up can change
+        degrees = (shape.dp, shape.tp, shape.pp)
+        if degrees in best and bound >= best[degrees].step_time:
+            continue  # cannot improve its degrees' best
         solved += 1
-        split = solve_split(terms, shape, spec.layers, limit)
+        split, proven = solve_split(terms, shape, spec.layers, limit)
+        unproven += not proven
         if split is None:
             infeasible += 1
             continue
         est = evaluate(spec, profile, Layout(shape, *split), limit)
-        degrees = (shape.dp, shape.tp, shape.pp)
         if degrees not in best or _rank(est) < _rank(best[degrees]):
             best[degrees] = est
     found = sorted(best.values(), key=_rank)
@@ -175,4 +193,5 @@ def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
     return SearchResult(
         best=found[0], runner_up=found[1] if len(found) > 1 else None,
         searched=len(candidates), solved=solved, bounded=len(candidates) - solved, infeasible=infeasible,
+        unproven=unproven,
     )

@@ -1,0 +1,223 @@
+"""What a rank does when the job goes wrong: leaving early, timing out, mismatched collectives.
+
+Every rank counts the collectives it enters on each group (a Python int: nothing goes through
+the store while the job is healthy).  When a collective fails, the rank publishes its counts
+and where it waits in the rendezvous store, reads its peers' reports for a few seconds, and
+names the ranks that did not arrive.  A rank leaving the program records that it left (and
+whether it died of an exception), so that its peers can say so, and it does not wait for them
+longer than a few seconds: an exit ends the job at once.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as tdist
+
+from . import backend
+from .backend import CommError, channel_group, destroy_groups, get_rank, get_world_size, reading, timeout_seconds
+
+_ARRIVED: dict[str, int] = {}  # group name -> collectives this rank entered on it
+_ARRIVED_GENERATION = [0]  # `reset_groups` makes new groups: their counts start again
+_FAILED = [False]
+_EXIT_STATUS: list = [None]  # the status this rank leaves with, when the launcher's worker knows it
+_GRACE = 3.0  # seconds to wait for peers' reports after a failure, and for peers at exit
+_NAMES: dict = {}  # (ranks, value read?) -> the group's name in messages and reports
+
+
+def _group_name(ranks) -> str:
+    key = (tuple(ranks), reading() is not None)
+    name = _NAMES.get(key)
+    if name is None:
+        name = _NAMES[key] = f"ranks {list(ranks)}" + (" (value reads)" if key[1] else "")
+    return name
+
+
+def _key(what: str, rank: int) -> str:
+    return f"autopar/faults/{backend._GENERATION[0]}/{what}/{rank}"
+
+
+def arrive(ranks) -> int:
+    """Count this rank's entry into the next collective over `ranks`; returns its number."""
+    if _ARRIVED_GENERATION[0] != backend._GENERATION[0]:
+        _ARRIVED.clear()
+        _ARRIVED_GENERATION[0] = backend._GENERATION[0]
+    name = _group_name(ranks)
+    seq = _ARRIVED[name] = _ARRIVED.get(name, 0) + 1
+    return seq
+
+
+def _store():
+    try:
+        return tdist.distributed_c10d._get_default_store()
+    except Exception:  # not initialised, or already torn down
+        return None
+
+
+def _peer_state(store, rank: int):
+    """("left", how) once `rank` has left the program, ("report", dict) once it has reported a
+    failed collective, else None."""
+    left, report = _key("left", rank), _key("report", rank)
+    if store.check([left]):
+        return "left", store.get(left).decode()
+    if store.check([report]):
+        return "report", json.loads(store.get(report))
+    return None
+
+
+def _absence(peer: int, state, name: str, seq: int) -> str | None:
+    """Why `peer` is not in collective #`seq` of group `name` (None when it is)."""
+    if state is None:
+        return f"rank {peer} sent no report (busy outside collectives, hung, or killed)"
+    kind, what = state
+    if kind == "left":
+        return f"rank {peer} has {'died of an exception' if what == 'failed' else what}"
+    entered = what["arrived"].get(name, 0)
+    if entered >= seq:
+        return None
+    where = what["waiting"]
+    return (f"rank {peer} entered only {entered} collective(s) on this group and waits in "
+            f"{where['op']} #{where['seq']} over {where['group']}")
+
+
+def not_arrived(op: str, ranks, seq: int) -> list[str]:
+    """After collective #`seq` over `ranks` failed here: publish where this rank is, then read
+    the peers' reports (for up to a few seconds) and say which peers did not arrive and why."""
+    store = _store()
+    if store is None:
+        return []
+    me = get_rank()
+    name = _group_name(ranks)
+    try:
+        store.set(_key("report", me), json.dumps(
+            {"arrived": _ARRIVED, "waiting": {"op": op, "seq": seq, "group": name}}))
+        peers = [r for r in ranks if r != me]
+        states: dict = {}
+        deadline = time.monotonic() + min(_GRACE, timeout_seconds())
+        while True:
+            for r in peers:
+                if states.get(r) is None:
+                    states[r] = _peer_state(store, r)
+            if all(states[r] is not None for r in peers) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    except Exception:  # the store went down with the job
+        return []
+    return [why for r in peers if (why := _absence(r, states[r], name, seq)) is not None]
+
+
+def fail(op: str, ranks, seq: int, err: Exception):
+    """Raise CommError for collective #`seq` over `ranks` (0: point-to-point transfers, whose
+    rank lists differ between the sides, are not counted): the op, the group, the ranks that
+    did not arrive, and what a value read must do."""
+    name = _group_name(ranks)
+    if not seq:
+        who = "A peer may have crashed or not reached this transfer."
+    else:
+        absent = not_arrived(op, ranks, seq)
+        who = (f"Ranks that did not arrive: {'; '.join(absent)}." if absent
+               else "Every peer reached this collective; one may have crashed in it.")
+    read = reading()
+    hint = (f" This collective belongs to a value read ({read}): value reads are collective over the job, "
+            f"every rank of the tensor's mesh must make the same read (not only `if rank == 0`)."
+            if read else "")
+    raise CommError(
+        f"{op}{f' #{seq}' if seq else ''} over {name} failed on rank {get_rank()}: {err}. {who}"
+        f"{hint} (timeout: AUTOPAR_TIMEOUT={timeout_seconds():g} s)"
+    ) from err
+
+
+# -- AUTOPAR_DEBUG_COLLECTIVES=1: every collective checks its op and shapes first -------------
+_OPS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast")
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_MAX_DIMS = 8
+
+
+def debugging() -> bool:
+    """AUTOPAR_DEBUG_COLLECTIVES=1 (read at every collective, so a test or a debugger can flip it)."""
+    return os.environ.get("AUTOPAR_DEBUG_COLLECTIVES") == "1"
+
+
+def _signature(op: str, t: torch.Tensor) -> torch.Tensor:
+    """(op, value read or not, dtype, ndim, shape...) as one int64 row; all_to_all
+    sends each member its own number of rows, so its dim 0 is left out."""
+    shape = list(t.shape)
+    if op == "all_to_all" and shape:
+        shape[0] = -1
+    dtype = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
+    row = [_OPS.index(op), int(reading() is not None), dtype, len(shape), *shape[:_MAX_DIMS]]
+    return torch.tensor(row + [-2] * (4 + _MAX_DIMS - len(row)), dtype=torch.int64)
+
+
+def _describe(row: list) -> str:
+    op, read, dtype, ndim = row[:4]
+    shape = [("*" if s == -1 else s) for s in row[4:4 + min(ndim, _MAX_DIMS)]]
+    dt = _DTYPES[dtype] if dtype < len(_DTYPES) else "another dtype"
+    return f"{_OPS[op]}{' (a value read)' if read else ''} of shape {shape} {dt}"
+
+
+def check_signature(op: str, ranks, t: torch.Tensor) -> None:
+    """Gather every member's (op, shape, dtype) on a group of its own and raise, naming each
+    member's call, when they differ: a mismatched collective fails here instead of hanging or
+    mixing values.  Training collectives and value reads share this group so that a read made
+    on some ranks only meets the others' next training collective and is reported."""
+    sig = _signature(op, t)
+    out = torch.empty(len(ranks) * sig.numel(), dtype=torch.int64)
+    try:
+        channel_group(tuple(ranks), "debug-signatures")._allgather_base(out, sig).wait()
+    except RuntimeError as e:
+        raise CommError(f"checking {op} over ranks {list(ranks)} (AUTOPAR_DEBUG_COLLECTIVES=1) failed on rank "
+                        f"{get_rank()}: {e}. A peer did not reach a collective over these ranks.") from e
+    rows = out.view(len(ranks), -1).tolist()
+    if any(row != rows[0] for row in rows):
+        calls = "; ".join(f"rank {r}: {_describe(row)}" for r, row in zip(ranks, rows))
+        raise CommError(f"mismatched collective over ranks {list(ranks)} (AUTOPAR_DEBUG_COLLECTIVES=1): {calls}")
+
+
+# -- leaving the program ----------------------------------------------------------------------
+def install_exit_handling() -> None:
+    """On exit, record that this rank left; a clean exit waits a few seconds for its peers to
+    leave too, then tears the groups down; a rank dying of an exception (or leaving with an
+    error status the launcher's worker reported) leaves at once."""
+    atexit.register(_leave)
+    sys.excepthook = _note_failure(sys.excepthook)
+
+
+def _note_failure(hook):
+    def excepthook(*exc_info):
+        _FAILED[0] = True
+        hook(*exc_info)
+
+    return excepthook
+
+
+def leaving_with(status: int) -> None:
+    """Tell the exit handler the status the program leaves with (the launcher's worker knows
+    it): a rank leaving with an error does not wait for its peers, and they can name it."""
+    _EXIT_STATUS[0] = status
+
+
+def _leave() -> None:
+    if not tdist.is_initialized():
+        return
+    store, me, world = _store(), get_rank(), get_world_size()
+    status = _EXIT_STATUS[0]
+    how = "failed" if _FAILED[0] else f"exited with code {status}" if status else "exited"
+    try:
+        store.set(_key("left", me), how)
+        if _FAILED[0] or status:
+            return
+        # Peers still computing get a few seconds to finish; a peer blocked in a collective
+        # this rank will never join fails as soon as the groups are torn down below.
+        deadline = time.monotonic() + min(_GRACE, timeout_seconds())
+        keys = [_key("left", r) for r in range(world)]
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # the store's host has gone: nobody is left to wait for
+        pass
+    destroy_groups()

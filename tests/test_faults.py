@@ -1,0 +1,156 @@
+"""What a rank is told when the job goes wrong: a bad AUTOPAR_TIMEOUT, a collective some ranks
+never reach, a value read made on some ranks only, and mismatched collectives under
+AUTOPAR_DEBUG_COLLECTIVES=1; and that value reads made by every rank stay right."""
+import os
+
+import pytest
+import torch
+
+import autopar as dist
+from autopar import comm
+from autopar.comm.backend import timeout_seconds
+from distpool import run_dist
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", ""])
+def test_autopar_timeout_must_be_a_positive_number_of_seconds(monkeypatch, value):
+    monkeypatch.setenv("AUTOPAR_TIMEOUT", value)
+    with pytest.raises(ValueError) as e:
+        timeout_seconds()
+    assert f"AUTOPAR_TIMEOUT={value!r}" in str(e.value)
+    assert "expected a positive number of seconds" in str(e.value)
+
+
+def test_autopar_timeout_accepts_seconds(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_TIMEOUT", "0.5")
+    assert timeout_seconds() == 0.5
+    monkeypatch.delenv("AUTOPAR_TIMEOUT")
+    assert timeout_seconds() == 300
+
+
+def _short_timeout_groups():
+    """Sub-groups made from now on (every rank calls this) time out after 2 s."""
+    os.environ["AUTOPAR_TIMEOUT"] = "2"
+    comm.reset_groups()
+
+
+def _caught(fn) -> str | None:
+    try:
+        fn()
+    except dist.CommError as e:
+        return str(e)
+    return None
+
+
+def _stuck_in_different_collectives():
+    """Rank 0 waits in its 2nd all_reduce over [0, 1]; rank 1 made only one and waits in an
+    all_reduce over [1, 2] that rank 2 never joins."""
+    _short_timeout_groups()
+    me = dist.get_rank()
+    for ranks in [(0, 1), (1, 2)]:
+        if me in ranks:
+            comm.group_for(ranks)
+    msg = None
+    if me < 2:
+        comm.all_reduce(torch.ones(3), (0, 1))
+        msg = _caught(lambda: comm.all_reduce(torch.ones(3), (0, 1) if me == 0 else (1, 2)))
+    comm.reset_groups()  # every rank: drop the broken groups
+    return msg
+
+
+def test_a_timeout_names_the_op_the_group_and_the_ranks_that_did_not_arrive():
+    msgs = run_dist(_stuck_in_different_collectives, 3)
+    assert msgs[0].startswith("all_reduce #2 over ranks [0, 1] failed on rank 0: "), msgs[0]
+    assert ("Ranks that did not arrive: rank 1 entered only 1 collective(s) on this group and waits in "
+            "all_reduce #1 over ranks [1, 2].") in msgs[0], msgs[0]
+    assert "AUTOPAR_TIMEOUT=2 s" in msgs[0]
+    assert msgs[1].startswith("all_reduce #1 over ranks [1, 2] failed on rank 1: "), msgs[1]
+    assert "Ranks that did not arrive: rank 2 sent no report" in msgs[1], msgs[1]
+    assert msgs[2] is None
+
+
+def _lone_read(unshard=False):
+    """Rank 0 reads a value alone (`if rank == 0: print(loss.item())`); rank 1 goes on to its
+    next training collective, an all-gather of the same size that the read used to pair with."""
+    _short_timeout_groups()
+    mesh = dist.ProcessMesh([0, 1])
+    t = dist.shard_tensor(torch.arange(4.0), mesh, [dist.Shard(0)])
+    msg = None
+    if dist.get_rank() == 0:
+        msg = _caught(lambda: dist.unshard_dtensor(t * 10) if unshard else t.sum().item())
+    elif dist.get_rank() == 1:
+        msg = _caught(lambda: dist.reshard(t * 10, mesh, [dist.Replicate()]))
+    comm.reset_groups()
+    return msg
+
+
+def test_a_value_read_on_some_ranks_only_fails_naming_the_read():
+    msgs = run_dist(_lone_read, 3)
+    assert msgs[0] is not None and "over ranks [0, 1] (value reads) failed on rank 0" in msgs[0], msgs[0]
+    assert "This collective belongs to a value read (.item()): value reads are collective over the job" in msgs[0]
+    assert "rank 1 entered only 0 collective(s) on this group and waits in all_gather #1 over ranks [0, 1]" in msgs[0]
+    assert msgs[1] is not None and msgs[1].startswith("all_gather #1 over ranks [0, 1] failed on rank 1"), msgs[1]
+    assert "over ranks [0, 1] (value reads)" in msgs[1], msgs[1]
+
+
+def test_unshard_dtensor_on_some_ranks_only_fails_naming_the_read():
+    msgs = run_dist(_lone_read, 3, True)
+    assert "This collective belongs to a value read (unshard_dtensor)" in msgs[0], msgs[0]
+    assert msgs[1] is not None and msgs[1].startswith("all_gather #1 over ranks [0, 1] failed on rank 1"), msgs[1]
+
+
+def _reads_between_training_collectives():
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    torch.manual_seed(0)
+    x = dist.shard_tensor(torch.randn(4, 6), mesh, [dist.Shard(0), dist.Shard(1)])
+    y = dist.reshard(x * 2, mesh, [dist.Replicate(), dist.Shard(0)])
+    total = (y.sum() + x.mean()).item()
+    rows = y.tolist()
+    text = repr(x)
+    z = dist.reshard(y + 1, mesh, [dist.Shard(1), dist.Replicate()])
+    return total, rows, text, float(z.max()), bool((z > 0).all()), dist.unshard_dtensor(z)
+
+
+def test_value_reads_by_every_rank_are_right_between_training_collectives():
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    y = x * 2
+    for total, rows, text, top, positive, z in run_dist(_reads_between_training_collectives, 4):
+        assert total == pytest.approx((y.sum() + x.mean()).item(), rel=1e-5)
+        torch.testing.assert_close(torch.tensor(rows), y, rtol=1e-5, atol=0)
+        assert text.startswith("DistTensor(tensor([[") and "placements=[Shard(0), Shard(1)]" in text
+        assert top == pytest.approx((y + 1).max().item(), rel=1e-5)
+        assert positive == bool((y + 1 > 0).all())
+        torch.testing.assert_close(z, y + 1, rtol=1e-5, atol=0)
+
+
+def _mismatched(kind):
+    os.environ["AUTOPAR_DEBUG_COLLECTIVES"] = "1"
+    me = dist.get_rank()
+    if kind == "shape":
+        return _caught(lambda: comm.all_reduce(torch.ones(4 - me), (0, 1)))
+    if kind == "lone read":
+        mesh = dist.ProcessMesh([0, 1])
+        t = dist.shard_tensor(torch.arange(4.0), mesh, [dist.Shard(0)])
+        return _caught(lambda: t.tolist() if me == 0 else dist.reshard(t, mesh, [dist.Replicate()]))
+    mesh = dist.ProcessMesh([0, 1])
+    t = dist.shard_tensor(torch.arange(6.0).reshape(2, 3), mesh, [dist.Shard(1)])
+    return (t * 2).sum().item(), dist.reshard(t, mesh, [dist.Shard(0)]).tolist()
+
+
+def test_debug_mode_names_a_shape_mismatch():
+    msgs = run_dist(_mismatched, 2, "shape")
+    for msg in msgs:
+        assert msg == ("mismatched collective over ranks [0, 1] (AUTOPAR_DEBUG_COLLECTIVES=1): "
+                       "rank 0: all_reduce of shape [4] torch.float32; rank 1: all_reduce of shape [3] torch.float32")
+
+
+def test_debug_mode_names_a_lone_value_read():
+    for msg in run_dist(_mismatched, 2, "lone read"):
+        assert msg is not None and "(AUTOPAR_DEBUG_COLLECTIVES=1)" in msg, msg
+        assert "rank 0: all_gather (a value read) of shape" in msg and "rank 1: all_gather of shape" in msg, msg
+
+
+def test_debug_mode_leaves_a_correct_program_right():
+    for total, rows in run_dist(_mismatched, 2, "none"):
+        assert total == 30.0 and rows == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
