@@ -206,7 +206,7 @@ class _Unit:
         self.reduction = None
         self._free_storage()
         layer.register_forward_pre_hook(lambda *_: self.before_forward())
-        layer.register_forward_hook(lambda _m, _a, out: self.after_forward(out))
+        layer.register_forward_hook(lambda _m, args, kwargs, out: self.after_forward(out, (args, kwargs)), with_kwargs=True)
 
     # -- gathering --------------------------------------------------------------------------
     def _versions(self) -> list:
@@ -260,12 +260,17 @@ class _Unit:
         self.in_use = True
         self._use(self.full)
 
-    def after_forward(self, out):
+    def after_forward(self, out, inputs=()):
         self._use(self.params)
         self.in_use = False
         self.model.unit_done(self)
         grad = torch.is_grad_enabled()
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad] if grad else []
+        # an output that is one of the unit's inputs handed back (T5's blocks return the
+        # position bias they were given) gets its gradient from other units: not a sign
+        # that this unit's backward comes next
+        given = {id(t) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+        outs = [t for t in tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in given] if grad else []
         for t in outs:  # their gradients arrive before the unit's backward runs: gather there
             t.register_hook(self.before_backward)
         # the unit whose backward comes first keeps its parameters, and so does one whose
