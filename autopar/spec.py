@@ -111,10 +111,26 @@ class TensorMeta:
         return self.numel * _itemsize(self.dtype)
 
     def dim_order(self) -> tuple[int, ...] | None:
-        """Dims from outermost to innermost in memory (None: the plain row-major order)."""
+        """Dims from outermost to innermost in memory (None: the plain row-major order).
+
+        A broadcast dim (stride 0, `expand`) has no place in memory: it goes where row-major
+        order puts it, just outside the dim after it.  (Sorted by its stride it would land
+        innermost, and a piece laid out so would reach kernels with a last dim of stride
+        other than 1, which some assume without checking.)
+
+        >>> TensorMeta((2, 3, 4, 5), (20, 0, 5, 1), torch.float32).dim_order()
+        (0, 1, 2, 3)
+        >>> TensorMeta((4, 5), (1, 4), torch.float32).dim_order()
+        (1, 0)
+        """
         if self.stride == contiguous_strides(self.shape):
             return None
-        return tuple(sorted(range(len(self.shape)), key=lambda d: (-self.stride[d], -self.shape[d])))
+        n = len(self.shape)
+        order = sorted((d for d in range(n) if self.stride[d] != 0), key=lambda d: (-self.stride[d], -self.shape[d]))
+        for d in reversed(range(n)):
+            if self.stride[d] == 0:
+                order.insert(order.index(d + 1) if d + 1 < n else len(order), d)
+        return tuple(order)
 
     def __eq__(self, other):
         return (

@@ -151,3 +151,25 @@ def _layout_after_reshard():
 
 def test_a_reshard_keeps_the_layout_a_view_relies_on():
     assert run_dist(_layout_after_reshard, 2) == [(True, True)] * 2
+
+
+def _expanded_resharded():
+    """HF's repeat of one kv head: an expand (stride 0) of a sharded tensor, resharded."""
+    mesh = dist.ProcessMesh([0, 1])
+    torch.manual_seed(0)
+    full = torch.randn(2, 1, 4, 6)
+    x = dist.shard_tensor(full, mesh, [Shard(3)])
+    y = x.expand(2, 3, 4, 6)  # the repeated dim has stride 0
+    z = dist.reshard(y, mesh, [Shard(0)])
+    return z._local.stride(), z._local, dist.unshard_dtensor(z)
+
+
+def test_an_expanded_tensor_resharded_keeps_its_last_dim_innermost():
+    """A broadcast dim is laid out where row-major order puts it, not innermost: kernels that
+    assume a unit last-dim stride (CPU flash attention) get one."""
+    torch.manual_seed(0)
+    full = torch.randn(2, 1, 4, 6).expand(2, 3, 4, 6)
+    for rank, (stride, piece, whole) in enumerate(run_dist(_expanded_resharded, 2)):
+        assert stride[-1] == 1, stride
+        torch.testing.assert_close(piece, full[rank:rank + 1])
+        torch.testing.assert_close(whole, full)
