@@ -389,22 +389,21 @@ def _inputs_in_place(dec: Decision, flat) -> list:
             f"an input on {flat[dec.moved[0]]._spec.mesh} needs a gradient but the op runs on {dec.mesh}: "
             f"move it with dist.reshard(t, mesh, placements) (differentiable) first"
         )
-    if PARTIAL_READ_HOOKS:
-        for t, spec in zip(flat, dec.in_specs):
-            if type(t) is DistTensor and t._spec is not spec and t.grad_fn is None and _only_reduces(t._spec, spec):
-                for hook in list(PARTIAL_READ_HOOKS):
-                    hook(t)
     locals_ = []
     for t, spec in zip(flat, dec.in_specs):
         if type(t) is DistTensor:
             src = t._spec
+            if src is not spec and PARTIAL_READ_HOOKS and t.grad_fn is None and _only_reduces(src, spec):
+                for hook in list(PARTIAL_READ_HOOKS):  # a pending gradient: reduced with its optimizer's
+                    hook(t)
+                src = t._spec
             if src is spec:
                 loc = t._local
             elif _only_reduces(src, spec):  # same value: later reads skip the reduction
                 loc = _reduced_view(t, spec)
                 if loc is None:
                     loc = redistribute_local(t._local, src, spec)
-                _keep_reduced(t, loc, spec)
+                keep_reduced(t, loc, spec)
             else:
                 loc = redistribute_local(t._local, src, spec)
         else:
@@ -438,7 +437,7 @@ def _check_writes_reach_bases(func, dec: Decision, flat, locals_) -> None:
             )
 
 
-def _keep_reduced(t: DistTensor, reduced: torch.Tensor, spec: DistSpec) -> None:
+def keep_reduced(t: DistTensor, reduced: torch.Tensor, spec: DistSpec) -> None:
     """`t` now holds its reduced piece; the address of the one it replaces is noted, so that
     views made from `t` before are reduced from it rather than once more."""
     old = t._local
@@ -464,7 +463,7 @@ def _reduced_view(t: DistTensor, spec: DistSpec):
         if any(type(p) is not Partial for a, b, p in zip(t._spec.placements, spec.placements, base._spec.placements) if a != b):
             return None
         target = base._spec.with_placements(reduced)
-        _keep_reduced(base, redistribute_local(base._local, base._spec, target), target)
+        keep_reduced(base, redistribute_local(base._local, base._spec, target), target)
     before = getattr(base, "_reduced_from", None)
     if before is None or before[0] != ptr or not before[2] or not base._local.is_contiguous():
         return None

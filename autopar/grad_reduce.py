@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from .comm import all_reduce_start, get_rank, reduce_scatter_start
+from .dispatch import keep_reduced
 from .dtensor import DistTensor, new_dist
 from .flat_shards import FlatShards
 from .placement import Partial, ReduceType, Replicate, Shard
@@ -109,7 +110,7 @@ def reduce_grads(pending: list) -> None:
     reduced = GradReduction([p.grad for p, _ in pending], [plan for _, plan in pending]).finish()
     for (p, _), g in zip(pending, reduced):
         # in place: a caller holding the gradients (clip_grad_norm_'s list) sees them reduced
-        p.grad._local, p.grad._spec = g._local, g._spec
+        keep_reduced(p.grad, g._local, g._spec)
 
 
 class GradReduction:
