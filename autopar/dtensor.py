@@ -36,6 +36,17 @@ def local_piece(t):
     return t._local if type(t) is DistTensor else t
 
 
+def _value_read(what: str, method):
+    """torch's `method` of a tensor run as the value read `what` (see `DistTensor`'s reads)."""
+
+    def read(self):
+        with value_read(what):
+            return method(self)
+
+    read.__name__ = method.__name__
+    return read
+
+
 class DistTensor(torch.Tensor):
     """A distributed tensor: global meta + this rank's local piece.
 
@@ -96,21 +107,10 @@ class DistTensor(torch.Tensor):
         with value_read("full_value()"):
             return full_value(self)
 
-    def item(self):
-        with value_read(".item()"):
-            return super().item()
-
-    def __bool__(self):
-        with value_read("bool()"):
-            return super().__bool__()
-
-    def __float__(self):
-        with value_read("float()"):
-            return super().__float__()
-
-    def __int__(self):
-        with value_read("int()"):
-            return super().__int__()
+    item = _value_read(".item()", torch.Tensor.item)
+    __bool__ = _value_read("bool()", torch.Tensor.__bool__)
+    __float__ = _value_read("float()", torch.Tensor.__float__)
+    __int__ = _value_read("int()", torch.Tensor.__int__)
 
     def tolist(self):
         _reading_values("tolist")
