@@ -2,8 +2,6 @@
 groups and bytes the real job's rank sends, for data, tensor, pipeline parallel and ZeRO."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,6 +9,7 @@ import torch
 import autopar as dist
 from distpool import run_dist
 from hf_llama import batches, mp_plan, optimizer, tiny_llama
+from plain_process import last_line, run_plain
 
 KINDS = ("dp0", "zero1", "zero2", "zero3", "dpmp", "pp")
 
@@ -55,12 +54,7 @@ def _simulated(world: int) -> dict:
         "            out[kind].append(t.program(kind))\n"
         "print(json.dumps(out))\n" % (here, world, world)
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(last_line(run_plain(code, timeout=600)))
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +80,7 @@ def test_the_docstring_example_runs_in_a_plain_process():
     code = ("import doctest, autopar.comm.simulate as m\n"
             "r = doctest.testmod(m, optionflags=doctest.ELLIPSIS)\n"
             "assert r.attempted > 0 and not r.failed, r\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run_plain(code)
 
 
 def _explained_mlp():
@@ -120,9 +112,6 @@ def test_explain_runs_under_simulate():
             "import autopar as dist, test_simulate as t\n"
             "with dist.simulate(2, 1):\n"
             "    print(json.dumps(t._explained_mlp()))\n" % os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    simulated = json.loads(done.stdout.strip().splitlines()[-1])
+    simulated = json.loads(last_line(run_plain(code)))
     real = run_dist(_explained_mlp, 2)[1]
     assert simulated == json.loads(json.dumps(real))
