@@ -37,6 +37,17 @@ class DeviceProfile:
     matmul_efficiency: float = 0.7
     kernel_latency: float = 5e-6
     reserved_bytes: float = 4 * GB  # context, library workspaces and communication buffers
+    # what a step costs beyond FLOPs and bytes (predict.py): each aten op's host cost (dispatcher,
+    # allocation, launch), each DistTensor dispatch (rule cache lookup, unwrap, wrap), each autograd
+    # node run in backward; 0 cores: every rank has cores of its own
+    op_latency: float = 5e-6
+    dispatch_overhead: float = 30e-6
+    autograd_node: float = 10e-6
+    cores: int = 0
+    # measured (size, rate) points, ascending: GEMM FLOPs -> FLOP/s, element-wise bytes -> bytes/s;
+    # empty: peak * matmul_efficiency and hbm_bandwidth at every size
+    gemm_curve: tuple = ()
+    memory_curve: tuple = ()
 
     def peak_flops(self, precision: str) -> float:
         return {"bf16": self.peak_flops_bf16, "fp32": self.peak_flops_fp32}[precision]
@@ -82,7 +93,10 @@ def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
         return load_profile(path) if path else CPU
     if os.path.exists(device):
         with open(device) as f:
-            return DeviceProfile(**json.load(f))
+            fields = json.load(f)
+        for curve in ("gemm_curve", "memory_curve"):
+            fields[curve] = tuple(tuple(p) for p in fields.get(curve, ()))
+        return DeviceProfile(**fields)
     raise ValueError(f"unknown device {device!r}: use one of {sorted(PROFILES) + ['cpu']} or a profile JSON file")
 
 
@@ -173,25 +187,92 @@ def _measure_allreduce(rank: int, world: int, port: int, sizes: list, out) -> No
     tdist.destroy_process_group()
 
 
+def _median_time(fn, repeats: int = 7) -> float:
+    """Median seconds of `fn` (per-op costs: the machine as it runs, other work included)."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _per_call(fn, calls: int = 400) -> float:
+    """Seconds per call of `fn`, called `calls` times in a loop."""
+    def loop():
+        for _ in range(calls):
+            fn()
+    return _median_time(loop) / calls
+
+
+def _framework_costs() -> tuple[float, float, float]:
+    """(aten op latency, DistTensor dispatch overhead, autograd node overhead) in seconds.
+
+    The op: a Python call of an element-wise op on one-element tensors.  The dispatch: the
+    same op on two DistTensors placed alike on a 2-rank mesh (the cached path, no
+    communication; one rank simulated), less the op.  The node: a chain of multiplications
+    run forward with gradients and backward, less the same forward without and the backward's
+    own ops (one multiplication per node)."""
+    import torch
+
+    from ..comm.simulate import simulate
+    from ..mesh import ProcessMesh
+    from ..placement import Shard
+    from ..api.tensor import dtensor_from_local
+
+    a, b = torch.ones(1), torch.ones(1)
+    op = _per_call(lambda: torch.add(a, b))
+    with simulate(2, 0):
+        mesh = ProcessMesh([0, 1], dim_names=["x"])
+        da, db = (dtensor_from_local(torch.ones(1), mesh, [Shard(0)], shape=(2,)) for _ in range(2))
+        dispatch = max(_per_call(lambda: torch.add(da, db)) - op, 0.0)
+    chain = 200
+
+    def forward(x):
+        for _ in range(chain):
+            x = x * 1.5
+        return x
+
+    leaf = torch.ones(1, requires_grad=True)
+    with torch.no_grad():
+        plain = _median_time(lambda: forward(leaf))
+    trained = _median_time(lambda: forward(leaf).backward())
+    node = max((trained - plain - chain * op) / chain, 0.0)
+    return op, dispatch, node
+
+
+def _curve(sizes: list, work, time_of) -> tuple:
+    """((size, rate), ...) ascending, the rate being work(size) / time_of(size)."""
+    return tuple((float(work(n)), work(n) / time_of(n)) for n in sizes)
+
+
 def calibrate(world: int = 2) -> DeviceProfile:
-    """Measure this machine: fp32 GEMM rate and launch cost (one thread per rank, as the
-    ranks run), memory bandwidth, and gloo all_reduce latency and bandwidth on `world` ranks."""
+    """Measure this machine (one thread per rank, as the ranks run): the aten op latency,
+    autopar's DistTensor dispatch and autograd's per-node overheads, a GEMM FLOP-rate curve
+    and an element-wise memory-rate curve over sizes, its cores, and gloo all_reduce latency
+    and bandwidth on `world` ranks."""
     import socket
 
     import torch
     import torch.multiprocessing as mp
 
+    from .predict import machine_cores
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        flops, times = [], []
-        for n in (32, 64, 128, 256, 384):
-            a, b = torch.randn(n, n), torch.randn(n, n)
-            flops.append(2.0 * n**3)
-            times.append(_best_time(lambda: torch.mm(a, b), 5))
-        per_flop, launch = _fit_line(flops, times)
-        x, y, out = (torch.ones(1 << 24) for _ in range(3))
-        hbm = 3 * x.numel() * 4 / _best_time(lambda: torch.add(x, y, out=out), 5)  # 2 reads, 1 write
+        op, dispatch, node = _framework_costs()
+        mats = {n: (torch.randn(n, n), torch.randn(n, n)) for n in (8, 16, 32, 64, 128, 256, 512)}
+        gemm = _curve(sorted(mats), lambda n: 2.0 * n**3,
+                      lambda n: max(_median_time(lambda: torch.mm(*mats[n])) - op, 1e-9))
+        # a new output each call, as a program's ops allocate theirs (large ones fault their pages in)
+        vecs = {n: [torch.ones(n) for _ in range(2)] for n in (1 << k for k in range(10, 25, 2))}
+        memory = _curve(sorted(vecs), lambda n: 3.0 * n * 4,  # 2 reads, 1 write
+                        lambda n: max(_median_time(lambda: torch.add(*vecs[n])) - op, 1e-9))
     finally:
         torch.set_num_threads(threads)
     with socket.socket() as s:
@@ -208,12 +289,13 @@ def calibrate(world: int = 2) -> DeviceProfile:
         p.join()
     steps, factor = _RING["all_reduce"](world)
     per_byte, fixed = _fit_line([factor * s for s in sizes], times)
-    peak = 1.0 / per_flop
+    peak = max(rate for _, rate in gemm)
     return DeviceProfile(
         name="cpu", peak_flops_bf16=peak, peak_flops_fp32=peak, memory_bytes=float(_total_memory()),
-        hbm_bandwidth=hbm, intra_bandwidth=1.0 / per_byte, intra_latency=fixed / steps,
+        hbm_bandwidth=memory[-1][1], intra_bandwidth=1.0 / per_byte, intra_latency=fixed / steps,
         inter_bandwidth=1.0 / per_byte, inter_latency=fixed / steps, ranks_per_node=_ONE_MACHINE,
-        matmul_efficiency=1.0, kernel_latency=launch, reserved_bytes=0.0,
+        matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
+        dispatch_overhead=dispatch, autograd_node=node, cores=machine_cores(), gemm_curve=gemm, memory_curve=memory,
     )
 
 

@@ -1,0 +1,353 @@
+"""Step time from a recorded run of the real program: `predict_step(make_step, world_size)`.
+
+The analytic model (model.py) counts a transformer's FLOPs and bytes; on a CPU, or for small
+layers anywhere, a step is mostly per-op cost it cannot see: aten's dispatcher, autopar's
+DistTensor dispatch, autograd's nodes, the optimizer's per-parameter ops, and ranks that
+share cores.  Here every rank of the job runs its step in this process under
+`dist.simulate` (real tensors of the rank's shard sizes, no communication) while a dispatch
+mode records, in order, each aten op run on plain tensors (with its FLOPs and bytes), each
+DistTensor dispatch, each autograd node that runs, and each collective the rank sends
+(`comm_log`).  Pricing is pure (`op_time`, `comm_time`, `oversubscription`) and uses a
+calibrated `DeviceProfile` (`python -m autopar.plan --calibrate`); `job_time` then plays the
+ranks' timelines against each other, so a rank waits for the peers of its collectives and
+for the sender of what it receives (pipeline bubbles included).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from .cost import _RING, DeviceProfile, load_profile
+
+aten = torch.ops.aten
+
+
+# -- pricing (pure) ------------------------------------------------------------------------------
+def _interpolate(curve: tuple, x: float) -> float:
+    """y at x on a curve of (x, y) points, linear in log-log between points, flat past the ends."""
+    xs = [p[0] for p in curve]
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return curve[0][1]
+    if i == len(curve):
+        return curve[-1][1]
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    f = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+
+
+def flop_rate(flops: float, profile: DeviceProfile, precision: str = "fp32") -> float:
+    """FLOP/s of one GEMM doing `flops`: the profile's measured curve over sizes, or its
+    peak times its matmul efficiency where none was measured."""
+    if profile.gemm_curve:
+        return _interpolate(profile.gemm_curve, flops)
+    return profile.peak_flops(precision) * profile.matmul_efficiency
+
+
+def memory_rate(nbytes: float, profile: DeviceProfile) -> float:
+    """Bytes/s an element-wise op moving `nbytes` reaches (caches make small ones faster)."""
+    if profile.memory_curve:
+        return _interpolate(profile.memory_curve, nbytes)
+    return profile.hbm_bandwidth
+
+
+def op_time(flops: float, nbytes: float, profile: DeviceProfile, precision: str = "fp32") -> float:
+    """Seconds for one aten op: its compute or its memory traffic, whichever is slower, plus
+    the per-op latency (dispatcher, allocation, kernel launch).
+
+    >>> from autopar.planner.cost import H100
+    >>> round(op_time(2 * 4096**3, 3 * 4096**2 * 4, H100) * 1e3, 3)  # a 4096^3 fp32 GEMM: 46.9 TFLOP/s
+    2.936
+    """
+    compute = flops / flop_rate(flops, profile, precision) if flops else 0.0
+    memory = nbytes / memory_rate(nbytes, profile) if nbytes else 0.0
+    return max(compute, memory) + profile.op_latency
+
+
+def comm_time(op: str, group_size: int, sent: float, received: float, profile: DeviceProfile) -> float:
+    """Seconds for one logged collective or transfer (`comm_log` gives the bytes this rank
+    sent and received, the ring's factor included): one link latency per ring step plus the
+    larger direction over the link's bandwidth.
+
+    >>> from autopar.planner.cost import H100
+    >>> comm_time("all_reduce", 8, 2 * 7 / 8 * 1e9, 0, H100)  # as cost.collective_time
+    0.003930888888888889
+    """
+    if group_size <= 1:
+        return 0.0
+    steps = _RING[op](group_size)[0] if op in _RING else 1
+    return steps * profile.intra_latency + max(sent, received) / profile.intra_bandwidth
+
+
+def oversubscription(ranks: int, profile: DeviceProfile) -> float:
+    """How much slower each rank computes when `ranks` processes share the profile's cores
+    (1 where every rank has a core of its own, or the profile counts none).
+
+    >>> from autopar.planner.cost import CPU
+    >>> import dataclasses
+    >>> oversubscription(8, dataclasses.replace(CPU, cores=2)), oversubscription(2, dataclasses.replace(CPU, cores=2))
+    (4.0, 1.0)
+    """
+    return max(1.0, ranks / profile.cores) if profile.cores else 1.0
+
+
+# -- recording -----------------------------------------------------------------------------------
+# FLOPs of ops torch's flop counter does not list: CPU's attention kernels (same math as flash)
+_EXTRA_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default:
+        lambda q, k, v, *a, **kw: sdpa_flop_count(q.shape, k.shape, v.shape),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape),
+}
+
+
+def op_flops(func, args, kwargs, out) -> int:
+    """FLOPs of one aten op call (0 for ops without a formula: they are priced by bytes).
+
+    >>> a, b = torch.ones(4, 8), torch.ones(8, 3)
+    >>> op_flops(torch.ops.aten.mm.default, (a, b), {}, a @ b)
+    192
+    """
+    if func in _EXTRA_FLOPS:
+        return int(_EXTRA_FLOPS[func](*args, **kwargs))
+    formula = flop_registry.get(func._overloadpacket)
+    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+
+
+def _tensors(values, acc: list) -> list:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            acc.append(v)
+        elif isinstance(v, (list, tuple)):
+            _tensors(v, acc)
+    return acc
+
+
+def op_bytes(func, args, kwargs, out) -> int:
+    """Bytes an op reads and writes: its tensor inputs and outputs (0 for a view)."""
+    returns = func._schema.returns
+    if returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write:
+        return 0
+    return sum(t.numel() * t.element_size() for t in _tensors((args, kwargs.values(), (out,)), []))
+
+
+@dataclass
+class Recording:
+    """One rank's step, in order: ("op", name, flops, bytes) for an aten op on plain tensors,
+    ("dist",) for a DistTensor dispatch, ("node",) for an autograd node first seen running,
+    ("comm", CommRecord) for a collective or transfer."""
+
+    rank: int
+    events: list = field(default_factory=list)
+
+    def count(self, kind: str) -> int:
+        return sum(e[0] == kind for e in self.events)
+
+    def flops(self) -> int:
+        return sum(e[2] for e in self.events if e[0] == "op")
+
+
+class _Recorder(TorchDispatchMode):
+    """Sees every op of the step.  A mode that handles a DistTensor op runs with itself popped,
+    so it calls the DistTensor dispatch back inside itself: the local ops, reshards and
+    kernels that dispatch runs are then seen too."""
+
+    def __init__(self, recording: Recording, log):
+        super().__init__()
+        self.recording, self.log, self.seen_comm, self.nodes = recording, log, 0, set()
+
+    def _note(self, event) -> None:
+        events = self.recording.events
+        while self.seen_comm < len(self.log.records):
+            events.append(("comm", self.log.records[self.seen_comm]))
+            self.seen_comm += 1
+        if event is not None:
+            events.append(event)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from ..dtensor import DistTensor
+
+        kwargs = kwargs or {}
+        node = torch._C._current_autograd_node()
+        if node is not None and node not in self.nodes:
+            self.nodes.add(node)
+            self._note(("node",))
+        if DistTensor in types:
+            self._note(("dist",))
+            with self:
+                return DistTensor.__torch_dispatch__(func, types, args, kwargs)
+        out = func(*args, **kwargs)
+        if func.namespace == "aten":  # c10d's ops are the collectives, priced from comm_log
+            self._note(("op", func.name(), op_flops(func, args, kwargs, out), op_bytes(func, args, kwargs, out)))
+        return out
+
+
+def record_step(make_step: Callable[[], Callable[[], object]], world_size: int, rank: int,
+                warmup: int = 3, settle: int = 10) -> Recording:
+    """Run rank `rank` of a `world_size`-rank job here (`simulate`): `make_step()` builds the
+    model and returns the step; the step runs at least `warmup` times and until two steps in
+    a row send the same collectives (caches, local-region checks and buckets settle; at most
+    `settle` steps), then once more recorded."""
+    from ..comm.log import comm_log
+    from ..comm.simulate import simulate
+
+    recording = Recording(rank)
+    with simulate(world_size, rank):
+        step = make_step()
+        previous = None
+        for i in range(max(warmup, settle)):
+            with comm_log() as log:
+                step()
+            sent = [(r.op, r.ranks, r.bytes) for r in log]
+            if i + 1 >= warmup and sent == previous:
+                break
+            previous = sent
+        with comm_log() as log:
+            recorder = _Recorder(recording, log)
+            with recorder:
+                step()
+            recorder._note(None)
+    return recording
+
+
+# -- the job -------------------------------------------------------------------------------------
+CATEGORIES = ("compute", "framework", "dispatch", "autograd", "comm", "wait")
+
+
+@dataclass
+class Prediction:
+    """Predicted seconds of one step: `total` (the slowest rank's finish), and that rank's
+    seconds per category: compute (FLOPs and bytes of aten ops), framework (their per-op
+    latency), dispatch (DistTensor dispatches), autograd (nodes), comm (collectives' own
+    time), wait (blocked on peers: skew, pipeline bubbles)."""
+
+    total: float
+    categories: dict
+    rank: int
+    recordings: list = field(repr=False, default_factory=list)
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.categories.items())
+        return f"predicted step {self.total * 1e3:.1f} ms (rank {self.rank}: {parts} ms)"
+
+
+def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list:
+    """The rank's timeline priced: ("busy", category, seconds) and ("comm", record)."""
+    out = []
+    for e in recording.events:
+        kind = e[0]
+        if kind == "op":
+            framework = profile.op_latency
+            out.append(("busy", "compute", (op_time(e[2], e[3], profile) - framework) * slow))
+            out.append(("busy", "framework", framework * slow))
+        elif kind == "dist":
+            out.append(("busy", "dispatch", profile.dispatch_overhead * slow))
+        elif kind == "node":
+            out.append(("busy", "autograd", profile.autograd_node * slow))
+        else:
+            out.append(("comm", e[1]))
+    return out
+
+
+def job_time(recordings: list, profile: DeviceProfile) -> Prediction:
+    """Play every rank's priced timeline: a collective ends `comm_time` after its last
+    member arrives; a receive ends `comm_time` after the matching send started (sends do
+    not wait).  Compute is slowed by `oversubscription`."""
+    slow = oversubscription(len(recordings), profile)
+    lines = {r.rank: _segments(r, profile, slow) for r in recordings}
+    clock = {r: 0.0 for r in lines}
+    spent = {r: dict.fromkeys(CATEGORIES, 0.0) for r in lines}
+    pos = {r: 0 for r in lines}
+    arrived: dict = {}  # collective key -> {rank: arrival}
+    sent: dict = {}  # (src, dst, n) -> send start
+    count: dict = {}  # (rank, key without index) -> how many seen
+    while any(pos[r] < len(lines[r]) for r in lines):
+        progressed = False
+        for r, line in lines.items():
+            while pos[r] < len(line):
+                seg = line[pos[r]]
+                if seg[0] == "busy":
+                    clock[r] += seg[2]
+                    spent[r][seg[1]] += seg[2]
+                    pos[r] += 1
+                    progressed = True
+                    continue
+                rec = seg[1]
+                cost = comm_time(rec.op, len(rec.ranks), rec.bytes, rec.recv_bytes, profile)
+                base = (rec.op if rec.op not in ("send", "recv") else "p2p", rec.ranks)
+                n = count.get((r, base), 0)
+                if rec.op == "send":
+                    sent[(rec.ranks, n)] = clock[r]
+                    clock[r] += profile.intra_latency
+                    spent[r]["comm"] += profile.intra_latency
+                elif rec.op == "recv":
+                    start = sent.get((rec.ranks, n)) if rec.ranks[0] in lines else clock[r]
+                    if start is None:
+                        break
+                    end = max(clock[r], start + cost)
+                    spent[r]["wait"] += max(0.0, start - clock[r])
+                    spent[r]["comm"] += end - max(clock[r], start)
+                    clock[r] = end
+                else:
+                    members = arrived.setdefault((base, n), {})
+                    members.setdefault(r, clock[r])
+                    if len(members) < len(set(rec.ranks) & set(lines)):
+                        break
+                    end = max(members.values()) + cost
+                    for m, t in members.items():
+                        spent[m]["wait"] += end - cost - t
+                        spent[m]["comm"] += cost
+                        clock[m] = end
+                        count[(m, base)] = n + 1
+                        if m != r:
+                            pos[m] += 1
+                    pos[r] += 1
+                    progressed = True
+                    continue
+                count[(r, base)] = n + 1
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: lines[r][pos[r]][1] for r in lines if pos[r] < len(lines[r])}
+            raise RuntimeError(f"predict: the ranks' collectives do not match; each waits on {stuck}")
+    slowest = max(clock, key=clock.get)
+    return Prediction(clock[slowest], spent[slowest], slowest, list(recordings))
+
+
+def predict_step(make_step: Callable[[], Callable[[], object]], world_size: int,
+                 device: Union[str, DeviceProfile] = "cpu", ranks: Optional[list] = None,
+                 warmup: int = 3) -> Prediction:
+    """Predict one step of a `world_size`-rank job on `device` by running every rank (or
+    `ranks`, e.g. one per distinct role: collectives then wait only on the ranks recorded)
+    here under `simulate` and pricing what it ran.  `make_step()` is called inside each
+    simulated rank and builds the model, returning the step callable.
+
+    >>> import torch, autopar as dist
+    >>> def make_step():
+    ...     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    ...     model = torch.nn.Linear(64, 64)
+    ...     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ...     model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": 0}})
+    ...     x = torch.randn(32, 64)
+    ...     def step():
+    ...         model(x).sum().backward(); opt.step(); opt.zero_grad()
+    ...     return step
+    >>> p = predict_step(make_step, 2)
+    >>> 0 < p.total < 1, sorted(p.categories) == sorted(dist.planner.predict.CATEGORIES)
+    (True, True)
+    """
+    profile = load_profile(device)
+    chosen = range(world_size) if ranks is None else ranks
+    return job_time([record_step(make_step, world_size, r, warmup) for r in chosen], profile)
+
+
+def machine_cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
