@@ -33,6 +33,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import autopar as dist  # noqa: E402
 import parallelize_llama as L  # noqa: E402
+from autopar.planner.cost import load_profile  # noqa: E402
+from autopar.planner.predict import job_time, machine_load, predict_step  # noqa: E402
 
 SIZES = argparse.Namespace(vocab=512, hidden=256, ffn=512, heads=4, layers=4, seq=64, batch=8, steps=1, seed=0)
 # case -> (mesh ids, dim names, config keys of the examples' seed config, micro-batches)
@@ -114,7 +116,8 @@ def _measured(case: str, warmup: int, reps: int) -> list:
     for line in out.stdout.splitlines():
         line = line.split("]: ", 1)[-1]
         if line.startswith('{"measured"'):
-            return json.loads(line)["measured"]
+            found = json.loads(line)
+            return found["measured"], found["cpu"]
     raise RuntimeError(f"{case}: the measured run printed no times\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
 
 
@@ -133,13 +136,18 @@ def main() -> None:
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     for case in args.cases.split(","):
         ranks = _ranks(CASES[case][0])
-        pred = dist.planner.predict_step(lambda: make_step(case), ranks, device=args.profile)
-        times = _measured(case, args.warmup, args.reps)
+        profile = load_profile(args.profile)
+        recorded = predict_step(lambda: make_step(case), ranks, device=profile)
+        load = machine_load(profile)  # other programs' busy processes, just before the real run
+        pred = job_time(recorded.recordings, profile, load)
+        times, cpu = _measured(case, args.warmup, args.reps)
         measured = statistics.median(times)
         record = {
             "bench": "predict", "case": case, "ranks": ranks, "predicted_ms": round(pred.total * 1e3, 3),
             "measured_ms": round(measured * 1e3, 3), "ratio": round(pred.total / measured, 3),
             "measured_min_ms": round(min(times) * 1e3, 3), "measured_max_ms": round(max(times) * 1e3, 3),
+            "predicted_quiet_ms": round(recorded.total * 1e3, 3), "other_load": round(load, 2),
+            "measured_cpu_ms": round(statistics.median(cpu) * 1e3, 3),
             "categories_ms": {k: round(v * 1e3, 3) for k, v in pred.categories.items()},
             "profile": args.profile, "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
             "autopar_commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

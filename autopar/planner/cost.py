@@ -48,6 +48,7 @@ class DeviceProfile:
     # empty: peak * matmul_efficiency and hbm_bandwidth at every size
     gemm_curve: tuple = ()
     memory_curve: tuple = ()
+    element_costs: tuple = ()  # (aten op name, seconds per element) of compute-bound element-wise ops
 
     def peak_flops(self, precision: str) -> float:
         return {"bf16": self.peak_flops_bf16, "fp32": self.peak_flops_fp32}[precision]
@@ -94,7 +95,7 @@ def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
     if os.path.exists(device):
         with open(device) as f:
             fields = json.load(f)
-        for curve in ("gemm_curve", "memory_curve"):
+        for curve in ("gemm_curve", "memory_curve", "element_costs"):
             fields[curve] = tuple(tuple(p) for p in fields.get(curve, ()))
         return DeviceProfile(**fields)
     raise ValueError(f"unknown device {device!r}: use one of {sorted(PROFILES) + ['cpu']} or a profile JSON file")
@@ -209,40 +210,53 @@ def _per_call(fn, calls: int = 400) -> float:
     return _median_time(loop) / calls
 
 
-def _framework_costs() -> tuple[float, float, float]:
-    """(aten op latency, DistTensor dispatch overhead, autograd node overhead) in seconds.
-
-    The op: a Python call of an element-wise op on one-element tensors.  The dispatch: the
-    same op on two DistTensors placed alike on a 2-rank mesh (the cached path, no
-    communication; one rank simulated), less the op.  The node: a chain of multiplications
-    run forward with gradients and backward, less the same forward without and the backward's
-    own ops (one multiplication per node)."""
+def _cold_add(n: int, working_set: int = 1 << 26) -> float:
+    """Seconds of one add of two n-element fp32 tensors into a new one, its inputs cycled
+    through `working_set` bytes: a training step's operands come from memory, not from the
+    caches a repeated call would keep them in (and its outputs are allocated each time)."""
     import torch
 
-    from ..comm.simulate import simulate
-    from ..mesh import ProcessMesh
-    from ..placement import Shard
-    from ..api.tensor import dtensor_from_local
+    pairs = [(torch.ones(n), torch.ones(n)) for _ in range(max(2, working_set // (8 * n)))]
+    calls = max(len(pairs), 64)
 
-    a, b = torch.ones(1), torch.ones(1)
-    op = _per_call(lambda: torch.add(a, b))
-    with simulate(2, 0):
-        mesh = ProcessMesh([0, 1], dim_names=["x"])
-        da, db = (dtensor_from_local(torch.ones(1), mesh, [Shard(0)], shape=(2,)) for _ in range(2))
-        dispatch = max(_per_call(lambda: torch.add(da, db)) - op, 0.0)
-    chain = 200
+    def loop():
+        for i in range(calls):
+            torch.add(*pairs[i % len(pairs)])
+    return _median_time(loop, 5) / calls
 
-    def forward(x):
-        for _ in range(chain):
-            x = x * 1.5
-        return x
 
-    leaf = torch.ones(1, requires_grad=True)
-    with torch.no_grad():
-        plain = _median_time(lambda: forward(leaf))
-    trained = _median_time(lambda: forward(leaf).backward())
-    node = max((trained - plain - chain * op) / chain, 0.0)
-    return op, dispatch, node
+# element-wise ops that compute more per element than they move (transcendentals, reductions
+# along a row): their seconds per element are measured on (256, 1024) fp32 inputs
+_ELEMENT_OPS = {
+    "aten::exp": lambda x: (x,), "aten::log": lambda x: (x,), "aten::sqrt": lambda x: (x,),
+    "aten::rsqrt": lambda x: (x,), "aten::sigmoid": lambda x: (x,), "aten::tanh": lambda x: (x,),
+    "aten::silu": lambda x: (x,), "aten::gelu": lambda x: (x,), "aten::silu_backward": lambda x: (x, x),
+    "aten::gelu_backward": lambda x: (x, x), "aten::tanh_backward": lambda x: (x, x),
+    "aten::sigmoid_backward": lambda x: (x, x), "aten::pow.Tensor_Scalar": lambda x: (x, 2),
+    "aten::mean.dim": lambda x: (x, [-1]), "aten::sum.dim_IntList": lambda x: (x, [-1]),
+    "aten::_softmax": lambda x: (x, -1, False), "aten::_log_softmax": lambda x: (x, -1, False),
+    "aten::_softmax_backward_data": lambda x: (x, x, -1, x.dtype),
+    "aten::_log_softmax_backward_data": lambda x: (x, x, -1, x.dtype),
+}
+
+
+def _element_costs(op: float) -> tuple:
+    """((op name, seconds per element of its first input), ...) for `_ELEMENT_OPS`, inputs
+    cycled through memory as in `_cold_add`."""
+    import torch
+
+    xs = [torch.rand(256, 1024) + 0.5 for _ in range(64)]
+    out = []
+    for name, make_args in _ELEMENT_OPS.items():
+        packet, _, overload = name[len("aten::"):].partition(".")
+        func = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        calls = [make_args(x) for x in xs]
+
+        def loop():
+            for args in calls:
+                func(*args)
+        out.append((name, max(_median_time(loop, 5) / len(calls) - op, 0.0) / xs[0].numel()))
+    return tuple(out)
 
 
 def _curve(sizes: list, work, time_of) -> tuple:
@@ -251,28 +265,28 @@ def _curve(sizes: list, work, time_of) -> tuple:
 
 
 def calibrate(world: int = 2) -> DeviceProfile:
-    """Measure this machine (one thread per rank, as the ranks run): the aten op latency,
-    autopar's DistTensor dispatch and autograd's per-node overheads, a GEMM FLOP-rate curve
-    and an element-wise memory-rate curve over sizes, its cores, and gloo all_reduce latency
-    and bandwidth on `world` ranks."""
+    """Measure this machine (one thread per rank, as the ranks run): a GEMM FLOP-rate curve
+    and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
+    element-wise ops, its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
+    from small training steps the per-op, per-autograd-node and per-DistTensor-dispatch host
+    costs (`predict.framework_costs`)."""
     import socket
 
     import torch
     import torch.multiprocessing as mp
 
-    from .predict import machine_cores
+    from .predict import framework_costs, machine_cores
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        op, dispatch, node = _framework_costs()
+        a, b = torch.ones(1), torch.ones(1)
+        op = _per_call(lambda: torch.add(a, b))  # provisional: the rates below are net of it
         mats = {n: (torch.randn(n, n), torch.randn(n, n)) for n in (8, 16, 32, 64, 128, 256, 512)}
-        gemm = _curve(sorted(mats), lambda n: 2.0 * n**3,
-                      lambda n: max(_median_time(lambda: torch.mm(*mats[n])) - op, 1e-9))
-        # a new output each call, as a program's ops allocate theirs (large ones fault their pages in)
-        vecs = {n: [torch.ones(n) for _ in range(2)] for n in (1 << k for k in range(10, 25, 2))}
-        memory = _curve(sorted(vecs), lambda n: 3.0 * n * 4,  # 2 reads, 1 write
-                        lambda n: max(_median_time(lambda: torch.add(*vecs[n])) - op, 1e-9))
+        gemm = _curve(sorted(mats), lambda n: 2.0 * n**3,  # compute-bound: cache-resident as a step's GEMMs run
+                      lambda n: max(_per_call(lambda: torch.mm(*mats[n]), max(4, (1 << 22) // n**3)) - op, 1e-9))
+        elements = _element_costs(op)
+        memory = _curve([1 << k for k in range(10, 25, 2)], lambda n: 3.0 * n * 4, lambda n: _cold_add(n) - op)
     finally:
         torch.set_num_threads(threads)
     with socket.socket() as s:
@@ -290,13 +304,21 @@ def calibrate(world: int = 2) -> DeviceProfile:
     steps, factor = _RING["all_reduce"](world)
     per_byte, fixed = _fit_line([factor * s for s in sizes], times)
     peak = max(rate for _, rate in gemm)
-    return DeviceProfile(
+    profile = DeviceProfile(
         name="cpu", peak_flops_bf16=peak, peak_flops_fp32=peak, memory_bytes=float(_total_memory()),
-        hbm_bandwidth=memory[-1][1], intra_bandwidth=1.0 / per_byte, intra_latency=fixed / steps,
+        hbm_bandwidth=max(rate for _, rate in memory), intra_bandwidth=1.0 / per_byte, intra_latency=fixed / steps,
         inter_bandwidth=1.0 / per_byte, inter_latency=fixed / steps, ranks_per_node=_ONE_MACHINE,
         matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
-        dispatch_overhead=dispatch, autograd_node=node, cores=machine_cores(), gemm_curve=gemm, memory_curve=memory,
+        cores=machine_cores(), gemm_curve=gemm, memory_curve=memory,
+        element_costs=elements,
     )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        op, node, dispatch = framework_costs(profile)
+    finally:
+        torch.set_num_threads(threads)
+    return dataclasses.replace(profile, op_latency=op, dispatch_overhead=dispatch, autograd_node=node)
 
 
 def _total_memory() -> int:

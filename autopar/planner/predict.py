@@ -58,17 +58,22 @@ def memory_rate(nbytes: float, profile: DeviceProfile) -> float:
     return profile.hbm_bandwidth
 
 
-def op_time(flops: float, nbytes: float, profile: DeviceProfile, precision: str = "fp32") -> float:
+def op_time(flops: float, nbytes: float, profile: DeviceProfile, precision: str = "fp32", gemm: float = 0,
+            name: str = "", elements: int = 0) -> float:
     """Seconds for one aten op: its compute or its memory traffic, whichever is slower, plus
-    the per-op latency (dispatcher, allocation, kernel launch).
+    the per-op latency (dispatcher, allocation, kernel launch).  `gemm`: the FLOPs of each of
+    the op's matrix products where it does many (batched, attention heads): the rate of that
+    size applies.  An element-wise op the profile measured (`element_costs`, by aten `name`)
+    also takes its seconds per element times `elements` (its first input's) if that is slower.
 
     >>> from autopar.planner.cost import H100
     >>> round(op_time(2 * 4096**3, 3 * 4096**2 * 4, H100) * 1e3, 3)  # a 4096^3 fp32 GEMM: 46.9 TFLOP/s
     2.936
     """
-    compute = flops / flop_rate(flops, profile, precision) if flops else 0.0
+    compute = flops / flop_rate(gemm or flops, profile, precision) if flops else 0.0
     memory = nbytes / memory_rate(nbytes, profile) if nbytes else 0.0
-    return max(compute, memory) + profile.op_latency
+    per_element = dict(profile.element_costs).get(name, 0.0) * elements if elements else 0.0
+    return max(compute, memory, per_element) + profile.op_latency
 
 
 def comm_time(op: str, group_size: int, sent: float, received: float, profile: DeviceProfile) -> float:
@@ -86,16 +91,52 @@ def comm_time(op: str, group_size: int, sent: float, received: float, profile: D
     return steps * profile.intra_latency + max(sent, received) / profile.intra_bandwidth
 
 
-def oversubscription(ranks: int, profile: DeviceProfile) -> float:
-    """How much slower each rank computes when `ranks` processes share the profile's cores
-    (1 where every rank has a core of its own, or the profile counts none).
+def oversubscription(ranks: int, profile: DeviceProfile, load: float = 0.0) -> float:
+    """How much slower each rank computes when `ranks` processes, and `load` busy processes
+    of other programs, share the profile's cores (1 where every rank has a core of its own,
+    or the profile counts none).
 
     >>> from autopar.planner.cost import CPU
     >>> import dataclasses
-    >>> oversubscription(8, dataclasses.replace(CPU, cores=2)), oversubscription(2, dataclasses.replace(CPU, cores=2))
-    (4.0, 1.0)
+    >>> two = dataclasses.replace(CPU, cores=2)
+    >>> oversubscription(8, two), oversubscription(2, two), oversubscription(2, two, load=1.0)
+    (4.0, 1.0, 1.5)
     """
-    return max(1.0, ranks / profile.cores) if profile.cores else 1.0
+    return max(1.0, (ranks + load) / profile.cores) if profile.cores else 1.0
+
+
+def machine_load(profile: DeviceProfile, seconds: float = 0.3) -> float:
+    """Busy processes of other programs on this machine now, measured: one thread per core
+    runs 256^3 GEMMs for `seconds`; where they reach a share s < 1 of the profile's rate for
+    that size, cores / s - cores processes were competing (0 on a quiet machine)."""
+    import threading
+    import time
+
+    if not profile.cores:
+        return 0.0
+    a = torch.randn(256, 256)
+    expected = flop_rate(2 * 256**3, profile)
+    rates = []
+
+    def spin():
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            torch.mm(a, a)
+            calls += 1
+        rates.append(calls * 2 * 256**3 / (time.perf_counter() - t0))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        workers = [threading.Thread(target=spin) for _ in range(profile.cores)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        torch.set_num_threads(threads)
+    share = min(1.0, sum(rates) / len(rates) / expected)
+    return profile.cores / share - profile.cores
 
 
 # -- recording -----------------------------------------------------------------------------------
@@ -121,6 +162,27 @@ def op_flops(func, args, kwargs, out) -> int:
     return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
 
 
+# ops doing one matrix product per leading index of their output (batch, heads)
+_BATCHED = {aten.bmm, aten.baddbmm, aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._scaled_dot_product_efficient_attention,
+            aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention_backward,
+            aten._scaled_dot_product_flash_attention_backward}
+
+
+def gemm_flops(func, flops: int, out) -> float:
+    """FLOPs of each matrix product of an op: a batched one's per batch index (the GEMM rate
+    of that size applies), else all of them.
+
+    >>> a = torch.ones(16, 8, 8)
+    >>> gemm_flops(torch.ops.aten.bmm.default, 16 * 2 * 8**3, a @ a)
+    1024.0
+    """
+    first = out[0] if isinstance(out, (list, tuple)) else out
+    if func._overloadpacket not in _BATCHED or not isinstance(first, torch.Tensor) or first.dim() < 3:
+        return float(flops)
+    return flops / max(math.prod(first.shape[:-2]), 1)
+
+
 def _tensors(values, acc: list) -> list:
     for v in values:
         if isinstance(v, torch.Tensor):
@@ -140,7 +202,8 @@ def op_bytes(func, args, kwargs, out) -> int:
 
 @dataclass
 class Recording:
-    """One rank's step, in order: ("op", name, flops, bytes) for an aten op on plain tensors,
+    """One rank's step, in order: ("op", name, flops, bytes, flops of each matrix product,
+    elements of its first input) for an aten op on plain tensors,
     ("dist",) for a DistTensor dispatch, ("node",) for an autograd node first seen running,
     ("comm", CommRecord) for a collective or transfer."""
 
@@ -159,13 +222,13 @@ class _Recorder(TorchDispatchMode):
     so it calls the DistTensor dispatch back inside itself: the local ops, reshards and
     kernels that dispatch runs are then seen too."""
 
-    def __init__(self, recording: Recording, log):
+    def __init__(self, recording: Recording, log=None):
         super().__init__()
         self.recording, self.log, self.seen_comm, self.nodes = recording, log, 0, set()
 
     def _note(self, event) -> None:
         events = self.recording.events
-        while self.seen_comm < len(self.log.records):
+        while self.log is not None and self.seen_comm < len(self.log.records):
             events.append(("comm", self.log.records[self.seen_comm]))
             self.seen_comm += 1
         if event is not None:
@@ -185,7 +248,10 @@ class _Recorder(TorchDispatchMode):
                 return DistTensor.__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **kwargs)
         if func.namespace == "aten":  # c10d's ops are the collectives, priced from comm_log
-            self._note(("op", func.name(), op_flops(func, args, kwargs, out), op_bytes(func, args, kwargs, out)))
+            flops = op_flops(func, args, kwargs, out)
+            first = next(iter(_tensors(args, [])), None)
+            self._note(("op", func.name(), flops, op_bytes(func, args, kwargs, out), gemm_flops(func, flops, out),
+                        first.numel() if first is not None else 0))
         return out
 
 
@@ -245,7 +311,8 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
         kind = e[0]
         if kind == "op":
             framework = profile.op_latency
-            out.append(("busy", "compute", (op_time(e[2], e[3], profile) - framework) * slow))
+            out.append(("busy", "compute", (op_time(e[2], e[3], profile, gemm=e[4], name=e[1], elements=e[5])
+                                            - framework) * slow))
             out.append(("busy", "framework", framework * slow))
         elif kind == "dist":
             out.append(("busy", "dispatch", profile.dispatch_overhead * slow))
@@ -256,11 +323,11 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
     return out
 
 
-def job_time(recordings: list, profile: DeviceProfile) -> Prediction:
+def job_time(recordings: list, profile: DeviceProfile, load: float = 0.0) -> Prediction:
     """Play every rank's priced timeline: a collective ends `comm_time` after its last
     member arrives; a receive ends `comm_time` after the matching send started (sends do
-    not wait).  Compute is slowed by `oversubscription`."""
-    slow = oversubscription(len(recordings), profile)
+    not wait).  Host work is slowed by `oversubscription` (`load`: see `machine_load`)."""
+    slow = oversubscription(len(recordings), profile, load)
     lines = {r.rank: _segments(r, profile, slow) for r in recordings}
     clock = {r: 0.0 for r in lines}
     spent = {r: dict.fromkeys(CATEGORIES, 0.0) for r in lines}
@@ -323,11 +390,12 @@ def job_time(recordings: list, profile: DeviceProfile) -> Prediction:
 
 def predict_step(make_step: Callable[[], Callable[[], object]], world_size: int,
                  device: Union[str, DeviceProfile] = "cpu", ranks: Optional[list] = None,
-                 warmup: int = 3) -> Prediction:
+                 warmup: int = 3, load: float = 0.0) -> Prediction:
     """Predict one step of a `world_size`-rank job on `device` by running every rank (or
     `ranks`, e.g. one per distinct role: collectives then wait only on the ranks recorded)
     here under `simulate` and pricing what it ran.  `make_step()` is called inside each
-    simulated rank and builds the model, returning the step callable.
+    simulated rank and builds the model, returning the step callable.  `load`: busy
+    processes of other programs sharing the cores (`machine_load(profile)` measures it now).
 
     >>> import torch, autopar as dist
     >>> def make_step():
@@ -345,7 +413,73 @@ def predict_step(make_step: Callable[[], Callable[[], object]], world_size: int,
     """
     profile = load_profile(device)
     chosen = range(world_size) if ranks is None else ranks
-    return job_time([record_step(make_step, world_size, r, warmup) for r in chosen], profile)
+    return job_time([record_step(make_step, world_size, r, warmup) for r in chosen], profile, load)
+
+
+# -- calibration -----------------------------------------------------------------------------------
+def _reference_model(width: int = 16):
+    """A small MLP block: layer norm, a GELU MLP (two Linears a Megatron plan splits)."""
+    return torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                               torch.nn.Linear(4 * width, width))
+
+
+def _reference_cost(step, profile: DeviceProfile, steps: int = 30) -> tuple:
+    """(median seconds of `step` after warm-up, its recording, the compute part of its price)."""
+    import statistics
+    import time
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    recording = Recording(0)
+    with _Recorder(recording):
+        step()
+    compute = sum(s[2] for s in _segments(recording, profile, 1.0) if s[0] == "busy" and s[1] == "compute")
+    return statistics.median(times), recording, compute
+
+
+def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
+    """(seconds per aten op, per autograd node, per DistTensor dispatch) of host work beyond
+    the ops' compute, measured on training steps of a small MLP block (tiny tensors, so the
+    host work dominates) priced with `profile`'s rates: its forward without gradients gives
+    the per-op cost (Python, modules, dispatcher, allocation); a plain training step (AdamW)
+    the per-node cost; the same step on a 2-rank Megatron split (one rank simulated) the
+    per-dispatch cost."""
+    import dataclasses
+
+    from ..api.parallelize import parallelize
+    from ..api.plans import ColWiseParallel, RowWiseParallel
+    from ..comm.simulate import simulate
+    from ..mesh import ProcessMesh
+
+    profile = dataclasses.replace(profile, op_latency=0.0)
+    x = torch.randn(4, 16)
+
+    def training(model, opt):
+        def step():
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    model = _reference_model()
+    with torch.no_grad():
+        seconds, rec, compute = _reference_cost(lambda: model(x), profile)
+    op = max(seconds - compute, 0.0) / rec.count("op")
+    seconds, rec, compute = _reference_cost(training(model, torch.optim.AdamW(model.parameters())), profile)
+    node = max(seconds - compute - op * rec.count("op"), 0.0) / max(rec.count("node"), 1)
+    with simulate(2, 0):
+        model = _reference_model()
+        opt = torch.optim.AdamW(model.parameters())
+        plan = {"1": ColWiseParallel(), "3": RowWiseParallel()}
+        model, opt = parallelize(model, opt, ProcessMesh([0, 1], dim_names=["mp"]), {"mp_config": {"parallelize_plan": plan}})
+        seconds, rec, compute = _reference_cost(training(model, opt), profile)
+    busy = compute + op * rec.count("op") + node * rec.count("node")
+    return op, node, max(seconds - busy, 0.0) / max(rec.count("dist"), 1)
 
 
 def machine_cores() -> int:
