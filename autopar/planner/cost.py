@@ -49,6 +49,9 @@ class DeviceProfile:
     gemm_curve: tuple = ()
     memory_curve: tuple = ()
     element_costs: tuple = ()  # (aten op name, seconds per element) of compute-bound element-wise ops
+    # (ranks per core, latency per ring step, bandwidth) of collectives among ranks that share
+    # cores (a peer must be scheduled before a step completes), ascending; empty: the intra link
+    shared_links: tuple = ()
 
     def peak_flops(self, precision: str) -> float:
         return {"bf16": self.peak_flops_bf16, "fp32": self.peak_flops_fp32}[precision]
@@ -95,7 +98,7 @@ def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
     if os.path.exists(device):
         with open(device) as f:
             fields = json.load(f)
-        for curve in ("gemm_curve", "memory_curve", "element_costs"):
+        for curve in ("gemm_curve", "memory_curve", "element_costs", "shared_links"):
             fields[curve] = tuple(tuple(p) for p in fields.get(curve, ()))
         return DeviceProfile(**fields)
     raise ValueError(f"unknown device {device!r}: use one of {sorted(PROFILES) + ['cpu']} or a profile JSON file")
@@ -160,18 +163,6 @@ def _fit_line(xs: list, ys: list) -> tuple[float, float]:
     return max(a, 1e-30), max((sy - a * sx) / sw, 1e-9)
 
 
-def _best_time(fn, repeats: int) -> float:
-    import time
-
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _measure_allreduce(rank: int, world: int, port: int, sizes: list, out) -> None:
     import torch
     import torch.distributed as tdist
@@ -181,7 +172,7 @@ def _measure_allreduce(rank: int, world: int, port: int, sizes: list, out) -> No
     times = []
     for n in sizes:
         t = torch.ones(n // 4)
-        times.append(_best_time(lambda: tdist.all_reduce(t), 5))
+        times.append(_median_time(lambda: tdist.all_reduce(t), 7))
     tdist.barrier()
     if rank == 0:
         out.put(times)
@@ -210,7 +201,7 @@ def _per_call(fn, calls: int = 400) -> float:
     return _median_time(loop) / calls
 
 
-def _cold_add(n: int, working_set: int = 1 << 26) -> float:
+def _cold_add(n: int, working_set: int) -> float:
     """Seconds of one add of two n-element fp32 tensors into a new one, its inputs cycled
     through `working_set` bytes: a training step's operands come from memory, not from the
     caches a repeated call would keep them in (and its outputs are allocated each time)."""
@@ -240,12 +231,12 @@ _ELEMENT_OPS = {
 }
 
 
-def _element_costs(op: float) -> tuple:
+def _element_costs(op: float, working_set: int) -> tuple:
     """((op name, seconds per element of its first input), ...) for `_ELEMENT_OPS`, inputs
     cycled through memory as in `_cold_add`."""
     import torch
 
-    xs = [torch.rand(256, 1024) + 0.5 for _ in range(64)]
+    xs = [torch.rand(256, 1024) + 0.5 for _ in range(max(2, working_set // (256 * 1024 * 4)))]
     out = []
     for name, make_args in _ELEMENT_OPS.items():
         packet, _, overload = name[len("aten::"):].partition(".")
@@ -264,31 +255,12 @@ def _curve(sizes: list, work, time_of) -> tuple:
     return tuple((float(work(n)), work(n) / time_of(n)) for n in sizes)
 
 
-def calibrate(world: int = 2) -> DeviceProfile:
-    """Measure this machine (one thread per rank, as the ranks run): a GEMM FLOP-rate curve
-    and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
-    element-wise ops, its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
-    from small training steps the per-op, per-autograd-node and per-DistTensor-dispatch host
-    costs (`predict.framework_costs`)."""
+def _gloo_link(world: int) -> tuple[float, float]:
+    """(latency per ring step, bandwidth) of gloo all_reduce on `world` local ranks."""
     import socket
 
-    import torch
     import torch.multiprocessing as mp
 
-    from .predict import framework_costs, machine_cores
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.ones(1), torch.ones(1)
-        op = _per_call(lambda: torch.add(a, b))  # provisional: the rates below are net of it
-        mats = {n: (torch.randn(n, n), torch.randn(n, n)) for n in (8, 16, 32, 64, 128, 256, 512)}
-        gemm = _curve(sorted(mats), lambda n: 2.0 * n**3,  # compute-bound: cache-resident as a step's GEMMs run
-                      lambda n: max(_per_call(lambda: torch.mm(*mats[n]), max(4, (1 << 22) // n**3)) - op, 1e-9))
-        elements = _element_costs(op)
-        memory = _curve([1 << k for k in range(10, 25, 2)], lambda n: 3.0 * n * 4, lambda n: _cold_add(n) - op)
-    finally:
-        torch.set_num_threads(threads)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -303,14 +275,43 @@ def calibrate(world: int = 2) -> DeviceProfile:
         p.join()
     steps, factor = _RING["all_reduce"](world)
     per_byte, fixed = _fit_line([factor * s for s in sizes], times)
+    return fixed / steps, 1.0 / per_byte
+
+
+def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26) -> DeviceProfile:
+    """Measure this machine (one thread per rank, as the ranks run): a GEMM FLOP-rate curve
+    and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
+    element-wise ops, its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
+    from small training steps the per-op, per-autograd-node and per-DistTensor-dispatch host
+    costs (`predict.framework_costs`).  Collectives are also measured on `crowding` times as
+    many ranks as cores (`shared_links`); element-wise inputs cycle through `working_set` bytes."""
+    import torch
+
+    from .predict import framework_costs, machine_cores
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.ones(1), torch.ones(1)
+        op = _per_call(lambda: torch.add(a, b))  # provisional: the rates below are net of it
+        mats = {n: (torch.randn(n, n), torch.randn(n, n)) for n in (8, 16, 32, 64, 128, 256, 512)}
+        gemm = _curve(sorted(mats), lambda n: 2.0 * n**3,  # compute-bound: cache-resident as a step's GEMMs run
+                      lambda n: max(_per_call(lambda: torch.mm(*mats[n]), max(4, (1 << 22) // n**3)) - op, 1e-9))
+        elements = _element_costs(op, working_set)
+        memory = _curve([1 << k for k in range(10, 25, 2)], lambda n: 3.0 * n * 4,
+                        lambda n: _cold_add(n, working_set) - op)
+    finally:
+        torch.set_num_threads(threads)
+    cores = machine_cores()
+    latency, bandwidth = _gloo_link(world)
+    shared = tuple((w / cores, *_gloo_link(w)) for w in sorted({cores * k for k in crowding}) if w > cores)
     peak = max(rate for _, rate in gemm)
     profile = DeviceProfile(
         name="cpu", peak_flops_bf16=peak, peak_flops_fp32=peak, memory_bytes=float(_total_memory()),
-        hbm_bandwidth=max(rate for _, rate in memory), intra_bandwidth=1.0 / per_byte, intra_latency=fixed / steps,
-        inter_bandwidth=1.0 / per_byte, inter_latency=fixed / steps, ranks_per_node=_ONE_MACHINE,
+        hbm_bandwidth=max(rate for _, rate in memory), intra_bandwidth=bandwidth, intra_latency=latency,
+        inter_bandwidth=bandwidth, inter_latency=latency, ranks_per_node=_ONE_MACHINE,
         matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
-        cores=machine_cores(), gemm_curve=gemm, memory_curve=memory,
-        element_costs=elements,
+        cores=cores, gemm_curve=gemm, memory_curve=memory, element_costs=elements, shared_links=shared,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
