@@ -77,9 +77,22 @@ _ONE_MACHINE = 1 << 16  # the cpu profile's ranks all share this machine
 # over loopback); every rank of a job must plan with the same numbers, so "cpu" is this
 # fixed profile unless $AUTOPAR_CPU_PROFILE names a file measured on yours
 CPU = DeviceProfile(
-    name="cpu", peak_flops_bf16=1.11e11, peak_flops_fp32=1.11e11, memory_bytes=25e9, hbm_bandwidth=2.5e10,
-    intra_bandwidth=2.5e9, intra_latency=9.2e-5, inter_bandwidth=2.5e9, inter_latency=9.2e-5,
-    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=1.3e-6, reserved_bytes=0.0,
+    name="cpu", peak_flops_bf16=1.12e11, peak_flops_fp32=1.12e11, memory_bytes=25e9, hbm_bandwidth=6.18e10,
+    intra_bandwidth=2.29e9, intra_latency=1.08e-4, inter_bandwidth=2.29e9, inter_latency=1.08e-4,
+    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.0e-7, reserved_bytes=0.0,
+    op_latency=3.28e-6, dispatch_overhead=1.4e-5, autograd_node=4.2e-7, cores=2,
+    gemm_curve=((1020.0, 7.82e9), (8190.0, 3.74e10), (65500.0, 8.27e10), (524000.0, 9.89e10), (4.19e6, 1.07e11),
+                (3.36e7, 1.11e11), (2.68e8, 1.12e11)),
+    memory_curve=((12300.0, 1.63e10), (49200.0, 2.89e10), (197000.0, 3.76e10), (786000.0, 4.8e10), (3.15e6, 5.35e10),
+                  (1.26e7, 6.18e10), (5.03e7, 5.19e10), (2.01e8, 6.2e9)),
+    element_costs=(("aten::exp", 6.2e-10), ("aten::log", 7.67e-10), ("aten::sqrt", 3.72e-10), ("aten::rsqrt", 2.41e-10),
+                   ("aten::sigmoid", 2.46e-10), ("aten::tanh", 2.05e-9), ("aten::silu", 2.61e-10), ("aten::gelu", 4.79e-10),
+                   ("aten::silu_backward", 2.8e-10), ("aten::gelu_backward", 5.3e-10), ("aten::tanh_backward", 1.42e-10),
+                   ("aten::sigmoid_backward", 1.41e-10), ("aten::pow.Tensor_Scalar", 1.71e-10),
+                   ("aten::mean.dim", 1.26e-10), ("aten::sum.dim_IntList", 1.21e-10), ("aten::_softmax", 5.35e-10),
+                   ("aten::_log_softmax", 4.08e-10), ("aten::_softmax_backward_data", 1.55e-10),
+                   ("aten::_log_softmax_backward_data", 3.09e-10)),
+    shared_links=((2.0, 5.71e-4, 8.07e8), (4.0, 1.96e-3, 7.73e8)),
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
 CPU_PROFILE_ENV = "AUTOPAR_CPU_PROFILE"  # path of a calibrated profile JSON for "cpu"
