@@ -6,8 +6,8 @@ For each case (the examples' Llama trained with one `parallelize` config) this p
 predicts the step (every rank run here under `simulate`, priced on the "cpu" profile or
 `--profile`), then measures it on real ranks (`python -m autopar.launch`, this file with
 `--measure CASE`: the median over timed steps after warm-up of the slowest rank's step).
-The machine may be shared: `machine_load` measures other programs' busy processes just
-before and after the run, and the prediction counts their average as competing for the
+The machine may be shared: `machine_load` measures other programs' work (busy cores) for
+2 s just before and after the run, and the prediction counts their average as competing for the
 cores (`predicted_quiet_ms`: the same prediction on an otherwise idle machine);
 and prints one JSON line per case, also appended to benchmarks/results/predict.<commit>.jsonl:
     {"bench": "predict", "case": ..., "ranks": N, "predicted_ms": ..., "measured_ms": ..., "ratio": ...,
@@ -141,9 +141,9 @@ def main() -> None:
         ranks = _ranks(CASES[case][0])
         profile = load_profile(args.profile)
         recorded = predict_step(lambda: make_step(case), ranks, device=profile)
-        before = machine_load(profile)  # other programs' busy processes around the real run
+        before = machine_load(2.0)  # other programs' work around the real run
         times, cpu = _measured(case, args.warmup, args.reps)
-        load = (before + machine_load(profile)) / 2
+        load = (before + machine_load(2.0)) / 2
         pred = job_time(recorded.recordings, profile, load)
         measured = statistics.median(times)
         record = {

@@ -57,6 +57,7 @@ def test_ranks_beyond_the_cores_slow_every_rank_down():
     assert P.oversubscription(8, UNIT) == 4.0
     assert P.oversubscription(2, UNIT, load=2.0) == 2.0
     assert P.oversubscription(64, dataclasses.replace(UNIT, cores=0)) == 1.0  # a rank per device
+    assert 0.0 <= P.machine_load(0.05) <= P.machine_cores()
 
 
 def _matmul_then_replicate():

@@ -107,9 +107,9 @@ def comm_time(op: str, group_size: int, sent: float, received: float, profile: D
 
 
 def oversubscription(ranks: int, profile: DeviceProfile, load: float = 0.0) -> float:
-    """How much slower each rank computes when `ranks` processes, and `load` busy processes
-    of other programs, share the profile's cores (1 where every rank has a core of its own,
-    or the profile counts none).
+    """How much slower each rank computes when `ranks` processes, and `load` cores' worth of
+    other programs' work (`machine_load`), share the profile's cores (1 where every rank has
+    a core of its own, or the profile counts none).
 
     >>> from autopar.planner.cost import CPU
     >>> import dataclasses
@@ -120,38 +120,24 @@ def oversubscription(ranks: int, profile: DeviceProfile, load: float = 0.0) -> f
     return max(1.0, (ranks + load) / profile.cores) if profile.cores else 1.0
 
 
-def machine_load(profile: DeviceProfile, seconds: float = 0.3) -> float:
-    """Busy processes of other programs on this machine now, measured: one thread per core
-    runs 256^3 GEMMs for `seconds`; where they reach a share s < 1 of the profile's rate for
-    that size, cores / s - cores processes were competing (0 on a quiet machine)."""
-    import threading
+def machine_load(seconds: float = 1.0) -> float:
+    """Cores' worth of work other programs keep busy on this machine now: the busy share of
+    every core over `seconds` (Linux's /proc/stat; 0 elsewhere), measured while this
+    process sleeps."""
     import time
 
-    if not profile.cores:
+    def busy_idle():
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle, iowait
+        return sum(fields[:8]) - idle, idle  # user..steal
+
+    if not os.path.exists("/proc/stat"):
         return 0.0
-    a = torch.randn(256, 256)
-    expected = flop_rate(2 * 256**3, profile)
-    rates = []
-
-    def spin():
-        calls, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            torch.mm(a, a)
-            calls += 1
-        rates.append(calls * 2 * 256**3 / (time.perf_counter() - t0))
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        workers = [threading.Thread(target=spin) for _ in range(profile.cores)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    finally:
-        torch.set_num_threads(threads)
-    share = min(1.0, sum(rates) / len(rates) / expected)
-    return profile.cores / share - profile.cores
+    b0, i0 = busy_idle()
+    time.sleep(seconds)
+    b1, i1 = busy_idle()
+    return machine_cores() * (b1 - b0) / max(b1 - b0 + i1 - i0, 1e-9)
 
 
 # -- recording -----------------------------------------------------------------------------------
@@ -409,8 +395,8 @@ def predict_step(make_step: Callable[[], Callable[[], object]], world_size: int,
                  device: Union[str, DeviceProfile] = "cpu", warmup: int = 3, load: float = 0.0) -> Prediction:
     """Predict one step of a `world_size`-rank job on `device` by running every rank here
     under `simulate` (small worlds) and pricing what it ran.  `make_step()` is called inside each
-    simulated rank and builds the model, returning the step callable.  `load`: busy
-    processes of other programs sharing the cores (`machine_load(profile)` measures it now).
+    simulated rank and builds the model, returning the step callable.  `load`: cores' worth
+    of other programs' work sharing the machine (`machine_load()` measures it now).
 
     >>> import torch, autopar as dist
     >>> def make_step():
