@@ -18,6 +18,7 @@ aten = torch.ops.aten
 UNIT = dataclasses.replace(
     CPU, gemm_curve=((1.0, 1e9),), memory_curve=((1.0, 1e9),), op_latency=1e-3, dispatch_overhead=2e-3,
     autograd_node=4e-3, intra_latency=1e-3, intra_bandwidth=1e9, cores=2, element_costs=(("aten::exp", 1e-6),),
+    shared_links=(), shared_host=(),
 )
 
 
@@ -57,6 +58,10 @@ def test_ranks_beyond_the_cores_slow_every_rank_down():
     assert P.oversubscription(8, UNIT) == 4.0
     assert P.oversubscription(2, UNIT, load=2.0) == 2.0
     assert P.oversubscription(64, dataclasses.replace(UNIT, cores=0)) == 1.0  # a rank per device
+    switching = dataclasses.replace(UNIT, shared_host=((2.0, 1.2), (4.0, 1.4)))
+    assert P.oversubscription(2, switching) == 1.0
+    assert P.oversubscription(4, switching) == pytest.approx(2 * 1.2)
+    assert P.oversubscription(6, switching) == pytest.approx(3 * 1.3)
     assert 0.0 <= P.machine_load(0.05) <= P.machine_cores()
 
 

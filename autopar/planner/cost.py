@@ -52,6 +52,9 @@ class DeviceProfile:
     # (ranks per core, latency per ring step, bandwidth) of collectives among ranks that share
     # cores (a peer must be scheduled before a step completes), ascending; empty: the intra link
     shared_links: tuple = ()
+    # (ranks per core, factor) on each rank's host time where ranks share cores and switch at
+    # every collective (caches refilled, switches paid), ascending; empty: 1
+    shared_host: tuple = ()
 
     def peak_flops(self, precision: str) -> float:
         return {"bf16": self.peak_flops_bf16, "fp32": self.peak_flops_fp32}[precision]
@@ -74,7 +77,7 @@ A100 = DeviceProfile(
 )
 _ONE_MACHINE = 1 << 16  # the cpu profile's ranks all share this machine
 # `python -m autopar.plan --calibrate` on the development machine (one thread per rank, gloo
-# over loopback); every rank of a job must plan with the same numbers, so "cpu" is this
+# over loopback; shared_host from a later run, the command's newest measurement); every rank of a job must plan with the same numbers, so "cpu" is this
 # fixed profile unless $AUTOPAR_CPU_PROFILE names a file measured on yours
 CPU = DeviceProfile(
     name="cpu", peak_flops_bf16=1.06e11, peak_flops_fp32=1.06e11, memory_bytes=25e9, hbm_bandwidth=6.09e10,
@@ -92,7 +95,7 @@ CPU = DeviceProfile(
                    ("aten::mean.dim", 1.24e-10), ("aten::sum.dim_IntList", 1.18e-10), ("aten::_softmax", 5.41e-10),
                    ("aten::_log_softmax", 4.23e-10), ("aten::_softmax_backward_data", 1.56e-10),
                    ("aten::_log_softmax_backward_data", 3.09e-10)),
-    shared_links=((2.0, 8.16e-4, 2.25e9), (4.0, 1.24e-3, 7.12e8)),
+    shared_links=((2.0, 8.16e-4, 2.25e9), (4.0, 1.24e-3, 7.12e8)), shared_host=((2.0, 1.09), (4.0, 1.2)),
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
 CPU_PROFILE_ENV = "AUTOPAR_CPU_PROFILE"  # path of a calibrated profile JSON for "cpu"
@@ -111,7 +114,7 @@ def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
     if os.path.exists(device):
         with open(device) as f:
             fields = json.load(f)
-        for curve in ("gemm_curve", "memory_curve", "element_costs", "shared_links"):
+        for curve in ("gemm_curve", "memory_curve", "element_costs", "shared_links", "shared_host"):
             fields[curve] = tuple(tuple(p) for p in fields.get(curve, ()))
         return DeviceProfile(**fields)
     raise ValueError(f"unknown device {device!r}: use one of {sorted(PROFILES) + ['cpu']} or a profile JSON file")
@@ -266,8 +269,38 @@ def _curve(sizes: list, work, time_of) -> tuple:
     return tuple((float(work(n)), work(n) / time_of(n)) for n in sizes)
 
 
-def _gloo_link(world: int) -> tuple[float, float]:
-    """(latency per ring step, bandwidth) of gloo all_reduce on `world` local ranks."""
+def _measure_host(rank: int, world: int, port: int, out) -> None:
+    """Rank 0 puts the ranks' mean thread seconds per round of a small step's host work
+    (three 256^3 GEMMs and twenty adds over a 16 MB working set) ending in an all_reduce."""
+    import time
+
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    flag, xs = torch.ones(16), [torch.randn(256, 256) for _ in range(64)]
+
+    def rounds(n):
+        for i in range(n):
+            for j in range(3):
+                torch.mm(xs[(3 * i + j) % 64], xs[(3 * i + j + 1) % 64])
+            for j in range(20):
+                torch.add(xs[(i + j) % 64], 1.0)
+            tdist.all_reduce(flag)
+
+    rounds(10)
+    t0 = time.thread_time()
+    rounds(100)
+    mean = torch.tensor([(time.thread_time() - t0) / 100 / world], dtype=torch.float64)
+    tdist.all_reduce(mean)
+    if rank == 0:
+        out.put(mean.item())
+    tdist.destroy_process_group()
+
+
+def _spawn(target, world: int, *args):
+    """Rank 0's answer of `target(rank, world, port, *args, queue)` run on `world` spawned ranks."""
     import socket
 
     import torch.multiprocessing as mp
@@ -275,15 +308,21 @@ def _gloo_link(world: int) -> tuple[float, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    sizes = [1 << k for k in range(8, 24, 2)]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_measure_allreduce, args=(r, world, port, sizes, queue)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    times = queue.get(timeout=300)
+    answer = queue.get(timeout=300)
     for p in procs:
         p.join()
+    return answer
+
+
+def _gloo_link(world: int) -> tuple[float, float]:
+    """(latency per ring step, bandwidth) of gloo all_reduce on `world` local ranks."""
+    sizes = [1 << k for k in range(8, 24, 2)]
+    times = _spawn(_measure_allreduce, world, sizes)
     steps, factor = _RING["all_reduce"](world)
     per_byte, fixed = _fit_line([factor * s for s in sizes], times)
     return fixed / steps, 1.0 / per_byte
@@ -295,7 +334,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     element-wise ops, its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
     from small training steps the per-op, per-autograd-node and per-DistTensor-dispatch host
     costs (`predict.framework_costs`).  Collectives are also measured on `crowding` times as
-    many ranks as cores (`shared_links`); element-wise inputs cycle through `working_set` bytes."""
+    many ranks as cores (`shared_links`), and so is a small step's host time (`shared_host`); element-wise inputs cycle through `working_set` bytes."""
     import torch
 
     from .predict import framework_costs, machine_cores
@@ -315,9 +354,11 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         torch.set_num_threads(threads)
     cores = machine_cores()
     latency, bandwidth = _gloo_link(world)
+    crowded = sorted(w for w in {cores * k for k in crowding} if w > cores)
     # ranks sharing cores are never faster than ranks with a core each (a noisy fit can say so)
-    shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth))
-                   for w in sorted({cores * k for k in crowding}) if w > cores for lat, bw in [_gloo_link(w)])
+    shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth)) for w in crowded for lat, bw in [_gloo_link(w)])
+    alone = _spawn(_measure_host, cores)
+    host = tuple((w / cores, max(1.0, _spawn(_measure_host, w) / alone)) for w in crowded)
     peak = max(rate for _, rate in gemm)
     profile = DeviceProfile(
         name="cpu", peak_flops_bf16=peak, peak_flops_fp32=peak, memory_bytes=float(_total_memory()),
@@ -325,6 +366,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         inter_bandwidth=bandwidth, inter_latency=latency, ranks_per_node=_ONE_MACHINE,
         matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
         cores=cores, gemm_curve=gemm, memory_curve=memory, element_costs=elements, shared_links=shared,
+        shared_host=host,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -76,17 +76,21 @@ def op_time(flops: float, nbytes: float, profile: DeviceProfile, precision: str 
     return max(compute, memory, per_element) + profile.op_latency
 
 
+def _piecewise(points: list, x: float) -> tuple:
+    """The values at x on ascending (x, values...) points, linear between them, flat outside."""
+    if x <= points[0][0]:
+        return tuple(points[0][1:])
+    for p0, p1 in zip(points, points[1:]):
+        if x <= p1[0]:
+            f = (x - p0[0]) / (p1[0] - p0[0])
+            return tuple(a + f * (b - a) for a, b in zip(p0[1:], p1[1:]))
+    return tuple(points[-1][1:])
+
+
 def shared_link(profile: DeviceProfile, crowding: float) -> tuple[float, float]:
     """(latency per ring step, bandwidth) of collectives when `crowding` ranks share each core:
     the intra link up to 1, then the measured `shared_links`, linear between points."""
-    points = [(1.0, profile.intra_latency, profile.intra_bandwidth)] + [tuple(p) for p in profile.shared_links]
-    if crowding <= 1.0 or len(points) == 1:
-        return points[0][1:]
-    for (x0, l0, b0), (x1, l1, b1) in zip(points, points[1:]):
-        if crowding <= x1:
-            f = (crowding - x0) / (x1 - x0)
-            return l0 + f * (l1 - l0), b0 + f * (b1 - b0)
-    return points[-1][1:]
+    return _piecewise([(1.0, profile.intra_latency, profile.intra_bandwidth)] + list(profile.shared_links), crowding)
 
 
 def comm_time(op: str, group_size: int, sent: float, received: float, profile: DeviceProfile,
@@ -111,13 +115,18 @@ def oversubscription(ranks: int, profile: DeviceProfile, load: float = 0.0) -> f
     other programs' work (`machine_load`), share the profile's cores (1 where every rank has
     a core of its own, or the profile counts none).
 
-    >>> from autopar.planner.cost import CPU
+    Where ranks share cores, each also does more host work (`shared_host`).
+
+    >>> from autopar.planner.cost import H100
     >>> import dataclasses
-    >>> two = dataclasses.replace(CPU, cores=2)
+    >>> two = dataclasses.replace(H100, cores=2)
     >>> oversubscription(8, two), oversubscription(2, two), oversubscription(2, two, load=1.0)
     (4.0, 1.0, 1.5)
     """
-    return max(1.0, (ranks + load) / profile.cores) if profile.cores else 1.0
+    if not profile.cores:
+        return 1.0
+    crowding = (ranks + load) / profile.cores
+    return max(1.0, crowding) * _piecewise([(1.0, 1.0)] + list(profile.shared_host), crowding)[0]
 
 
 def machine_load(seconds: float = 1.0) -> float:
