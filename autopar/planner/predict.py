@@ -194,6 +194,7 @@ def gemm_flops(func, flops: int, out) -> float:
 
 
 def _tensors(values, acc: list) -> list:
+    """The tensors in nested argument lists, in order (foreach ops take lists)."""
     for v in values:
         if isinstance(v, torch.Tensor):
             acc.append(v)
@@ -237,6 +238,7 @@ class _Recorder(TorchDispatchMode):
         self.recording, self.log, self.seen_comm, self.nodes = recording, log, 0, set()
 
     def _note(self, event) -> None:
+        """Append `event` after the collectives logged since the last one (they ran before it)."""
         events = self.recording.events
         while self.log is not None and self.seen_comm < len(self.log.records):
             events.append(("comm", self.log.records[self.seen_comm]))
