@@ -51,6 +51,10 @@ def test_a_collective_costs_a_latency_per_ring_step_plus_its_bytes_over_the_link
     assert P.shared_link(crowded, 1.0) == (1e-3, 1e9)
     assert P.shared_link(crowded, 3.0) == pytest.approx((5e-3, 7.5e8))
     assert P.comm_time("all_gather", 2, 0, 0, crowded, crowding=4.0) == pytest.approx(7e-3)
+    slow_scatter = dataclasses.replace(crowded, op_links=(("reduce_scatter", 2e-3, 5e8),))
+    assert P.comm_time("reduce_scatter", 4, 1e6, 0, slow_scatter) == pytest.approx(3 * 2e-3 + 2e-3)
+    assert P.comm_time("reduce_scatter", 2, 0, 0, slow_scatter, crowding=2.0) == pytest.approx(6e-3)
+    assert P.comm_time("all_gather", 4, 1e6, 0, slow_scatter) == P.comm_time("all_gather", 4, 1e6, 0, UNIT)
 
 
 def test_ranks_beyond_the_cores_slow_every_rank_down():

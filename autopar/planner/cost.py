@@ -52,6 +52,9 @@ class DeviceProfile:
     # (ranks per core, latency per ring step, bandwidth) of collectives among ranks that share
     # cores (a peer must be scheduled before a step completes), ascending; empty: the intra link
     shared_links: tuple = ()
+    # (collective, latency per ring step, bandwidth) measured like the intra link's all_reduce;
+    # a collective not listed (or on a profile without any) takes the intra link
+    op_links: tuple = ()
     # (ranks per core, factor) on each rank's host time where ranks share cores and switch at
     # every collective (caches refilled, switches paid), ascending; empty: 1
     shared_host: tuple = ()
@@ -77,25 +80,26 @@ A100 = DeviceProfile(
 )
 _ONE_MACHINE = 1 << 16  # the cpu profile's ranks all share this machine
 # `python -m autopar.plan --calibrate` on the development machine (one thread per rank, gloo
-# over loopback, other programs keeping 1-3 cores busy at times); every rank of a job must plan with the same numbers, so "cpu" is this
+# over loopback, the machine otherwise idle); every rank of a job must plan with the same numbers, so "cpu" is this
 # fixed profile unless $AUTOPAR_CPU_PROFILE names a file measured on yours
 CPU = DeviceProfile(
-    name="cpu", peak_flops_bf16=9.18e10, peak_flops_fp32=9.18e10, memory_bytes=25e9, hbm_bandwidth=5.42e10,
-    intra_bandwidth=1.99e9, intra_latency=6.27e-4, inter_bandwidth=1.99e9, inter_latency=6.27e-4,
-    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.4e-7, reserved_bytes=0.0,
-    op_latency=3.33e-6, dispatch_overhead=1.54e-5, autograd_node=0.0, cores=2,
-    gemm_curve=((1.02e3, 2.24e9), (8.19e3, 1.1e10), (6.55e4, 3.29e10), (5.24e5, 6.12e10), (4.19e6, 7.91e10),
-                (3.36e7, 8.9e10), (2.68e8, 9.18e10)),
-    memory_curve=((1.23e4, 1.4e10), (4.92e4, 2.43e10), (1.97e5, 3.92e10), (7.86e5, 4.62e10), (3.15e6, 5.15e10),
-                  (1.26e7, 5.42e10), (5.03e7, 4.37e10), (2.01e8, 6.02e9)),
-    element_costs=(("aten::exp", 6.86e-10), ("aten::log", 8.56e-10), ("aten::sqrt", 4.35e-10), ("aten::rsqrt", 2.67e-10),
-                   ("aten::sigmoid", 2.65e-10), ("aten::tanh", 2.32e-9), ("aten::silu", 2.86e-10), ("aten::gelu", 5.79e-10),
-                   ("aten::silu_backward", 3.29e-10), ("aten::gelu_backward", 7.04e-10), ("aten::tanh_backward", 1.59e-10),
-                   ("aten::sigmoid_backward", 1.49e-10), ("aten::pow.Tensor_Scalar", 1.46e-10),
-                   ("aten::mean.dim", 1.26e-10), ("aten::sum.dim_IntList", 1.12e-10), ("aten::_softmax", 5.08e-10),
-                   ("aten::_log_softmax", 4.72e-10), ("aten::_softmax_backward_data", 1.64e-10),
-                   ("aten::_log_softmax_backward_data", 3.32e-10)),
-    shared_links=((2.0, 1.16e-3, 8.37e8), (4.0, 1.77e-3, 2.86e8)), shared_host=((2.0, 1.09), (4.0, 1.15)),
+    name="cpu", peak_flops_bf16=1.04e11, peak_flops_fp32=1.04e11, memory_bytes=25e9, hbm_bandwidth=5.48e10,
+    intra_bandwidth=1.14e9, intra_latency=2.33e-4, inter_bandwidth=1.14e9, inter_latency=2.33e-4,
+    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.2e-7, reserved_bytes=0.0,
+    op_latency=3.18e-6, dispatch_overhead=1.22e-5, autograd_node=0.0, cores=2,
+    gemm_curve=((1.02e3, 3.11e9), (8.19e3, 1.36e10), (6.55e4, 3.62e10), (5.24e5, 6.55e10), (4.19e6, 8.53e10),
+                (3.36e7, 9.67e10), (2.68e8, 1.04e11)),
+    memory_curve=((1.23e4, 1.27e10), (4.92e4, 2.11e10), (1.97e5, 3.74e10), (7.86e5, 4.49e10), (3.15e6, 4.38e10),
+                  (1.26e7, 5.48e10), (5.03e7, 4.01e10), (2.01e8, 6.51e9)),
+    element_costs=(("aten::exp", 6.36e-10), ("aten::log", 7.92e-10), ("aten::sqrt", 3.86e-10), ("aten::rsqrt", 2.47e-10),
+                   ("aten::sigmoid", 2.66e-10), ("aten::tanh", 2.12e-9), ("aten::silu", 2.72e-10), ("aten::gelu", 5.27e-10),
+                   ("aten::silu_backward", 2.95e-10), ("aten::gelu_backward", 5.65e-10), ("aten::tanh_backward", 1.62e-10),
+                   ("aten::sigmoid_backward", 1.7e-10), ("aten::pow.Tensor_Scalar", 1.82e-10),
+                   ("aten::mean.dim", 1.39e-10), ("aten::sum.dim_IntList", 1.28e-10), ("aten::_softmax", 5.43e-10),
+                   ("aten::_log_softmax", 4.35e-10), ("aten::_softmax_backward_data", 2e-10),
+                   ("aten::_log_softmax_backward_data", 4.23e-10)),
+    shared_links=((2.0, 1.22e-3, 1.14e9), (4.0, 1.83e-3, 1.14e9)), shared_host=((2.0, 1.19), (4.0, 1.23)),
+    op_links=(("all_gather", 3.61e-4, 1.09e9), ("reduce_scatter", 3.8e-4, 3.35e8), ("all_to_all", 1.44e-4, 1.71e9)),
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
 CPU_PROFILE_ENV = "AUTOPAR_CPU_PROFILE"  # path of a calibrated profile JSON for "cpu"
@@ -114,7 +118,7 @@ def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
     if os.path.exists(device):
         with open(device) as f:
             fields = json.load(f)
-        for curve in ("gemm_curve", "memory_curve", "element_costs", "shared_links", "shared_host"):
+        for curve in ("gemm_curve", "memory_curve", "element_costs", "shared_links", "shared_host", "op_links"):
             fields[curve] = tuple(tuple(p) for p in fields.get(curve, ()))
         return DeviceProfile(**fields)
     raise ValueError(f"unknown device {device!r}: use one of {sorted(PROFILES) + ['cpu']} or a profile JSON file")
@@ -179,8 +183,27 @@ def _fit_line(xs: list, ys: list) -> tuple[float, float]:
     return max(a, 1e-30), max((sy - a * sx) / sw, 1e-9)
 
 
-def _measure_allreduce(rank: int, world: int, port: int, sizes: list, out) -> None:
-    """Rank 0 puts the median seconds of an all_reduce of each size, each call made after a
+def _collective(op: str, t, world: int):
+    """A call of gloo's `op` on `t` (the whole tensor, as `_RING` counts it) among `world` ranks."""
+    import torch
+    import torch.distributed as tdist
+
+    piece = t[: t.numel() // world]
+    # torch 2.13 renamed the tensor forms (*_single); older releases have only the old names
+    if op == "all_gather":
+        gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+        return lambda: gather(t, piece)
+    if op == "reduce_scatter":
+        scatter = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+        return lambda: scatter(piece.clone(), t)
+    if op == "all_to_all":
+        out = torch.empty_like(t)
+        return lambda: tdist.all_to_all_single(out, t)
+    return lambda: tdist.all_reduce(t)
+
+
+def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, out) -> None:
+    """Rank 0 puts the median seconds of collective `op` on each size, each call made after a
     millisecond of GEMMs: in a training step a collective follows compute, and gloo's threads
     have gone to sleep by then (back-to-back calls find them awake, 3-5x faster)."""
     import statistics
@@ -194,13 +217,13 @@ def _measure_allreduce(rank: int, world: int, port: int, sizes: list, out) -> No
     a = torch.randn(256, 256)
     times = []
     for n in sizes:
-        t = torch.ones(n // 4)
+        call = _collective(op, torch.ones(n // 4), world)
         samples = []
         for _ in range(8):
             for _ in range(3):
                 torch.mm(a, a)
             t0 = time.perf_counter()
-            tdist.all_reduce(t)
+            call()
             samples.append(time.perf_counter() - t0)
         times.append(statistics.median(samples[1:]))
     tdist.barrier()
@@ -333,11 +356,11 @@ def _spawn(target, world: int, *args):
     return answer
 
 
-def _gloo_link(world: int) -> tuple[float, float]:
-    """(latency per ring step, bandwidth) of gloo all_reduce on `world` local ranks."""
+def _gloo_link(world: int, op: str = "all_reduce") -> tuple[float, float]:
+    """(latency per ring step, bandwidth) of gloo's `op` on `world` local ranks."""
     sizes = [1 << k for k in range(8, 24, 2)]
-    times = _spawn(_measure_allreduce, world, sizes)
-    steps, factor = _RING["all_reduce"](world)
+    times = _spawn(_measure_collective, world, op, sizes)
+    steps, factor = _RING[op](world)
     per_byte, fixed = _fit_line([factor * s for s in sizes], times)
     return fixed / steps, 1.0 / per_byte
 
@@ -347,7 +370,8 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
     element-wise ops, its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
     from small training steps the per-op, per-autograd-node and per-DistTensor-dispatch host
-    costs (`predict.framework_costs`).  Collectives are also measured on `crowding` times as
+    costs (`predict.framework_costs`).  all_gather, reduce_scatter and all_to_all are measured
+    like all_reduce (`op_links`); all_reduce is also measured on `crowding` times as
     many ranks as cores (`shared_links`), and so is a small step's host time (`shared_host`); element-wise inputs cycle through `working_set` bytes."""
     import torch
 
@@ -371,6 +395,8 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     crowded = sorted(w for w in {cores * k for k in crowding} if w > cores)
     # ranks sharing cores are never faster than ranks with a core each (a noisy fit can say so)
     shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth)) for w in crowded for lat, bw in [_gloo_link(w)])
+    # gloo's other collectives against all_reduce (its reduce_scatter and all-to-all are slower)
+    ops = tuple((op, *_gloo_link(world, op)) for op in ("all_gather", "reduce_scatter", "all_to_all"))
     alone = _spawn(_measure_host, cores)
     host = tuple((w / cores, max(1.0, _spawn(_measure_host, w) / alone)) for w in crowded)
     peak = max(rate for _, rate in gemm)
@@ -380,7 +406,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         inter_bandwidth=bandwidth, inter_latency=latency, ranks_per_node=_ONE_MACHINE,
         matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
         cores=cores, gemm_curve=gemm, memory_curve=memory, element_costs=elements, shared_links=shared,
-        shared_host=host,
+        shared_host=host, op_links=ops,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

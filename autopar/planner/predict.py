@@ -97,7 +97,8 @@ def comm_time(op: str, group_size: int, sent: float, received: float, profile: D
               crowding: float = 1.0) -> float:
     """Seconds for one logged collective or transfer (`comm_log` gives the bytes this rank
     sent and received, the ring's factor included): one link latency per ring step plus the
-    larger direction over the link's bandwidth (`shared_link` where ranks share cores).
+    larger direction over the link's bandwidth (`shared_link` where ranks share cores), both
+    scaled as the profile measured this collective against all_reduce (`op_links`).
 
     >>> from autopar.planner.cost import H100
     >>> comm_time("all_reduce", 8, 2 * 7 / 8 * 1e9, 0, H100)  # as cost.collective_time
@@ -106,6 +107,10 @@ def comm_time(op: str, group_size: int, sent: float, received: float, profile: D
     if group_size <= 1:
         return 0.0
     latency, bandwidth = shared_link(profile, crowding)
+    for name, op_latency, op_bandwidth in profile.op_links:  # this collective against all_reduce
+        if name == op:
+            latency *= op_latency / profile.intra_latency
+            bandwidth *= op_bandwidth / profile.intra_bandwidth
     steps = _RING[op](group_size)[0] if op in _RING else 1
     return steps * latency + max(sent, received) / bandwidth
 
