@@ -18,7 +18,7 @@ aten = torch.ops.aten
 UNIT = dataclasses.replace(
     CPU, gemm_curve=((1.0, 1e9),), memory_curve=((1.0, 1e9),), op_latency=1e-3, dispatch_overhead=2e-3,
     autograd_node=4e-3, intra_latency=1e-3, intra_bandwidth=1e9, cores=2, element_costs=(("aten::exp", 1e-6),),
-    shared_links=(), shared_host=(),
+    shared_links=(), shared_host=(), op_links=(),
 )
 
 
