@@ -49,6 +49,9 @@ def test_auto_on_four_ranks_keeps_the_named_mesh(dim_names):
         hf_llama.assert_matches(got, (*ref, []))
         assert degrees == {dim: 2 if dim in dim_names else 1 for dim in ("dp", "mp", "pp")}
         assert ("pp_config" in config) == pipeline and ("mp_config" in config) == ("mp" in dim_names)
+        if "mp" in dim_names:  # the plan splits the norms' sequences too (HF's [b, s, h], no transposes)
+            plan = config["mp_config"]["parallelize_plan"]
+            assert isinstance(plan["model.layers.*.mlp"], dist.SequenceParallelDisable)
         if pipeline:
             assert placed["model.layers.0.mlp.down_proj.weight"][1] == [0, 1]  # one layer per stage
             assert placed["model.layers.1.mlp.down_proj.weight"][1] == [2, 3]

@@ -403,8 +403,7 @@ def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: st
     """config="auto": the planner's fastest layout of `model` on `mesh`'s ranks (the "cpu"
     profile, fp32, one sequence per rank).  A mesh naming dp/mp/pp dims keeps their sizes
     (a missing one is 1); any other mesh is reshaped to the plan's ["pp", "dp", "mp"].
-    Sequence parallel stays off: its plans assume the seed's [s, b, h] activations, which
-    HF models do not use.  The plan is kept as `model._autopar_plan` (see its `why`)."""
+    The plan is kept as `model._autopar_plan` (see its `why`)."""
     if config != "auto":
         raise ValueError(f"parallelize config must be a dict or 'auto', got {config!r}")
     if mesh is None:
@@ -412,7 +411,7 @@ def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: st
     from ..planner import plan
 
     sizes = dict(zip(mesh.dim_names, mesh.shape))
-    fixed = {"sequence_parallel": False}
+    fixed = {}
     named = any(dim in sizes for dim in _CONFIG_DIMS.values())
     if named:
         fixed.update({dim: sizes.get(dim, 1) for dim in _CONFIG_DIMS.values()})

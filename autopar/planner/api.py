@@ -35,6 +35,11 @@ class Plan:
         return {"dp": s.dp, "mp": s.tp, "pp": s.pp}
 
     @property
+    def name(self) -> str:
+        """The layout in short: "dp4 tp1 pp2 zero1 mb1x2" (sp: sequence parallel)."""
+        return _name(self.estimate)
+
+    @property
     def memory_per_rank_bytes(self) -> dict:
         return {**self.estimate.memory, "total": self.estimate.peak_memory}
 

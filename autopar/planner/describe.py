@@ -111,7 +111,8 @@ HF_LLAMA = ModelNames(
 def parallelize_config(names: ModelNames, layout: Layout) -> dict:
     """The `parallelize` config of `layout`, a key per dim of degree > 1: ZeRO over "dp", Megatron's column/row plan over
     "mp" (the embedding split on hidden, the head on vocabulary; sequence parallel between
-    the blocks when the layout says so), 1F1B stages over "pp" cut where the layout cuts."""
+    the blocks when the layout says so, on the [batch, seq, hidden] activations the model
+    passes, no transposes), 1F1B stages over "pp" cut where the layout cuts."""
     import autopar as dist
 
     shape = layout.shape
@@ -123,12 +124,12 @@ def parallelize_config(names: ModelNames, layout: Layout) -> dict:
         plan[names.embedding] = dist.ColWiseParallel()
         plan[names.head] = dist.ColWiseParallel()
         if shape.sequence_parallel:
-            plan[names.embedding] = [dist.ColWiseParallel(), dist.SequenceParallelBegin()]
+            plan[names.embedding] = [dist.ColWiseParallel(), dist.SequenceParallelBegin(need_transpose=False)]
             for part in sorted({n.partition(".")[0] for n in names.column + names.row if "." in n}):
-                plan[each + part] = dist.SequenceParallelDisable()
+                plan[each + part] = dist.SequenceParallelDisable(need_transpose=False)
             if names.final_norm:
                 plan[names.final_norm] = dist.SequenceParallelEnable()
-            plan[names.head] = [dist.ColWiseParallel(), dist.SequenceParallelEnd()]
+            plan[names.head] = [dist.ColWiseParallel(), dist.SequenceParallelEnd(need_transpose=False)]
         config["mp_config"] = {"parallelize_plan": plan}
     if shape.pp > 1:
         starts, at = [], 0
