@@ -150,3 +150,36 @@ def test_plan_takes_the_sequence_from_the_sample_batch_when_the_model_has_no_tab
         describe(Rotary())
     plan = dist.plan(Rotary(), torch.zeros(2, 12, dtype=torch.long), world_size=2, device="cpu", precision="fp32")
     assert plan.spec.seq == 12 and plan.spec.positions == 0
+
+
+def _recomputed(layout):
+    """A HF Llama planned on 2 ranks with too little memory to keep every layer's activations:
+    the plan's config, its recomputed layers checkpointed, trained 3 steps; each step counts
+    how often every decoder layer's attention ran."""
+    model = hf_llama.tiny_llama()
+    batch = hf_llama.batches()[0][0]
+    fixed = {"dp": 2, "mp": 1, "pp": 1} if layout == "dp" else {"dp": 1, "mp": 2, "pp": 1}
+    roomy = dist.plan(model, batch, 2, device="cpu", precision="fp32", fixed=fixed)
+    m = roomy.memory_per_rank_bytes
+    tight = m["total"] - 0.6 * m["activations"]
+    plan = dist.plan(model, batch, 2, device="cpu", precision="fp32", fixed=fixed, memory_per_rank=tight)
+    opt = hf_llama.optimizer(model.parameters())
+    model, opt = dist.parallelize(model, opt, plan.mesh(), plan.config)
+    names = plan.apply_recompute(model)
+    runs = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(lambda mod, args, i=i: runs.__setitem__(i, runs.get(i, 0) + 1))
+    losses = hf_llama.train(model, opt, hf_llama.batches())
+    weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return (losses, weights, []), names, runs, list(roomy.estimate.layout.recompute), "Recomputes" in plan.why
+
+
+@pytest.mark.parametrize("layout", ["dp", "mp"])
+def test_a_plan_that_recomputes_checkpoints_its_layers_and_matches_one_process(layout):
+    ref = hf_llama.reference(hf_llama.batches())
+    for got, names, runs, roomy_recompute, said in run_dist(_recomputed, 2, layout):
+        hf_llama.assert_matches(got, (*ref, []))
+        assert roomy_recompute == [0] and names and said  # with room nothing is recomputed
+        recomputed = {int(n.rpartition(".")[2]) for n in names}
+        for i, count in runs.items():  # 3 steps: a checkpointed layer runs its forward again in backward
+            assert count == (6 if i in recomputed else 3), (i, count, names)

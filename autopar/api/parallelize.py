@@ -403,7 +403,8 @@ def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: st
     """config="auto": the planner's fastest layout of `model` on `mesh`'s ranks (the "cpu"
     profile, fp32, one sequence per rank).  A mesh naming dp/mp/pp dims keeps their sizes
     (a missing one is 1); any other mesh is reshaped to the plan's ["pp", "dp", "mp"].
-    The plan is kept as `model._autopar_plan` (see its `why`)."""
+    The layers the plan recomputes are checkpointed.  The plan is kept as
+    `model._autopar_plan` (see its `why`)."""
     if config != "auto":
         raise ValueError(f"parallelize config must be a dict or 'auto', got {config!r}")
     if mesh is None:
@@ -418,6 +419,7 @@ def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: st
     chosen = plan(model, world_size=len(mesh.process_ids), global_batch=len(mesh.process_ids), device="cpu",
                   precision="fp32", fixed=fixed)
     model._autopar_plan = chosen
+    chosen.apply_recompute(model)
     return (mesh if named else chosen.mesh(mesh.process_ids)), chosen.config
 
 

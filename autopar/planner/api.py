@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .cost import DeviceProfile, load_profile
-from .describe import HF_LLAMA, ModelNames, config_json, describe, parallelize_config
+from .describe import HF_LLAMA, ModelNames, apply_recompute, config_json, describe, parallelize_config
 from .model import Estimate, TransformerSpec
 from .search import SOLVE_SECONDS, search
 
@@ -18,7 +18,9 @@ GB = 1e9
 @dataclass
 class Plan:
     """The chosen layout and what it costs per rank.  `config` goes to `dist.parallelize`
-    on `mesh()`; recompute and gradient accumulation (pp = 1) are the training loop's."""
+    on `mesh()`, `apply_recompute(model)` checkpoints the layers the plan recomputes
+    (`parallelize(..., config="auto")` does both); gradient accumulation (pp = 1, several
+    micro-batches) is the training loop's."""
 
     estimate: Estimate
     runner_up: Optional[Estimate]
@@ -28,6 +30,7 @@ class Plan:
     profile: DeviceProfile
     memory_limit: float
     why: str
+    names: ModelNames = HF_LLAMA
 
     @property
     def degrees(self) -> dict:
@@ -54,6 +57,21 @@ class Plan:
     @property
     def mfu(self) -> float:
         return self.estimate.mfu
+
+    def apply_recompute(self, model: torch.nn.Module) -> list:
+        """Checkpoint the decoder layers the plan recomputes (before or after `parallelize`);
+        returns their names.
+
+        >>> import torch, autopar as dist
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=64))
+        >>> p = dist.plan(model, torch.zeros(1, 64, dtype=torch.long), 1, device="cpu", precision="fp32",
+        ...               memory_per_rank=1.9e6)  # 2.2 MB without recompute
+        >>> p.apply_recompute(model)
+        ['model.layers.0', 'model.layers.1']
+        """
+        return apply_recompute(model, self.names, self.estimate.layout)
 
     def mesh(self, process_ids: Optional[list] = None):
         """The ProcessMesh the config runs on: dims ["pp", "dp", "mp"], mp fastest."""
@@ -195,4 +213,8 @@ def plan(
         r = result.runner_up
         why += (f" Runner-up with other degrees: {_name(r)}, {r.step_time:.4g} s "
                 f"({r.step_time / best.step_time - 1:+.1%}), {r.peak_memory / GB:.1f} GB.")
-    return Plan(best, result.runner_up, compared, parallelize_config(names, best.layout), spec, profile, limit, why)
+    if best.layout.recompute and any(best.layout.recompute):
+        why += (f" Recomputes {sum(best.layout.recompute)} of {spec.layers} layers (per stage "
+                f"{list(best.layout.recompute)}) to fit.")
+    return Plan(best, result.runner_up, compared, parallelize_config(names, best.layout), spec, profile, limit,
+                why, names)

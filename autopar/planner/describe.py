@@ -143,6 +143,54 @@ def parallelize_config(names: ModelNames, layout: Layout) -> dict:
     return config
 
 
+def recomputed_layers(layout: Layout) -> list:
+    """Indices of the decoder layers `layout` recomputes: the first r of each stage's n (a
+    stage's layers all hold their activations equally long under 1F1B)."""
+    out, start = [], 0
+    for n, r in zip(layout.stage_layers, layout.recompute):
+        out += range(start, start + r)
+        start += n
+    return out
+
+
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # HF names, old and new
+
+
+def _checkpointed(forward):
+    """`forward` under non-reentrant activation checkpointing when a backward can follow.  A
+    key/value cache is not passed in: the recomputation would append the keys a second
+    time (HF turns caching off under checkpointing for the same reason)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        kwargs = {k: None if k in _CACHE_KWARGS else v for k, v in kwargs.items()}
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def apply_recompute(model: torch.nn.Module, names: ModelNames, layout: Layout) -> list:
+    """Run the layers `layout` recomputes under activation checkpointing (exact under every
+    placement): each keeps only its input and runs its forward again in the backward.
+    Returns their names."""
+    blocks = model.get_submodule(names.layers)
+    done = []
+    for i in recomputed_layers(layout):
+        block = blocks[i]
+        if not getattr(block, "_autopar_recomputed", False):
+            block.forward = _checkpointed(block.forward)
+            block._autopar_recomputed = True
+        done.append(f"{names.layers}.{i}")
+    return done
+
+
 def config_json(config: dict) -> dict:
     """`config` with plans and split points as strings (for --json and printing)."""
     def plain(v):
