@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_map_only
 from .. import local_region
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
-from ..placement import Shard
+from ..placement import Placement, Shard, StridedShard
 from ..spec import split_range
 from .global_mesh import get_mesh
 from .layer import convert_in_place, register_model, replicate_params, weak_refs_released
@@ -195,9 +195,9 @@ def match_plans(model: torch.nn.Module, parallelize_plan: dict) -> list[tuple[st
     return out
 
 
-def _split_dims(modules: dict, plans: list) -> dict[int, tuple[Optional[int], str]]:
-    """{id(parameter): (the dim it is split on over "mp", the plan and layer that say so)}."""
-    dims: dict[int, tuple[Optional[int], str]] = {}
+def _split_dims(modules: dict, plans: list) -> dict[int, tuple[Optional[Placement], str]]:
+    """{id(parameter): (its placement over "mp" (None: not split), the plan and layer that say so)}."""
+    dims: dict[int, tuple[Optional[Placement], str]] = {}
     for layer_name, attr, plan in plans:
         if not isinstance(plan, _SplitWeights):
             continue
@@ -206,12 +206,18 @@ def _split_dims(modules: dict, plans: list) -> dict[int, tuple[Optional[int], st
         for pname, dim in wanted.items():
             p = getattr(layer, pname)
             who = f"{type(plan).__name__} on '{layer_name}'"
-            dim = None if dim is None else dim % max(p.dim(), 1)
-            have = dims.setdefault(id(p), (dim, who))
-            if have[0] != dim:
+            placement = None if dim is None else plan.placement(dim % max(p.dim(), 1))
+            if type(placement) is StridedShard and p.shape[placement.dim] % placement.split_factor:
                 raise ValueError(
-                    f"parameter '{_join(layer_name, pname)}' of shape {list(p.shape)}: {who} splits it on dim {dim}, "
-                    f"{have[1]} on dim {have[0]}"
+                    f"parameter '{_join(layer_name, pname)}' of shape {list(p.shape)}: {who} reads dim "
+                    f"{placement.dim} as {placement.split_factor} projections side by side, but "
+                    f"{p.shape[placement.dim]} does not divide by {placement.split_factor}"
+                )
+            have = dims.setdefault(id(p), (placement, who))
+            if have[0] != placement:
+                raise ValueError(
+                    f"parameter '{_join(layer_name, pname)}' of shape {list(p.shape)}: {who} places it "
+                    f"{placement} over mp, {have[1]} {have[0]}"
                 )
     return dims
 
@@ -246,9 +252,9 @@ def _parameter_targets(model: torch.nn.Module, meshes: dict, plans: list) -> lis
                 f"{sorted(m.process_ids for m in where)}; untie it or keep its layers on one stage"
             )
         mesh = where.pop()
-        dim = dims.get(pid, (None,))[0]
+        split = dims.get(pid, (None,))[0]
         p = getattr(holders[0][0], holders[0][2])
-        targets.append((holders, mesh, placements_on(p, mesh, **({"mp": Shard(dim)} if dim is not None else {}))))
+        targets.append((holders, mesh, placements_on(p, mesh, **({"mp": split} if split is not None else {}))))
     return targets
 
 
