@@ -38,12 +38,13 @@ class Layout:
     """One parallelized copy of the model and its training step."""
 
     def __init__(self, name, args, mesh, config, x, y):
+        """`config`: a parallelize config for `mesh`, or a `dist.plan` result (mesh None)."""
         self.name, self.x, self.y, self.vocab = name, x, y, args.vocab
         torch.manual_seed(args.seed)
         model = LlamaForCausalLM(args.vocab, args.hidden, args.ffn, args.heads, args.layers, args.seq)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
         self.model, self.opt = dist.parallelize(model, opt, mesh, config)
-        piped = "schedule_mode" in config.get("pp_config", {})
+        piped = hasattr(self.model, "_autopar_pipeline")
         self.schedule = dist.pipelining.build_schedule(self.model, self.loss_fn) if piped else None
 
     def loss_fn(self, logits, labels):
@@ -91,8 +92,8 @@ def main():
     seed_mesh = dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["dp", "mp", "pp"])
     layouts = [
         Layout("hand", args, seed_mesh, parallel_config(sharding_level=1, micro_batches=args.micro_batches), x, y),
-        Layout("planned", args, plan.mesh(), plan.config, x, y),
-        Layout("dp8", args, dp8.mesh(), dp8.config, x, y),
+        Layout("planned", args, None, plan, x, y),
+        Layout("dp8", args, None, dp8, x, y),
     ]
     for layout in layouts:
         C.assert_close(torch.tensor(float(layout.step())), torch.tensor(want), f"{layout.name}: first loss vs one process")

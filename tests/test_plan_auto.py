@@ -153,9 +153,9 @@ def test_plan_takes_the_sequence_from_the_sample_batch_when_the_model_has_no_tab
 
 
 def _recomputed(layout):
-    """A HF Llama planned on 2 ranks with too little memory to keep every layer's activations:
-    the plan's config, its recomputed layers checkpointed, trained 3 steps; each step counts
-    how often every decoder layer's attention ran."""
+    """A HF Llama planned on 2 ranks with too little memory to keep every layer's activations,
+    parallelized by the plan (its config, its recomputed layers checkpointed), trained 3
+    steps, counting how often every decoder layer's attention ran."""
     model = hf_llama.tiny_llama()
     batch = hf_llama.batches()[0][0]
     fixed = {"dp": 2, "mp": 1, "pp": 1} if layout == "dp" else {"dp": 1, "mp": 2, "pp": 1}
@@ -164,8 +164,8 @@ def _recomputed(layout):
     tight = m["total"] - 0.6 * m["activations"]
     plan = dist.plan(model, batch, 2, device="cpu", precision="fp32", fixed=fixed, memory_per_rank=tight)
     opt = hf_llama.optimizer(model.parameters())
-    model, opt = dist.parallelize(model, opt, plan.mesh(), plan.config)
-    names = plan.apply_recompute(model)
+    model, opt = dist.parallelize(model, opt, dist.ProcessMesh([0, 1], dim_names=["x"]), plan)
+    names = plan.apply_recompute(model)  # already done by parallelize: the same names, nothing wrapped twice
     runs = {}
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.register_forward_pre_hook(lambda mod, args, i=i: runs.__setitem__(i, runs.get(i, 0) + 1))

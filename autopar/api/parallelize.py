@@ -15,7 +15,7 @@ One config turns a single-device model and optimizer into a distributed pair, in
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -30,6 +30,9 @@ from .layer import convert_in_place, register_model, replicate_params, weak_refs
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
 from .tensor import reshard, shard_tensor
+
+if TYPE_CHECKING:
+    from ..planner import Plan
 
 _CONFIG_DIMS = {"dp_config": "dp", "mp_config": "mp", "pp_config": "pp"}
 _STAGES = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}
@@ -335,12 +338,14 @@ def parallelize(
     model: torch.nn.Module,
     optimizer: Optional[torch.optim.Optimizer] = None,
     mesh: Optional[ProcessMesh] = None,
-    config: Optional[dict] = None,
+    config: Union[dict, str, "Plan", None] = None,
 ) -> tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
     """Make `model` and `optimizer` distributed with one config (in place; both are returned).
 
     `mesh` defaults to `get_mesh()`; its dims are found by the names "dp", "mp" and "pp".
-    `config` is "auto" (the planner chooses, see `_auto_config`) or holds any of
+    `config` is "auto" (the planner chooses, see `_auto_config`), a `dist.plan(...)` result
+    (its config on its mesh, or on `mesh`'s ranks, its recomputed layers checkpointed), or
+    holds any of
     - `"dp_config": {"sharding_level": 0|1|2|3}`: plain tensor inputs are split on dim 0
       over "dp"; the optimizer gets ZeRO stage `sharding_level` over "dp" (0: none);
     - `"mp_config": {"parallelize_plan": {name: plan or [plans]}}`: names of layers or of
@@ -376,6 +381,8 @@ def parallelize(
     mesh = mesh if mesh is not None else get_mesh()
     if isinstance(config, str):
         mesh, config = _auto_config(model, mesh, config)
+    elif hasattr(config, "apply_recompute"):  # a Plan
+        mesh, config = _planned(model, mesh, config)
     config = _checked_config(config, mesh)
     if mesh is None or not config:
         return model, optimizer
@@ -424,9 +431,17 @@ def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: st
         fixed.update({dim: sizes.get(dim, 1) for dim in _CONFIG_DIMS.values()})
     chosen = plan(model, world_size=len(mesh.process_ids), global_batch=len(mesh.process_ids), device="cpu",
                   precision="fp32", fixed=fixed)
-    model._autopar_plan = chosen
-    chosen.apply_recompute(model)
-    return (mesh if named else chosen.mesh(mesh.process_ids)), chosen.config
+    return _planned(model, mesh, chosen, keep_mesh=named)
+
+
+def _planned(model: torch.nn.Module, mesh: Optional[ProcessMesh], plan, keep_mesh: bool = False):
+    """(mesh, config) of a `dist.plan` result: its mesh over `mesh`'s ranks (or the job's
+    first ranks; `keep_mesh`: `mesh` itself), its recomputed layers checkpointed."""
+    model._autopar_plan = plan
+    plan.apply_recompute(model)
+    if keep_mesh:
+        return mesh, plan.config
+    return plan.mesh(None if mesh is None else list(mesh.process_ids)), plan.config
 
 
 def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict:
