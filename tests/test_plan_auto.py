@@ -183,3 +183,55 @@ def test_a_plan_that_recomputes_checkpoints_its_layers_and_matches_one_process(l
         recomputed = {int(n.rpartition(".")[2]) for n in names}
         for i, count in runs.items():  # 3 steps: a checkpointed layer runs its forward again in backward
             assert count == (6 if i in recomputed else 3), (i, count, names)
+
+
+def _seed_llama_steps(planned_vpp):
+    """The seed's Llama (4 layers) trained 3 steps by one process or, with a plan pinned to
+    pp2 x vpp2, by its interleaved schedule on 2 ranks."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = _example("parallelize_llama").LlamaForCausalLM(64, 32, 64, 4, 4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 64, (4, 9), generator=g) for _ in range(3)]
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1))
+
+    dist_model, config = None, None
+    if planned_vpp:  # interleaved chunks run as a captured program (to_static reads pp_config's schedule)
+        plan = dist.plan(model, data[0][:, :-1], 2, device="cpu", precision="fp32",
+                         fixed={"pp": 2, "vpp": 2, "micro_batch": 1})
+        model, opt = dist.parallelize(model, opt, dist.ProcessMesh([0, 1], dim_names=["x"]), plan)
+        dist_model, config = dist.to_static(model, None, loss_fn, opt), plan.config["pp_config"]
+    losses = []
+    for ids in data:
+        x, y = ids[:, :-1], ids[:, 1:]
+        if dist_model is not None:
+            losses.append(float(dist_model(x, y)))
+            continue
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    order = dist_model.dist_main_program() if dist_model is not None else None
+    weights = {k: dist.unshard_dtensor(v.detach()) if dist.is_dist_tensor(v) else v.detach()
+               for k, v in model.named_parameters()}
+    return losses, weights, config, order
+
+
+def test_an_interleaved_plan_runs_its_chunks_on_alternating_stages_and_matches_one_process():
+    """pp2 x vpp2 over 4 layers: one layer per chunk, chunks 0 and 2 on the first stage,
+    1 and 3 on the second, 4 micro-batches in interleaved 1F1B (captured: the dynamic
+    schedules of an annotated model are 1F1B and FThenB)."""
+    ref_losses, ref_weights, _, _ = _seed_llama_steps(False)
+    for rank, (losses, weights, config, order) in enumerate(run_dist(_seed_llama_steps, 2, True)):
+        assert config["schedule_mode"] == "VPP" and config["vpp_degree"] == 2 and config["accumulate_steps"] == 4
+        assert sorted(config["split_spec"]) == ["llama.layers.1", "llama.layers.2", "llama.layers.3"]
+        assert order.startswith("pipeline VPP, 4 micro-batches"), order
+        assert f"F0s{rank}" in order and f"F0s{rank + 2}" in order, order
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for k, v in ref_weights.items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")

@@ -71,6 +71,21 @@ def test_1f1b_bubble():
     assert bubble == pytest.approx((p - 1) / (m + p - 1))
 
 
+def test_interleaving_cuts_the_fill_by_vpp_and_holds_what_its_order_holds():
+    from autopar.pipelining import orders
+    from autopar.planner.model import held_micro_batches
+
+    t, p, m, v = 0.5, 4, 12, 2
+    # Narayanan et al.: the bubble of interleaved 1F1B is (p - 1) / v micro-batch times
+    assert pipeline_time([t] * p, [0.0] * p, m, v) == pytest.approx((m + (p - 1) / v) * t)
+    plain = _layout(pp=p, micro_batches=m).shape
+    inter = _layout(pp=p, micro_batches=m, vpp=v).shape
+    assert held_micro_batches(plain) == [4, 3, 2, 1]
+    peaks = orders.peak_held(orders.interleaved(p, v, m))  # chunk activations held, per rank
+    assert held_micro_batches(inter) == [k / v for k in peaks]
+    assert held_micro_batches(inter)[0] > held_micro_batches(plain)[0]  # the price of a smaller bubble
+
+
 def test_single_rank_step_time_is_flops_at_the_device_rate():
     b, s, h, kv, f, v, m = 1, 2048, 1024, 512, 4096, 32000, 3
     est = evaluate(SMALL, H100, _layout(micro_batch=b, micro_batches=m))

@@ -425,7 +425,7 @@ def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: st
     from ..planner import plan
 
     sizes = dict(zip(mesh.dim_names, mesh.shape))
-    fixed = {}
+    fixed = {"vpp": 1}  # the dynamic schedules of an annotated model are 1F1B and FThenB
     named = any(dim in sizes for dim in _CONFIG_DIMS.values())
     if named:
         fixed.update({dim: sizes.get(dim, 1) for dim in _CONFIG_DIMS.values()})

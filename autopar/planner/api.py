@@ -10,7 +10,7 @@ import torch
 from .cost import DeviceProfile, load_profile
 from .describe import HF_LLAMA, ModelNames, apply_recompute, config_json, describe, parallelize_config
 from .model import Estimate, TransformerSpec
-from .search import SOLVE_SECONDS, search
+from .search import SOLVE_SECONDS, VPP_DEGREES, search
 
 GB = 1e9
 
@@ -93,6 +93,7 @@ class Plan:
             "micro_batch": layout.shape.micro_batch,
             "micro_batches": layout.shape.micro_batches,
             "sequence_parallel": layout.shape.sequence_parallel,
+            "vpp_degree": layout.shape.vpp,
             "stage_layers": list(layout.stage_layers),
             "recompute_layers": list(layout.recompute),
             "memory_per_rank_bytes": self.memory_per_rank_bytes,
@@ -112,7 +113,7 @@ class Plan:
         lines = [
             f"plan: dp {s.dp} x mp {s.tp} x pp {s.pp} on {s.world} {self.profile.name} ranks, ZeRO-{s.zero}, "
             f"sequence parallel {'on' if s.sequence_parallel else 'off'}, {s.micro_batches} micro-batches of "
-            f"{s.micro_batch}",
+            f"{s.micro_batch}" + (f", interleaved 1F1B over {s.vpp} chunks per stage" if s.vpp > 1 else ""),
             f"  layers per stage {list(layout.stage_layers)}, recomputed {list(layout.recompute)}",
             f"  step time {est.step_time:.4g} s, MFU {est.mfu:.1%}",
             "  memory per rank (fullest stage): " + ", ".join(
@@ -132,8 +133,8 @@ class Plan:
 
 def _name(est: Estimate) -> str:
     s = est.layout.shape
-    return (f"dp{s.dp} tp{s.tp} pp{s.pp} zero{s.zero}{' sp' if s.sequence_parallel else ''} "
-            f"mb{s.micro_batch}x{s.micro_batches}")
+    return (f"dp{s.dp} tp{s.tp} pp{s.pp}{f' vpp{s.vpp}' if s.vpp > 1 else ''} zero{s.zero}"
+            f"{' sp' if s.sequence_parallel else ''} mb{s.micro_batch}x{s.micro_batches}")
 
 
 def _summary(est: Estimate) -> dict:
@@ -201,7 +202,8 @@ def plan(
     why = (
         f"searched {result.searched} layouts of {world_size} ranks (dp x mp x pp with mp within a node of "
         f"{profile.ranks_per_node} dividing {spec.heads} heads and {spec.kv_heads} kv heads, pp <= {spec.layers} "
-        f"layers, every micro-batch size dividing the batch, ZeRO 0-3, sequence parallel on/off"
+        f"layers, every micro-batch size dividing the batch, ZeRO 0-3, sequence parallel on/off, 1F1B or "
+        f"interleaved over {'/'.join(map(str, VPP_DEGREES[1:]))} chunks per stage"
         + (f", fixed {fixed}" if fixed else "") + f"); for {result.solved} of them HiGHS solved the integer "
         f"program of layers and recomputed layers per stage ({result.infeasible} cannot fit {limit / GB:.1f} GB"
         + (f", {result.unproven} stopped at {SOLVE_SECONDS:g} s without proof" if result.unproven else "") + "), "

@@ -133,22 +133,36 @@ def parallelize_config(names: ModelNames, layout: Layout) -> dict:
         config["mp_config"] = {"parallelize_plan": plan}
     if shape.pp > 1:
         starts, at = [], 0
-        for n in layout.stage_layers[:-1]:
+        for n in chunk_layers(layout)[:-1]:
             at += n
             starts.append(at)
         config["pp_config"] = {
             "split_spec": {f"{names.layers}.{i}": dist.SplitPoint.BEGINNING for i in starts},
-            "schedule_mode": "1F1B", "accumulate_steps": shape.micro_batches,
+            "schedule_mode": "1F1B" if shape.vpp == 1 else "VPP", "accumulate_steps": shape.micro_batches,
         }
+        if shape.vpp > 1:
+            config["pp_config"]["vpp_degree"] = shape.vpp
     return config
 
 
+def chunk_layers(layout: Layout) -> list:
+    """Layers per pipeline chunk in model order: chunk c runs on stage c mod pp, each stage's
+    layers split evenly over its vpp chunks (one chunk per stage without interleaving)."""
+    pp, v = layout.shape.pp, layout.shape.vpp
+    return [layout.stage_layers[c % pp] // v for c in range(pp * v)]
+
+
 def recomputed_layers(layout: Layout) -> list:
-    """Indices of the decoder layers `layout` recomputes: the first r of each stage's n (a
-    stage's layers all hold their activations equally long under 1F1B)."""
+    """Indices of the decoder layers `layout` recomputes: the first r of each stage's n,
+    taken chunk by chunk in model order (a stage's layers all hold their activations
+    about equally long)."""
+    pp = layout.shape.pp
+    left = list(layout.recompute)
     out, start = [], 0
-    for n, r in zip(layout.stage_layers, layout.recompute):
-        out += range(start, start + r)
+    for c, n in enumerate(chunk_layers(layout)):
+        take = min(left[c % pp], n)
+        left[c % pp] -= take
+        out += range(start, start + take)
         start += n
     return out
 

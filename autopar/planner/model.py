@@ -17,11 +17,15 @@ Conventions (Megatron-LM's, Korthikanti et al. 2022 for activations):
 - attention is flash attention (no s x s scores kept) and causal (half the score FLOPs);
 - 1F1B: stage s holds min(pp - s, m) micro-batches of activations; a step takes
   (m - 1) x the slowest stage's micro-batch time + one micro-batch through every stage;
+  interleaved 1F1B (vpp v > 1: each stage's layers in v chunks, chunk c on stage c mod pp)
+  cuts that pipeline fill by v, holds what autopar's order holds (`orders.peak_held`) and
+  sends v times as often;
 - the data-parallel gradient reduction and the optimizer run after the pipeline flushes,
   not overlapped with the backward (an upper bound on the step time).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -104,6 +108,7 @@ class Shape:
     zero: int = 0
     sequence_parallel: bool = False
     precision: str = "bf16"
+    vpp: int = 1  # chunks per pipeline stage (interleaved 1F1B when > 1)
 
     @property
     def world(self) -> int:
@@ -177,7 +182,7 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
     a = _ACT_BYTES[shape.precision]
     tokens = shape.micro_batch * spec.seq
     sp_div = tp if shape.sequence_parallel else 1
-    inflight = min(pp - stage, shape.micro_batches)
+    inflight = held_micro_batches(shape)[stage]
     terms = StageTerms()
 
     # parameters this rank holds (a tp shard of the matrices, whole norms)
@@ -244,7 +249,7 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
 
     # pipeline: the activation (split over tp) goes forward, its gradient backward
     if pp > 1:
-        sends = Affine((0 if last else 1) + (0 if first else 1))
+        sends = Affine((shape.vpp - last) + (shape.vpp - first))
         _collective(terms, "micro", "p2p", "send", 2, tp * dp, sends, sends * (activation / tp), profile)
 
     # end of step: gradients all-reduced over dp (ZeRO-1: reduce-scattered), the updated
@@ -287,13 +292,30 @@ class Estimate:
         return max(self.memory_by_stage, key=lambda m: sum(m.values()))
 
 
+def held_micro_batches(shape: Shape) -> list:
+    """Per stage, how many micro-batches' activations of all its layers it holds at the
+    peak under the shape's schedule (interleaved: in chunk units over v)."""
+    if shape.vpp == 1:
+        return [min(shape.pp - s, shape.micro_batches) for s in range(shape.pp)]
+    return list(_interleaved_peaks(shape.pp, shape.vpp, shape.micro_batches))
+
+
+@functools.lru_cache(maxsize=None)
+def _interleaved_peaks(pp: int, vpp: int, micro_batches: int) -> tuple:
+    from ..pipelining import orders
+
+    return tuple(k / vpp for k in orders.peak_held(orders.interleaved(pp, vpp, micro_batches)))
+
+
 def all_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape) -> list:
     return [stage_terms(spec, profile, shape, s) for s in range(shape.pp)]
 
 
-def pipeline_time(micro: list, end: list, micro_batches: int) -> float:
-    """1F1B step time from each stage's micro-batch time and end-of-step time."""
-    return (micro_batches - 1) * max(micro) + sum(micro) + max(end)
+def pipeline_time(micro: list, end: list, micro_batches: int, vpp: int = 1) -> float:
+    """1F1B step time from each stage's micro-batch time and end-of-step time: m micro-batches
+    through the slowest stage plus the fill of the others, which interleaving cuts by vpp."""
+    slowest = max(micro)
+    return micro_batches * slowest + (sum(micro) - slowest) / vpp + max(end)
 
 
 def evaluate(spec: TransformerSpec, profile: DeviceProfile, layout: Layout,
@@ -302,6 +324,8 @@ def evaluate(spec: TransformerSpec, profile: DeviceProfile, layout: Layout,
     shape = layout.shape
     if len(layout.stage_layers) != shape.pp or sum(layout.stage_layers) != spec.layers:
         raise ValueError(f"stage_layers {layout.stage_layers} must split {spec.layers} layers into {shape.pp} stages")
+    if any(n % shape.vpp for n in layout.stage_layers):
+        raise ValueError(f"stage_layers {layout.stage_layers} must each split into vpp={shape.vpp} chunks")
     terms = all_terms(spec, profile, shape)
     nr = list(zip(layout.stage_layers, layout.recompute))
     at = lambda table, key, s: table[key].at(*nr[s]) if key in table else 0.0  # noqa: E731
@@ -309,7 +333,7 @@ def evaluate(spec: TransformerSpec, profile: DeviceProfile, layout: Layout,
     peak = max(sum(m.values()) for m in memory)
     micro = [sum(v.at(*nr[s]) for v in t.micro_time.values()) for s, t in enumerate(terms)]
     end = [sum(v.at(*nr[s]) for v in t.end_time.values()) for s, t in enumerate(terms)]
-    step = pipeline_time(micro, end, shape.micro_batches)
+    step = pipeline_time(micro, end, shape.micro_batches, shape.vpp)
     slow, last_end = max(range(shape.pp), key=micro.__getitem__), max(range(shape.pp), key=end.__getitem__)
     m = shape.micro_batches
     time = {k: m * at(terms[slow].micro_time, k, slow) for k in TIME[:4]}
