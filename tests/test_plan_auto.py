@@ -235,3 +235,24 @@ def test_an_interleaved_plan_runs_its_chunks_on_alternating_stages_and_matches_o
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for k, v in ref_weights.items():
             torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_planned_hf_gpt2_splits_its_fused_qkv_by_heads_and_its_tied_head_by_vocabulary():
+    """GPT-2 (Conv1D projections, q/k/v side by side in c_attn, head tied to the embedding)
+    planned on mp2: the plan keeps each rank's heads of q, k and v together and splits the
+    shared weight by vocabulary; trained through it, as one process, gathering only what
+    sequence parallel gathers (a block's input sequence halves, before attention and the MLP)."""
+    import test_hf_models as hfm
+
+    model = hfm.tiny("gpt2")
+    plan = dist.plan(model, hfm.batches()[0][0], 2, device="cpu", precision="fp32", fixed={"mp": 2})
+    mp_plan = plan.config["mp_config"]["parallelize_plan"]
+    assert mp_plan["transformer.h.*.attn.c_attn"].fused == 3 and mp_plan["transformer.h.*.mlp.c_fc"].fused == 1
+    embedding = mp_plan["transformer.wte"]
+    assert isinstance(embedding[0] if isinstance(embedding, list) else embedding, dist.RowWiseParallel)
+    ref = hfm.reference("gpt2")
+    for got, comm, *_ in run_dist(hfm._parallel, 2, "gpt2", plan, ["x"]):
+        hf_llama.assert_matches(got, ref)
+        half_sequence = 4 * hfm.SEQ * hfm.HIDDEN * 4 // 2  # [batch, seq / 2, hidden] fp32
+        assert {b for op, b in comm if op == "all_gather"} == {half_sequence}, comm
+        assert not [c for c in comm if c[0] == "all_to_all"], comm

@@ -41,17 +41,25 @@ _GLOBAL = -1  # the stage mark of a global_spec layer: on every stage
 
 
 # -- names -------------------------------------------------------------------------------
+_DOTTED = re.compile(r"[\w.*]+")
+
+
 def match_names(key: str, names: list[str]) -> list[str]:
     """The names `key` matches: the name itself, or a regular expression matching the whole
-    name (so `layers.*.mlp` matches every layer's mlp, as in Paddle).
+    name (so `layers.*.mlp` matches every layer's mlp, as in Paddle).  In a key made of name
+    characters, dots and `.*` only, a dot not starting `.*` is a literal dot: `h.*.attn`
+    names each block's `attn`, not also its `c_attn` (a regex dot would match the `_`).
 
     >>> match_names("layers.*.mlp", ["layers", "layers.0", "layers.0.mlp", "layers.1.mlp"])
     ['layers.0.mlp', 'layers.1.mlp']
+    >>> match_names("h.*.attn", ["h.0.attn", "h.0.attn.c_attn"])
+    ['h.0.attn']
     """
     if key in names:
         return [key]
+    regex = re.sub(r"\.(?!\*)", r"\\.", key) if _DOTTED.fullmatch(key) else key
     try:
-        pattern = re.compile(key)
+        pattern = re.compile(regex)
     except re.error as err:
         raise ValueError(
             f"parallelize: {key!r} is neither a layer/parameter name nor a valid regular expression: {err}"
