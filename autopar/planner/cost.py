@@ -37,6 +37,21 @@ class DeviceProfile:
     matmul_efficiency: float = 0.7
     kernel_latency: float = 5e-6
     reserved_bytes: float = 4 * GB  # context, library workspaces and communication buffers
+    # what a step costs beyond FLOPs and bytes (predict.py): each aten op's host cost (dispatcher,
+    # allocation, launch), each DistTensor dispatch (rule cache lookup, unwrap, wrap), each autograd
+    # node run in backward; 0 cores: every rank has cores of its own
+    op_latency: float = 5e-6
+    dispatch_overhead: float = 30e-6
+    autograd_node: float = 10e-6
+    cores: int = 0
+    # measured (size, rate) points, ascending: GEMM FLOPs -> FLOP/s, element-wise bytes -> bytes/s;
+    # empty: peak * matmul_efficiency and hbm_bandwidth at every size
+    gemm_curve: tuple = ()
+    memory_curve: tuple = ()
+    element_costs: tuple = ()  # (aten op name, seconds per element) of compute-bound element-wise ops
+    # (ranks per core, latency per ring step, bandwidth) of collectives among ranks that share
+    # cores (a peer must be scheduled before a step completes), ascending; empty: the intra link
+    shared_links: tuple = ()
 
     def peak_flops(self, precision: str) -> float:
         return {"bf16": self.peak_flops_bf16, "fp32": self.peak_flops_fp32}[precision]
@@ -82,7 +97,10 @@ def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
         return load_profile(path) if path else CPU
     if os.path.exists(device):
         with open(device) as f:
-            return DeviceProfile(**json.load(f))
+            fields = json.load(f)
+        for curve in ("gemm_curve", "memory_curve", "element_costs", "shared_links"):
+            fields[curve] = tuple(tuple(p) for p in fields.get(curve, ()))
+        return DeviceProfile(**fields)
     raise ValueError(f"unknown device {device!r}: use one of {sorted(PROFILES) + ['cpu']} or a profile JSON file")
 
 
@@ -145,18 +163,6 @@ def _fit_line(xs: list, ys: list) -> tuple[float, float]:
     return max(a, 1e-30), max((sy - a * sx) / sw, 1e-9)
 
 
-def _best_time(fn, repeats: int) -> float:
-    import time
-
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _measure_allreduce(rank: int, world: int, port: int, sizes: list, out) -> None:
     import torch
     import torch.distributed as tdist
@@ -166,34 +172,95 @@ def _measure_allreduce(rank: int, world: int, port: int, sizes: list, out) -> No
     times = []
     for n in sizes:
         t = torch.ones(n // 4)
-        times.append(_best_time(lambda: tdist.all_reduce(t), 5))
+        times.append(_median_time(lambda: tdist.all_reduce(t), 7))
     tdist.barrier()
     if rank == 0:
         out.put(times)
     tdist.destroy_process_group()
 
 
-def calibrate(world: int = 2) -> DeviceProfile:
-    """Measure this machine: fp32 GEMM rate and launch cost (one thread per rank, as the
-    ranks run), memory bandwidth, and gloo all_reduce latency and bandwidth on `world` ranks."""
+def _median_time(fn, repeats: int = 7) -> float:
+    """Median seconds of `fn` (per-op costs: the machine as it runs, other work included)."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _per_call(fn, calls: int = 400) -> float:
+    """Seconds per call of `fn`, called `calls` times in a loop."""
+    def loop():
+        for _ in range(calls):
+            fn()
+    return _median_time(loop) / calls
+
+
+def _cold_add(n: int, working_set: int) -> float:
+    """Seconds of one add of two n-element fp32 tensors into a new one, its inputs cycled
+    through `working_set` bytes: a training step's operands come from memory, not from the
+    caches a repeated call would keep them in (and its outputs are allocated each time)."""
+    import torch
+
+    pairs = [(torch.ones(n), torch.ones(n)) for _ in range(max(2, working_set // (8 * n)))]
+    calls = max(len(pairs), 64)
+
+    def loop():
+        for i in range(calls):
+            torch.add(*pairs[i % len(pairs)])
+    return _median_time(loop, 5) / calls
+
+
+# element-wise ops that compute more per element than they move (transcendentals, reductions
+# along a row): their seconds per element are measured on (256, 1024) fp32 inputs
+_ELEMENT_OPS = {
+    "aten::exp": lambda x: (x,), "aten::log": lambda x: (x,), "aten::sqrt": lambda x: (x,),
+    "aten::rsqrt": lambda x: (x,), "aten::sigmoid": lambda x: (x,), "aten::tanh": lambda x: (x,),
+    "aten::silu": lambda x: (x,), "aten::gelu": lambda x: (x,), "aten::silu_backward": lambda x: (x, x),
+    "aten::gelu_backward": lambda x: (x, x), "aten::tanh_backward": lambda x: (x, x),
+    "aten::sigmoid_backward": lambda x: (x, x), "aten::pow.Tensor_Scalar": lambda x: (x, 2),
+    "aten::mean.dim": lambda x: (x, [-1]), "aten::sum.dim_IntList": lambda x: (x, [-1]),
+    "aten::_softmax": lambda x: (x, -1, False), "aten::_log_softmax": lambda x: (x, -1, False),
+    "aten::_softmax_backward_data": lambda x: (x, x, -1, x.dtype),
+    "aten::_log_softmax_backward_data": lambda x: (x, x, -1, x.dtype),
+}
+
+
+def _element_costs(op: float, working_set: int) -> tuple:
+    """((op name, seconds per element of its first input), ...) for `_ELEMENT_OPS`, inputs
+    cycled through memory as in `_cold_add`."""
+    import torch
+
+    xs = [torch.rand(256, 1024) + 0.5 for _ in range(max(2, working_set // (256 * 1024 * 4)))]
+    out = []
+    for name, make_args in _ELEMENT_OPS.items():
+        packet, _, overload = name[len("aten::"):].partition(".")
+        func = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        calls = [make_args(x) for x in xs]
+
+        def loop():
+            for args in calls:
+                func(*args)
+        out.append((name, max(_median_time(loop, 5) / len(calls) - op, 0.0) / xs[0].numel()))
+    return tuple(out)
+
+
+def _curve(sizes: list, work, time_of) -> tuple:
+    """((size, rate), ...) ascending, the rate being work(size) / time_of(size)."""
+    return tuple((float(work(n)), work(n) / time_of(n)) for n in sizes)
+
+
+def _gloo_link(world: int) -> tuple[float, float]:
+    """(latency per ring step, bandwidth) of gloo all_reduce on `world` local ranks."""
     import socket
 
-    import torch
     import torch.multiprocessing as mp
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        flops, times = [], []
-        for n in (32, 64, 128, 256, 384):
-            a, b = torch.randn(n, n), torch.randn(n, n)
-            flops.append(2.0 * n**3)
-            times.append(_best_time(lambda: torch.mm(a, b), 5))
-        per_flop, launch = _fit_line(flops, times)
-        x, y, out = (torch.ones(1 << 24) for _ in range(3))
-        hbm = 3 * x.numel() * 4 / _best_time(lambda: torch.add(x, y, out=out), 5)  # 2 reads, 1 write
-    finally:
-        torch.set_num_threads(threads)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -208,13 +275,51 @@ def calibrate(world: int = 2) -> DeviceProfile:
         p.join()
     steps, factor = _RING["all_reduce"](world)
     per_byte, fixed = _fit_line([factor * s for s in sizes], times)
-    peak = 1.0 / per_flop
-    return DeviceProfile(
+    return fixed / steps, 1.0 / per_byte
+
+
+def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26) -> DeviceProfile:
+    """Measure this machine (one thread per rank, as the ranks run): a GEMM FLOP-rate curve
+    and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
+    element-wise ops, its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
+    from small training steps the per-op, per-autograd-node and per-DistTensor-dispatch host
+    costs (`predict.framework_costs`).  Collectives are also measured on `crowding` times as
+    many ranks as cores (`shared_links`); element-wise inputs cycle through `working_set` bytes."""
+    import torch
+
+    from .predict import framework_costs, machine_cores
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.ones(1), torch.ones(1)
+        op = _per_call(lambda: torch.add(a, b))  # provisional: the rates below are net of it
+        mats = {n: (torch.randn(n, n), torch.randn(n, n)) for n in (8, 16, 32, 64, 128, 256, 512)}
+        gemm = _curve(sorted(mats), lambda n: 2.0 * n**3,  # compute-bound: cache-resident as a step's GEMMs run
+                      lambda n: max(_per_call(lambda: torch.mm(*mats[n]), max(4, (1 << 22) // n**3)) - op, 1e-9))
+        elements = _element_costs(op, working_set)
+        memory = _curve([1 << k for k in range(10, 25, 2)], lambda n: 3.0 * n * 4,
+                        lambda n: _cold_add(n, working_set) - op)
+    finally:
+        torch.set_num_threads(threads)
+    cores = machine_cores()
+    latency, bandwidth = _gloo_link(world)
+    shared = tuple((w / cores, *_gloo_link(w)) for w in sorted({cores * k for k in crowding}) if w > cores)
+    peak = max(rate for _, rate in gemm)
+    profile = DeviceProfile(
         name="cpu", peak_flops_bf16=peak, peak_flops_fp32=peak, memory_bytes=float(_total_memory()),
-        hbm_bandwidth=hbm, intra_bandwidth=1.0 / per_byte, intra_latency=fixed / steps,
-        inter_bandwidth=1.0 / per_byte, inter_latency=fixed / steps, ranks_per_node=_ONE_MACHINE,
-        matmul_efficiency=1.0, kernel_latency=launch, reserved_bytes=0.0,
+        hbm_bandwidth=max(rate for _, rate in memory), intra_bandwidth=bandwidth, intra_latency=latency,
+        inter_bandwidth=bandwidth, inter_latency=latency, ranks_per_node=_ONE_MACHINE,
+        matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
+        cores=cores, gemm_curve=gemm, memory_curve=memory, element_costs=elements, shared_links=shared,
     )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        op, node, dispatch = framework_costs(profile)
+    finally:
+        torch.set_num_threads(threads)
+    return dataclasses.replace(profile, op_latency=op, dispatch_overhead=dispatch, autograd_node=node)
 
 
 def _total_memory() -> int:

@@ -1,0 +1,502 @@
+"""Step time from a recorded run of the real program: `predict_step(make_step, world_size)`.
+
+The analytic model (model.py) counts a transformer's FLOPs and bytes; on a CPU, or for small
+layers anywhere, a step is mostly per-op cost it cannot see: aten's dispatcher, autopar's
+DistTensor dispatch, autograd's nodes, the optimizer's per-parameter ops, and ranks that
+share cores.  Here every rank of the job runs its step in this process under
+`dist.simulate` (real tensors of the rank's shard sizes, no communication) while a dispatch
+mode records, in order, each aten op run on plain tensors (with its FLOPs and bytes), each
+DistTensor dispatch, each autograd node that runs, and each collective the rank sends
+(`comm_log`).  Pricing is pure (`op_time`, `comm_time`, `oversubscription`) and uses a
+calibrated `DeviceProfile` (`python -m autopar.plan --calibrate`); `job_time` then plays the
+ranks' timelines against each other, so a rank waits for the peers of its collectives and
+for the sender of what it receives (pipeline bubbles included).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from .cost import _RING, DeviceProfile, load_profile
+
+aten = torch.ops.aten
+
+
+# -- pricing (pure) ------------------------------------------------------------------------------
+def _interpolate(curve: tuple, x: float) -> float:
+    """y at x on a curve of (x, y) points, linear in log-log between points, flat past the ends."""
+    xs = [p[0] for p in curve]
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return curve[0][1]
+    if i == len(curve):
+        return curve[-1][1]
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    f = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+
+
+def flop_rate(flops: float, profile: DeviceProfile, precision: str = "fp32") -> float:
+    """FLOP/s of one GEMM doing `flops`: the profile's measured curve over sizes, or its
+    peak times its matmul efficiency where none was measured."""
+    if profile.gemm_curve:
+        return _interpolate(profile.gemm_curve, flops)
+    return profile.peak_flops(precision) * profile.matmul_efficiency
+
+
+def memory_rate(nbytes: float, profile: DeviceProfile) -> float:
+    """Bytes/s an element-wise op moving `nbytes` reaches (caches make small ones faster)."""
+    if profile.memory_curve:
+        return _interpolate(profile.memory_curve, nbytes)
+    return profile.hbm_bandwidth
+
+
+def op_time(flops: float, nbytes: float, profile: DeviceProfile, precision: str = "fp32", gemm: float = 0,
+            name: str = "", elements: int = 0) -> float:
+    """Seconds for one aten op: its compute or its memory traffic, whichever is slower, plus
+    the per-op latency (dispatcher, allocation, kernel launch).  `gemm`: the FLOPs of each of
+    the op's matrix products where it does many (batched, attention heads): the rate of that
+    size applies.  An element-wise op the profile measured (`element_costs`, by aten `name`)
+    also takes its seconds per element times `elements` (its first input's) if that is slower.
+
+    >>> from autopar.planner.cost import H100
+    >>> round(op_time(2 * 4096**3, 3 * 4096**2 * 4, H100) * 1e3, 3)  # a 4096^3 fp32 GEMM: 46.9 TFLOP/s
+    2.935
+    """
+    compute = flops / flop_rate(gemm or flops, profile, precision) if flops else 0.0
+    memory = nbytes / memory_rate(nbytes, profile) if nbytes else 0.0
+    per_element = dict(profile.element_costs).get(name, 0.0) * elements if elements else 0.0
+    return max(compute, memory, per_element) + profile.op_latency
+
+
+def shared_link(profile: DeviceProfile, crowding: float) -> tuple[float, float]:
+    """(latency per ring step, bandwidth) of collectives when `crowding` ranks share each core:
+    the intra link up to 1, then the measured `shared_links`, linear between points."""
+    points = [(1.0, profile.intra_latency, profile.intra_bandwidth)] + [tuple(p) for p in profile.shared_links]
+    if crowding <= 1.0 or len(points) == 1:
+        return points[0][1:]
+    for (x0, l0, b0), (x1, l1, b1) in zip(points, points[1:]):
+        if crowding <= x1:
+            f = (crowding - x0) / (x1 - x0)
+            return l0 + f * (l1 - l0), b0 + f * (b1 - b0)
+    return points[-1][1:]
+
+
+def comm_time(op: str, group_size: int, sent: float, received: float, profile: DeviceProfile,
+              crowding: float = 1.0) -> float:
+    """Seconds for one logged collective or transfer (`comm_log` gives the bytes this rank
+    sent and received, the ring's factor included): one link latency per ring step plus the
+    larger direction over the link's bandwidth (`shared_link` where ranks share cores).
+
+    >>> from autopar.planner.cost import H100
+    >>> comm_time("all_reduce", 8, 2 * 7 / 8 * 1e9, 0, H100)  # as cost.collective_time
+    0.003930888888888889
+    """
+    if group_size <= 1:
+        return 0.0
+    latency, bandwidth = shared_link(profile, crowding)
+    steps = _RING[op](group_size)[0] if op in _RING else 1
+    return steps * latency + max(sent, received) / bandwidth
+
+
+def oversubscription(ranks: int, profile: DeviceProfile, load: float = 0.0) -> float:
+    """How much slower each rank computes when `ranks` processes, and `load` busy processes
+    of other programs, share the profile's cores (1 where every rank has a core of its own,
+    or the profile counts none).
+
+    >>> from autopar.planner.cost import CPU
+    >>> import dataclasses
+    >>> two = dataclasses.replace(CPU, cores=2)
+    >>> oversubscription(8, two), oversubscription(2, two), oversubscription(2, two, load=1.0)
+    (4.0, 1.0, 1.5)
+    """
+    return max(1.0, (ranks + load) / profile.cores) if profile.cores else 1.0
+
+
+def machine_load(profile: DeviceProfile, seconds: float = 0.3) -> float:
+    """Busy processes of other programs on this machine now, measured: one thread per core
+    runs 256^3 GEMMs for `seconds`; where they reach a share s < 1 of the profile's rate for
+    that size, cores / s - cores processes were competing (0 on a quiet machine)."""
+    import threading
+    import time
+
+    if not profile.cores:
+        return 0.0
+    a = torch.randn(256, 256)
+    expected = flop_rate(2 * 256**3, profile)
+    rates = []
+
+    def spin():
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            torch.mm(a, a)
+            calls += 1
+        rates.append(calls * 2 * 256**3 / (time.perf_counter() - t0))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        workers = [threading.Thread(target=spin) for _ in range(profile.cores)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        torch.set_num_threads(threads)
+    share = min(1.0, sum(rates) / len(rates) / expected)
+    return profile.cores / share - profile.cores
+
+
+# -- recording -----------------------------------------------------------------------------------
+# FLOPs of ops torch's flop counter does not list: CPU's attention kernels (same math as flash)
+_EXTRA_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default:
+        lambda q, k, v, *a, **kw: sdpa_flop_count(q.shape, k.shape, v.shape),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape),
+}
+
+
+def op_flops(func, args, kwargs, out) -> int:
+    """FLOPs of one aten op call (0 for ops without a formula: they are priced by bytes).
+
+    >>> a, b = torch.ones(4, 8), torch.ones(8, 3)
+    >>> op_flops(torch.ops.aten.mm.default, (a, b), {}, a @ b)
+    192
+    """
+    if func in _EXTRA_FLOPS:
+        return int(_EXTRA_FLOPS[func](*args, **kwargs))
+    formula = flop_registry.get(func._overloadpacket)
+    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+
+
+# ops doing one matrix product per leading index of their output (batch, heads)
+_BATCHED = {aten.bmm, aten.baddbmm, aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._scaled_dot_product_efficient_attention,
+            aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention_backward,
+            aten._scaled_dot_product_flash_attention_backward}
+
+
+def gemm_flops(func, flops: int, out) -> float:
+    """FLOPs of each matrix product of an op: a batched one's per batch index (the GEMM rate
+    of that size applies), else all of them.
+
+    >>> a = torch.ones(16, 8, 8)
+    >>> gemm_flops(torch.ops.aten.bmm.default, 16 * 2 * 8**3, a @ a)
+    1024.0
+    """
+    first = out[0] if isinstance(out, (list, tuple)) else out
+    if func._overloadpacket not in _BATCHED or not isinstance(first, torch.Tensor) or first.dim() < 3:
+        return float(flops)
+    return flops / max(math.prod(first.shape[:-2]), 1)
+
+
+def _tensors(values, acc: list) -> list:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            acc.append(v)
+        elif isinstance(v, (list, tuple)):
+            _tensors(v, acc)
+    return acc
+
+
+def op_bytes(func, args, kwargs, out) -> int:
+    """Bytes an op reads and writes: its tensor inputs and outputs (0 for a view)."""
+    returns = func._schema.returns
+    if returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write:
+        return 0
+    return sum(t.numel() * t.element_size() for t in _tensors((args, kwargs.values(), (out,)), []))
+
+
+@dataclass
+class Recording:
+    """One rank's step, in order: ("op", name, flops, bytes, flops of each matrix product,
+    elements of its first input) for an aten op on plain tensors,
+    ("dist",) for a DistTensor dispatch, ("node",) for an autograd node first seen running,
+    ("comm", CommRecord) for a collective or transfer."""
+
+    rank: int
+    events: list = field(default_factory=list)
+
+    def count(self, kind: str) -> int:
+        return sum(e[0] == kind for e in self.events)
+
+    def flops(self) -> int:
+        return sum(e[2] for e in self.events if e[0] == "op")
+
+
+class _Recorder(TorchDispatchMode):
+    """Sees every op of the step.  A mode that handles a DistTensor op runs with itself popped,
+    so it calls the DistTensor dispatch back inside itself: the local ops, reshards and
+    kernels that dispatch runs are then seen too."""
+
+    def __init__(self, recording: Recording, log=None):
+        super().__init__()
+        self.recording, self.log, self.seen_comm, self.nodes = recording, log, 0, set()
+
+    def _note(self, event) -> None:
+        events = self.recording.events
+        while self.log is not None and self.seen_comm < len(self.log.records):
+            events.append(("comm", self.log.records[self.seen_comm]))
+            self.seen_comm += 1
+        if event is not None:
+            events.append(event)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from ..dtensor import DistTensor
+
+        kwargs = kwargs or {}
+        node = torch._C._current_autograd_node()
+        if node is not None and node not in self.nodes:
+            self.nodes.add(node)
+            self._note(("node",))
+        if DistTensor in types:
+            self._note(("dist",))
+            with self:
+                return DistTensor.__torch_dispatch__(func, types, args, kwargs)
+        out = func(*args, **kwargs)
+        if func.namespace == "aten":  # c10d's ops are the collectives, priced from comm_log
+            flops = op_flops(func, args, kwargs, out)
+            first = next(iter(_tensors(args, [])), None)
+            self._note(("op", func.name(), flops, op_bytes(func, args, kwargs, out), gemm_flops(func, flops, out),
+                        first.numel() if first is not None else 0))
+        return out
+
+
+def record_step(make_step: Callable[[], Callable[[], object]], world_size: int, rank: int,
+                warmup: int = 3, settle: int = 10) -> Recording:
+    """Run rank `rank` of a `world_size`-rank job here (`simulate`): `make_step()` builds the
+    model and returns the step; the step runs at least `warmup` times and until two steps in
+    a row send the same collectives (caches, local-region checks and buckets settle; at most
+    `settle` steps), then once more recorded."""
+    from ..comm.log import comm_log
+    from ..comm.simulate import simulate
+
+    recording = Recording(rank)
+    with simulate(world_size, rank):
+        step = make_step()
+        previous = None
+        for i in range(max(warmup, settle)):
+            with comm_log() as log:
+                step()
+            sent = [(r.op, r.ranks, r.bytes) for r in log]
+            if i + 1 >= warmup and sent == previous:
+                break
+            previous = sent
+        with comm_log() as log:
+            recorder = _Recorder(recording, log)
+            with recorder:
+                step()
+            recorder._note(None)
+    return recording
+
+
+# -- the job -------------------------------------------------------------------------------------
+CATEGORIES = ("compute", "framework", "dispatch", "autograd", "comm", "wait")
+
+
+@dataclass
+class Prediction:
+    """Predicted seconds of one step: `total` (the slowest rank's finish), and that rank's
+    seconds per category: compute (FLOPs and bytes of aten ops), framework (their per-op
+    latency), dispatch (DistTensor dispatches), autograd (nodes), comm (collectives' own
+    time), wait (blocked on peers: skew, pipeline bubbles)."""
+
+    total: float
+    categories: dict
+    rank: int
+    recordings: list = field(repr=False, default_factory=list)
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.categories.items())
+        return f"predicted step {self.total * 1e3:.1f} ms (rank {self.rank}: {parts} ms)"
+
+
+def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list:
+    """The rank's timeline priced: ("busy", category, seconds) and ("comm", record)."""
+    out = []
+    for e in recording.events:
+        kind = e[0]
+        if kind == "op":
+            framework = profile.op_latency
+            out.append(("busy", "compute", (op_time(e[2], e[3], profile, gemm=e[4], name=e[1], elements=e[5])
+                                            - framework) * slow))
+            out.append(("busy", "framework", framework * slow))
+        elif kind == "dist":
+            out.append(("busy", "dispatch", profile.dispatch_overhead * slow))
+        elif kind == "node":
+            out.append(("busy", "autograd", profile.autograd_node * slow))
+        else:
+            out.append(("comm", e[1]))
+    return out
+
+
+def job_time(recordings: list, profile: DeviceProfile, load: float = 0.0) -> Prediction:
+    """Play every rank's priced timeline: a collective ends `comm_time` after its last
+    member arrives; a receive ends `comm_time` after the matching send started (sends do
+    not wait).  Host work is slowed by `oversubscription` (`load`: see `machine_load`)."""
+    slow = oversubscription(len(recordings), profile, load)
+    crowding = len(recordings) / profile.cores if profile.cores else 1.0
+    lines = {r.rank: _segments(r, profile, slow) for r in recordings}
+    clock = {r: 0.0 for r in lines}
+    spent = {r: dict.fromkeys(CATEGORIES, 0.0) for r in lines}
+    pos = {r: 0 for r in lines}
+    arrived: dict = {}  # collective key -> {rank: arrival}
+    sent: dict = {}  # (src, dst, n) -> send start
+    count: dict = {}  # (rank, key without index) -> how many seen
+    while any(pos[r] < len(lines[r]) for r in lines):
+        progressed = False
+        for r, line in lines.items():
+            while pos[r] < len(line):
+                seg = line[pos[r]]
+                if seg[0] == "busy":
+                    clock[r] += seg[2]
+                    spent[r][seg[1]] += seg[2]
+                    pos[r] += 1
+                    progressed = True
+                    continue
+                rec = seg[1]
+                cost = comm_time(rec.op, len(rec.ranks), rec.bytes, rec.recv_bytes, profile, crowding)
+                base = (rec.op if rec.op not in ("send", "recv") else "p2p", rec.ranks)
+                n = count.get((r, base), 0)
+                if rec.op == "send":
+                    sent[(rec.ranks, n)] = clock[r]
+                    clock[r] += shared_link(profile, crowding)[0]
+                    spent[r]["comm"] += shared_link(profile, crowding)[0]
+                elif rec.op == "recv":
+                    start = sent.get((rec.ranks, n))
+                    if start is None:
+                        break
+                    end = max(clock[r], start + cost)
+                    spent[r]["wait"] += max(0.0, start - clock[r])
+                    spent[r]["comm"] += end - max(clock[r], start)
+                    clock[r] = end
+                else:
+                    members = arrived.setdefault((base, n), {})
+                    members.setdefault(r, clock[r])
+                    if len(members) < len(rec.ranks):
+                        break
+                    end = max(members.values()) + cost
+                    for m, t in members.items():
+                        spent[m]["wait"] += end - cost - t
+                        spent[m]["comm"] += cost
+                        clock[m] = end
+                        count[(m, base)] = n + 1
+                        if m != r:
+                            pos[m] += 1
+                    pos[r] += 1
+                    progressed = True
+                    continue
+                count[(r, base)] = n + 1
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: lines[r][pos[r]][1] for r in lines if pos[r] < len(lines[r])}
+            raise RuntimeError(f"predict: the ranks' collectives do not match; each waits on {stuck}")
+    slowest = max(clock, key=clock.get)
+    return Prediction(clock[slowest], spent[slowest], slowest, list(recordings))
+
+
+def predict_step(make_step: Callable[[], Callable[[], object]], world_size: int,
+                 device: Union[str, DeviceProfile] = "cpu", warmup: int = 3, load: float = 0.0) -> Prediction:
+    """Predict one step of a `world_size`-rank job on `device` by running every rank here
+    under `simulate` (small worlds) and pricing what it ran.  `make_step()` is called inside each
+    simulated rank and builds the model, returning the step callable.  `load`: busy
+    processes of other programs sharing the cores (`machine_load(profile)` measures it now).
+
+    >>> import torch, autopar as dist
+    >>> def make_step():
+    ...     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    ...     model = torch.nn.Linear(64, 64)
+    ...     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ...     model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": 0}})
+    ...     x = torch.randn(32, 64)
+    ...     def step():
+    ...         model(x).sum().backward(); opt.step(); opt.zero_grad()
+    ...     return step
+    >>> p = predict_step(make_step, 2)  # doctest: +SKIP
+    >>> 0 < p.total < 1, sorted(p.categories) == sorted(dist.planner.predict.CATEGORIES)  # doctest: +SKIP
+    (True, True)
+
+    (Skipped where docstrings run inside a job; tests/test_predict.py runs it in a plain process.)
+    """
+    profile = load_profile(device)
+    return job_time([record_step(make_step, world_size, r, warmup) for r in range(world_size)], profile, load)
+
+
+# -- calibration -----------------------------------------------------------------------------------
+def _reference_model(width: int = 16):
+    """A small MLP block: layer norm, a GELU MLP (two Linears a Megatron plan splits)."""
+    return torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                               torch.nn.Linear(4 * width, width))
+
+
+def _reference_cost(step, profile: DeviceProfile, steps: int = 30) -> tuple:
+    """(median seconds of `step` after warm-up, its recording, the compute part of its price)."""
+    import statistics
+    import time
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    recording = Recording(0)
+    with _Recorder(recording):
+        step()
+    compute = sum(s[2] for s in _segments(recording, profile, 1.0) if s[0] == "busy" and s[1] == "compute")
+    return statistics.median(times), recording, compute
+
+
+def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
+    """(seconds per aten op, per autograd node, per DistTensor dispatch) of host work beyond
+    the ops' compute, measured on training steps of a small MLP block (tiny tensors, so the
+    host work dominates) priced with `profile`'s rates: its forward without gradients gives
+    the per-op cost (Python, modules, dispatcher, allocation); a plain training step (AdamW)
+    the per-node cost; the same step on a 2-rank Megatron split (one rank simulated) the
+    per-dispatch cost."""
+    import dataclasses
+
+    from ..api.parallelize import parallelize
+    from ..api.plans import ColWiseParallel, RowWiseParallel
+    from ..comm.simulate import simulate
+    from ..mesh import ProcessMesh
+
+    profile = dataclasses.replace(profile, op_latency=0.0)
+    x = torch.randn(4, 16)
+
+    def training(model, opt):
+        def step():
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    model = _reference_model()
+    with torch.no_grad():
+        seconds, rec, compute = _reference_cost(lambda: model(x), profile)
+    op = max(seconds - compute, 0.0) / rec.count("op")
+    seconds, rec, compute = _reference_cost(training(model, torch.optim.AdamW(model.parameters())), profile)
+    node = max(seconds - compute - op * rec.count("op"), 0.0) / max(rec.count("node"), 1)
+    with simulate(2, 0):
+        model = _reference_model()
+        opt = torch.optim.AdamW(model.parameters())
+        plan = {"1": ColWiseParallel(), "3": RowWiseParallel()}
+        model, opt = parallelize(model, opt, ProcessMesh([0, 1], dim_names=["mp"]), {"mp_config": {"parallelize_plan": plan}})
+        seconds, rec, compute = _reference_cost(training(model, opt), profile)
+    busy = compute + op * rec.count("op") + node * rec.count("node")
+    return op, node, max(seconds - busy, 0.0) / max(rec.count("dist"), 1)
+
+
+def machine_cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

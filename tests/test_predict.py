@@ -1,0 +1,147 @@
+"""The step-time predictor (autopar/planner/predict.py): its pure pricing, a recorded 2-rank
+program's ops and collectives, the ranks' timelines played against each other, and the
+calibration command's profile (no timing assertions: the machine is shared)."""
+import dataclasses
+import doctest
+import json
+
+import pytest
+import torch
+
+import autopar as dist
+from autopar.comm.log import CommRecord
+from autopar.planner import predict as P
+from autopar.planner.cost import CPU, DeviceProfile, calibrate, load_profile, save_profile
+
+aten = torch.ops.aten
+# round numbers: 1 GFLOP/s GEMMs, 1 GB/s memory, 1 ms per op, 1 ms + 1 GB/s links, 2 cores
+UNIT = dataclasses.replace(
+    CPU, gemm_curve=((1.0, 1e9),), memory_curve=((1.0, 1e9),), op_latency=1e-3, dispatch_overhead=2e-3,
+    autograd_node=4e-3, intra_latency=1e-3, intra_bandwidth=1e9, cores=2, element_costs=(("aten::exp", 1e-6),),
+)
+
+
+def test_an_mm_is_priced_by_its_flops_or_its_bytes_whichever_is_slower():
+    a, b = torch.ones(8, 16), torch.ones(16, 4)
+    out = a @ b
+    flops = P.op_flops(aten.mm.default, (a, b), {}, out)
+    nbytes = P.op_bytes(aten.mm.default, (a, b), {}, out)
+    assert flops == 2 * 8 * 16 * 4 and nbytes == (8 * 16 + 16 * 4 + 8 * 4) * 4
+    assert P.op_time(flops, nbytes, UNIT) == pytest.approx(flops / 1e9 + 1e-3)  # 1024 FLOPs > 896 bytes
+    assert P.op_time(10, 1e6, UNIT) == pytest.approx(1e6 / 1e9 + 1e-3)
+    assert P.op_bytes(aten.t.default, (a,), {}, a.t()) == 0  # a view moves nothing
+    assert P.op_time(0, 8, UNIT, name="aten::exp", elements=1000) == pytest.approx(1e-3 + 1e-3)
+
+
+def test_rate_curves_interpolate_in_log_space_and_batched_products_use_their_own_size():
+    profile = dataclasses.replace(UNIT, gemm_curve=((1e3, 1e9), (1e5, 1e11)))
+    assert P.flop_rate(1e4, profile) == pytest.approx(1e10)
+    assert P.flop_rate(10, profile) == 1e9 and P.flop_rate(1e9, profile) == 1e11
+    x = torch.ones(10, 4, 4)
+    assert P.gemm_flops(aten.bmm.default, 10 * 2 * 4**3, x @ x) == 2 * 4**3
+    assert P.gemm_flops(aten.mm.default, 1e5, torch.ones(2, 2)) == 1e5
+
+
+def test_a_collective_costs_a_latency_per_ring_step_plus_its_bytes_over_the_link():
+    assert P.comm_time("all_reduce", 4, 3e6, 0, UNIT) == pytest.approx(6 * 1e-3 + 3e-3)  # 2(k-1) steps
+    assert P.comm_time("all_gather", 4, 1e6, 3e6, UNIT) == pytest.approx(3 * 1e-3 + 3e-3)
+    assert P.comm_time("all_reduce", 1, 1e9, 0, UNIT) == 0.0
+    crowded = dataclasses.replace(UNIT, shared_links=((2.0, 3e-3, 1e9), (4.0, 7e-3, 5e8)))
+    assert P.shared_link(crowded, 1.0) == (1e-3, 1e9)
+    assert P.shared_link(crowded, 3.0) == pytest.approx((5e-3, 7.5e8))
+    assert P.comm_time("all_gather", 2, 0, 0, crowded, crowding=4.0) == pytest.approx(7e-3)
+
+
+def test_ranks_beyond_the_cores_slow_every_rank_down():
+    assert P.oversubscription(2, UNIT) == 1.0
+    assert P.oversubscription(8, UNIT) == 4.0
+    assert P.oversubscription(2, UNIT, load=2.0) == 2.0
+    assert P.oversubscription(64, dataclasses.replace(UNIT, cores=0)) == 1.0  # a rank per device
+
+
+def _matmul_then_replicate():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    a = dist.shard_tensor(torch.ones(4, 8), mesh, [dist.Replicate()])
+    b = dist.shard_tensor(torch.ones(8, 4), mesh, [dist.Shard(0)])
+    return lambda: dist.reshard(torch.matmul(a, b), mesh, [dist.Replicate()])
+
+
+def test_a_recorded_two_rank_program_has_its_ops_flops_and_collectives():
+    for rank in (0, 1):
+        rec = P.record_step(_matmul_then_replicate, 2, rank)
+        ops = [e[1] for e in rec.events if e[0] == "op"]
+        comm = [e[1] for e in rec.events if e[0] == "comm"]
+        # one DistTensor op (the matmul: A sliced to its columns locally, a local mm giving a
+        # Partial), then the reshard's all-reduce of the 4x4 result
+        assert rec.count("dist") == 1 and ops.count("aten::mm") == 1, rec.events
+        assert rec.flops() == 2 * 4 * 4 * 4  # the local mm: k = 8 / 2
+        assert [(r.op, r.ranks, r.bytes) for r in comm] == [("all_reduce", (0, 1), 64)]
+    prediction = P.job_time([P.record_step(_matmul_then_replicate, 2, r) for r in (0, 1)], UNIT)
+    assert prediction.categories["comm"] == pytest.approx(P.comm_time("all_reduce", 2, 64, 0, UNIT))
+    assert prediction.categories["dispatch"] == pytest.approx(2e-3)
+    assert prediction.total == pytest.approx(sum(prediction.categories.values()))
+
+
+def test_a_training_step_records_its_autograd_nodes_and_gradient_reduction():
+    def make_step():
+        mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": 0}})
+        x = torch.randn(4, 8)
+
+        def step():
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    recordings = [P.record_step(make_step, 2, r) for r in (0, 1)]
+    for rec in recordings:
+        assert rec.count("node") > 0 and rec.count("dist") > 0
+        ops = [e[1].op for e in rec.events if e[0] == "comm"]
+        assert ops.count("all_reduce") == 1, ops  # weight and bias gradients in one bucket
+    # the batch comes from rank 0: rank 0 sends, rank 1 receives
+    assert [e[1].op for e in recordings[0].events if e[0] == "comm"][0] == "send"
+    assert [e[1].op for e in recordings[1].events if e[0] == "comm"][0] == "recv"
+
+
+def _recording(rank, *events):
+    rec = P.Recording(rank)
+    for e in events:
+        rec.events.append(("comm", e) if isinstance(e, CommRecord) else e)
+    return rec
+
+
+def test_timelines_wait_for_the_sender_and_for_every_member_of_a_collective():
+    op = ("op", "aten::add", 0, 0, 0.0, 0)  # 1 ms each on UNIT
+    send, recv = CommRecord("send", (0, 1), 0), CommRecord("recv", (0, 1), 0, 0)
+    reduce = CommRecord("all_reduce", (0, 1), 0)
+    p = P.job_time([_recording(0, op, op, op, send, reduce), _recording(1, recv, op, reduce)], UNIT)
+    # rank 1 receives at 3 ms (+1 ms link), works 1 ms, and meets rank 0 at the all-reduce at 5 ms
+    assert p.total == pytest.approx(5e-3 + 2e-3)
+    # both finish at 7 ms; rank 0 (reported) waited 1 ms at the all-reduce for rank 1
+    assert p.rank == 0 and p.categories["wait"] == pytest.approx(1e-3)
+    with pytest.raises(RuntimeError, match="all_reduce"):
+        P.job_time([_recording(0, reduce), _recording(1, op)], UNIT)
+
+
+def test_calibration_writes_a_profile_that_loads(tmp_path):
+    profile = calibrate(crowding=(), working_set=1 << 20)
+    path = tmp_path / "cpu.json"
+    save_profile(profile, str(path))
+    loaded = load_profile(str(path))
+    assert loaded == profile and isinstance(loaded, DeviceProfile)
+    assert loaded.cores >= 1 and loaded.op_latency > 0 and loaded.dispatch_overhead >= 0
+    assert [n for n, _ in loaded.gemm_curve] == sorted(n for n, _ in loaded.gemm_curve)
+    assert {name for name, _ in loaded.element_costs} >= {"aten::exp", "aten::silu"}
+    assert set(json.loads(path.read_text())) == {f.name for f in dataclasses.fields(DeviceProfile)}
+
+
+def test_the_predict_step_example_runs_in_a_plain_process():
+    # the docstring runner of test_docs works inside a one-rank job, where simulate refuses
+    doc = P.predict_step.__doc__.replace("# doctest: +SKIP", "")
+    test = doctest.DocTestParser().get_doctest(doc, dict(vars(P)), "predict_step", None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 4)
