@@ -39,11 +39,15 @@ class DeviceProfile:
     reserved_bytes: float = 4 * GB  # context, library workspaces and communication buffers
     # what a step costs beyond FLOPs and bytes (predict.py): each aten op's host cost (dispatcher,
     # allocation, launch), each DistTensor dispatch (rule cache lookup, unwrap, wrap), each autograd
-    # node run in backward; 0 cores: every rank has cores of its own
+    # node run in backward; 0 cores: every rank has cores of its own.  The defaults are a GPU
+    # host's (a server core ~2x this machine's, which measures 3.3, 14 and <1 us)
     op_latency: float = 5e-6
-    dispatch_overhead: float = 30e-6
-    autograd_node: float = 10e-6
+    dispatch_overhead: float = 10e-6
+    autograd_node: float = 5e-6
     cores: int = 0
+    # the host issues ops while the device runs earlier ones (GPUs); False: the host computes them
+    # itself (a CPU), so host and compute time add
+    host_overlaps: bool = True
     # measured (size, rate) points, ascending: GEMM FLOPs -> FLOP/s, element-wise bytes -> bytes/s;
     # empty: peak * matmul_efficiency and hbm_bandwidth at every size
     gemm_curve: tuple = ()
@@ -80,6 +84,7 @@ CPU = DeviceProfile(
     name="cpu", peak_flops_bf16=1.11e11, peak_flops_fp32=1.11e11, memory_bytes=25e9, hbm_bandwidth=2.5e10,
     intra_bandwidth=2.5e9, intra_latency=9.2e-5, inter_bandwidth=2.5e9, inter_latency=9.2e-5,
     ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=1.3e-6, reserved_bytes=0.0,
+    host_overlaps=False,
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
 CPU_PROFILE_ENV = "AUTOPAR_CPU_PROFILE"  # path of a calibrated profile JSON for "cpu"
@@ -312,6 +317,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         inter_bandwidth=bandwidth, inter_latency=latency, ranks_per_node=_ONE_MACHINE,
         matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
         cores=cores, gemm_curve=gemm, memory_curve=memory, element_costs=elements, shared_links=shared,
+        host_overlaps=False,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .model import Layout, TransformerSpec
 
@@ -98,13 +99,49 @@ def describe(model: torch.nn.Module, seq: Optional[int] = None) -> tuple[Transfo
     if seq is None:
         raise ValueError(f"{type(model).__name__}: give the sequence length (no position table to read it from)")
     norms = [n for n, _ in model.named_modules() if leaf(n) in _FINAL_NORM and not n.startswith(layers_name + ".")]
+    ops = count_ops(model, blocks[0])
     spec = TransformerSpec(
         layers=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq=seq,
         gated=gated, tied=head_weight is emb.weight, bias=any(m.bias is not None for m in linears.values()),
         positions=positions[0] if positions else 0,
+        **({} if ops is None else {"layer_ops": ops[0], "other_ops": max(ops[1] - len(blocks) * ops[0], 0)}),
     )
     fused = tuple(n for n in column if leaf(n) in _FUSED_QKV and _out_features(linears[n]) == 3 * hidden)
     return spec, ModelNames(layers_name, column, row, emb_name, head, norms[-1] if norms else None, fused, spec.tied)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(model: torch.nn.Module, block: torch.nn.Module, tokens: int = 8) -> Optional[tuple]:
+    """(aten ops of `block`'s forward, aten ops of the whole forward) on one sequence of
+    `tokens` ids, in eval mode under no_grad with the random state put back: the host cost
+    the planner prices per layer.  None if the model does not run on token ids alone."""
+    device = next(model.parameters()).device
+    counter, at_block = _OpCounter(), []
+    hooks = [block.register_forward_pre_hook(lambda *_: at_block.append(counter.ops)),
+             block.register_forward_hook(lambda *_: at_block.append(counter.ops))]
+    training = model.training
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), counter:
+            model(torch.zeros(1, tokens, dtype=torch.long, device=device))
+    except Exception:  # noqa: BLE001 - an unusual forward: the planner keeps its default counts
+        return None
+    finally:
+        model.train(training)
+        for h in hooks:
+            h.remove()
+    if len(at_block) < 2:
+        return None
+    return at_block[1] - at_block[0], counter.ops
 
 
 def _out_features(layer: torch.nn.Module) -> int:

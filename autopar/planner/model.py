@@ -32,7 +32,9 @@ from typing import Optional
 from .cost import DeviceProfile, collective_time, matmul_time, memory_bound_time
 
 MEMORY = ("params", "grads", "optimizer", "activations", "reserved")
-TIME = ("compute", "tp_comm", "zero_comm", "p2p", "dp_comm", "optimizer")
+MICRO_TIME = ("compute", "host", "tp_comm", "zero_comm", "p2p")  # per micro-batch
+END_TIME = ("dp_comm", "optimizer")  # once per step, after the pipeline flushes
+TIME = MICRO_TIME + END_TIME
 # bytes per parameter: (weights, gradients, optimizer states, reduced gradient, gathered weight)
 _STATE_BYTES = {"bf16": (2, 4, 12, 2, 2), "fp32": (4, 4, 8, 4, 4)}
 _ACT_BYTES = {"bf16": 2, "fp32": 4}
@@ -54,6 +56,11 @@ class TransformerSpec:
     tied: bool = False  # LM head shares the embedding's weight
     bias: bool = False  # linear biases and LayerNorm shifts (GPT)
     positions: int = 0  # rows of a learned position embedding (0: rotary)
+    # aten ops one decoder layer's forward runs, and the rest of the model's forward (embedding,
+    # final norm, head, masks): their host cost matters where layers are small (`describe`
+    # counts them on a module; these are HF Llama's)
+    layer_ops: int = 100
+    other_ops: int = 50
 
     @property
     def kv_dim(self) -> int:
@@ -225,7 +232,22 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
         compute += Affine(head + memory_bound_time(3 * tokens * spec.vocab / tp * (a + 8), profile))
     if first:
         compute += Affine(memory_bound_time(3 * tokens * h * a, profile))  # lookup, its gradient's scatter
-    terms.add("micro_time", "compute", compute)
+    crowd = crowding(shape, profile)
+    terms.add("micro_time", "compute", compute * crowd)
+
+    # host: per forward op a step runs about three aten ops (the op, two in its backward), two
+    # distributed dispatches and one autograd node (counted on HF Llama under dp and under mp:
+    # 3.1 aten ops, 2.0 dispatches, 0.75 nodes per forward op); a recomputed layer runs its
+    # forward again.  A CPU computes its ops itself (host and compute add); a GPU's host issues
+    # ops while the device runs, so only host time beyond the device's counts
+    per_op = profile.op_latency + profile.dispatch_overhead
+    pass_cost = 3 * profile.op_latency + 2 * profile.dispatch_overhead + profile.autograd_node
+    ends = (0.5 if first else 0.0) + (0.5 if last else 0.0)  # embedding side / head side of the rest
+    host = Affine(ends * spec.other_ops * pass_cost, spec.layer_ops * pass_cost, spec.layer_ops * per_op) * crowd
+    if profile.host_overlaps:
+        host = Affine(*(max(0.0, x - y) for x, y in zip(
+            (host.c, host.per_layer, host.per_recompute), (compute.c, compute.per_layer, compute.per_recompute))))
+    terms.add("micro_time", "host", host)
 
     # tensor parallel: per layer, forward (again when recomputed) and backward each gather the
     # attention's and the MLP's input and reduce-scatter their outputs (sequence parallel), or
@@ -292,6 +314,14 @@ class Estimate:
         return max(self.memory_by_stage, key=lambda m: sum(m.values()))
 
 
+def crowding(shape: Shape, profile: DeviceProfile) -> float:
+    """How much slower each rank computes because ranks outnumber the cores they share (a
+    profile measured on one machine: `cores`; devices of their own: 1)."""
+    if not profile.cores:
+        return 1.0
+    return max(1.0, min(shape.world, profile.ranks_per_node) / profile.cores)
+
+
 def held_micro_batches(shape: Shape) -> list:
     """Per stage, how many micro-batches' activations of all its layers it holds at the
     peak under the shape's schedule (interleaved: in chunk units over v)."""
@@ -336,8 +366,8 @@ def evaluate(spec: TransformerSpec, profile: DeviceProfile, layout: Layout,
     step = pipeline_time(micro, end, shape.micro_batches, shape.vpp)
     slow, last_end = max(range(shape.pp), key=micro.__getitem__), max(range(shape.pp), key=end.__getitem__)
     m = shape.micro_batches
-    time = {k: m * at(terms[slow].micro_time, k, slow) for k in TIME[:4]}
-    time.update({k: at(terms[last_end].end_time, k, last_end) for k in TIME[4:]})
+    time = {k: m * at(terms[slow].micro_time, k, slow) for k in MICRO_TIME}
+    time.update({k: at(terms[last_end].end_time, k, last_end) for k in END_TIME})
     time["bubble"] = step - sum(time.values())
     busiest = [{op: m * b.at(*nr[s]) for op, b in t.micro_bytes.items()} for s, t in enumerate(terms)]
     for s, t in enumerate(terms):
