@@ -5,7 +5,10 @@
 For each case (the examples' Llama trained with one `parallelize` config) this process
 predicts the step (every rank run here under `simulate`, priced on the "cpu" profile or
 `--profile`), then measures it on real ranks (`python -m autopar.launch`, this file with
-`--measure CASE`: the median over timed steps after warm-up of the slowest rank's step),
+`--measure CASE`: the median over timed steps after warm-up of the slowest rank's step).
+The machine may be shared: `machine_load` measures other programs' busy processes just
+before and after the run, and the prediction counts their average as competing for the
+cores (`predicted_quiet_ms`: the same prediction on an otherwise idle machine);
 and prints one JSON line per case, also appended to benchmarks/results/predict.<commit>.jsonl:
     {"bench": "predict", "case": ..., "ranks": N, "predicted_ms": ..., "measured_ms": ..., "ratio": ...,
      "categories_ms": {...}}
@@ -126,7 +129,7 @@ def main() -> None:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--profile", default="cpu", help="device profile: cpu (the shipped one) or a calibrated JSON")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--reps", type=int, default=20)
     p.add_argument("--measure", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
@@ -138,9 +141,10 @@ def main() -> None:
         ranks = _ranks(CASES[case][0])
         profile = load_profile(args.profile)
         recorded = predict_step(lambda: make_step(case), ranks, device=profile)
-        load = machine_load(profile)  # other programs' busy processes, just before the real run
-        pred = job_time(recorded.recordings, profile, load)
+        before = machine_load(profile)  # other programs' busy processes around the real run
         times, cpu = _measured(case, args.warmup, args.reps)
+        load = (before + machine_load(profile)) / 2
+        pred = job_time(recorded.recordings, profile, load)
         measured = statistics.median(times)
         record = {
             "bench": "predict", "case": case, "ranks": ranks, "predicted_ms": round(pred.total * 1e3, 3),

@@ -81,10 +81,22 @@ _ONE_MACHINE = 1 << 16  # the cpu profile's ranks all share this machine
 # over loopback); every rank of a job must plan with the same numbers, so "cpu" is this
 # fixed profile unless $AUTOPAR_CPU_PROFILE names a file measured on yours
 CPU = DeviceProfile(
-    name="cpu", peak_flops_bf16=1.11e11, peak_flops_fp32=1.11e11, memory_bytes=25e9, hbm_bandwidth=2.5e10,
-    intra_bandwidth=2.5e9, intra_latency=9.2e-5, inter_bandwidth=2.5e9, inter_latency=9.2e-5,
-    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=1.3e-6, reserved_bytes=0.0,
-    host_overlaps=False,
+    name="cpu", peak_flops_bf16=1.06e11, peak_flops_fp32=1.06e11, memory_bytes=25e9, hbm_bandwidth=6.09e10,
+    intra_bandwidth=2.25e9, intra_latency=1.09e-4, inter_bandwidth=2.25e9, inter_latency=1.09e-4,
+    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.2e-7, reserved_bytes=0.0,
+    op_latency=3.33e-6, dispatch_overhead=1.21e-5, autograd_node=0.0, cores=2,
+    gemm_curve=((1.02e3, 4.94e9), (8.19e3, 1.76e10), (6.55e4, 4.01e10), (5.24e5, 7.2e10), (4.19e6, 8.95e10),
+                (3.36e7, 9.93e10), (2.68e8, 1.06e11)),
+    memory_curve=((1.23e4, 1.82e10), (4.92e4, 2.91e10), (1.97e5, 4.07e10), (7.86e5, 5.2e10), (3.15e6, 5.28e10),
+                  (1.26e7, 6.09e10), (5.03e7, 4.86e10), (2.01e8, 6.8e9)),
+    element_costs=(("aten::exp", 6.21e-10), ("aten::log", 7.81e-10), ("aten::sqrt", 3.78e-10), ("aten::rsqrt", 2.43e-10),
+                   ("aten::sigmoid", 2.51e-10), ("aten::tanh", 2.07e-9), ("aten::silu", 2.72e-10), ("aten::gelu", 6.14e-10),
+                   ("aten::silu_backward", 2.87e-10), ("aten::gelu_backward", 7.32e-10), ("aten::tanh_backward", 1.39e-10),
+                   ("aten::sigmoid_backward", 1.39e-10), ("aten::pow.Tensor_Scalar", 1.58e-10),
+                   ("aten::mean.dim", 1.24e-10), ("aten::sum.dim_IntList", 1.18e-10), ("aten::_softmax", 5.41e-10),
+                   ("aten::_log_softmax", 4.23e-10), ("aten::_softmax_backward_data", 1.56e-10),
+                   ("aten::_log_softmax_backward_data", 3.09e-10)),
+    shared_links=((2.0, 8.16e-4, 2.25e9), (4.0, 1.24e-3, 7.12e8)), host_overlaps=False,
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
 CPU_PROFILE_ENV = "AUTOPAR_CPU_PROFILE"  # path of a calibrated profile JSON for "cpu"
@@ -206,19 +218,17 @@ def _per_call(fn, calls: int = 400) -> float:
     return _median_time(loop) / calls
 
 
-def _cold_add(n: int, working_set: int) -> float:
-    """Seconds of one add of two n-element fp32 tensors into a new one, its inputs cycled
-    through `working_set` bytes: a training step's operands come from memory, not from the
-    caches a repeated call would keep them in (and its outputs are allocated each time)."""
-    import torch
-
-    pairs = [(torch.ones(n), torch.ones(n)) for _ in range(max(2, working_set // (8 * n)))]
-    calls = max(len(pairs), 64)
+def _cold_call(make_args, func, nbytes: int, working_set: int) -> float:
+    """Seconds of one `func(*args)`, the argument tuples (`nbytes` each, from `make_args()`)
+    cycled through `working_set` bytes: a training step's operands come from memory, not
+    from the caches a repeated call would keep them in (and outputs are allocated each call)."""
+    calls = [make_args() for _ in range(max(2, working_set // nbytes))]
+    count = max(min(len(calls), 4096), 64)
 
     def loop():
-        for i in range(calls):
-            torch.add(*pairs[i % len(pairs)])
-    return _median_time(loop, 5) / calls
+        for i in range(count):
+            func(*calls[i % len(calls)])
+    return _median_time(loop, 5) / count
 
 
 # element-wise ops that compute more per element than they move (transcendentals, reductions
@@ -238,7 +248,7 @@ _ELEMENT_OPS = {
 
 def _element_costs(op: float, working_set: int) -> tuple:
     """((op name, seconds per element of its first input), ...) for `_ELEMENT_OPS`, inputs
-    cycled through memory as in `_cold_add`."""
+    cycled through memory as in `_cold_call`."""
     import torch
 
     xs = [torch.rand(256, 1024) + 0.5 for _ in range(max(2, working_set // (256 * 1024 * 4)))]
@@ -299,17 +309,19 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     try:
         a, b = torch.ones(1), torch.ones(1)
         op = _per_call(lambda: torch.add(a, b))  # provisional: the rates below are net of it
-        mats = {n: (torch.randn(n, n), torch.randn(n, n)) for n in (8, 16, 32, 64, 128, 256, 512)}
-        gemm = _curve(sorted(mats), lambda n: 2.0 * n**3,  # compute-bound: cache-resident as a step's GEMMs run
-                      lambda n: max(_per_call(lambda: torch.mm(*mats[n]), max(4, (1 << 22) // n**3)) - op, 1e-9))
+        gemm = _curve([8, 16, 32, 64, 128, 256, 512], lambda n: 2.0 * n**3,
+                      lambda n: max(_cold_call(lambda: (torch.randn(n, n), torch.randn(n, n)), torch.mm,
+                                               8 * n * n, working_set // 2) - op, 1e-9))
         elements = _element_costs(op, working_set)
         memory = _curve([1 << k for k in range(10, 25, 2)], lambda n: 3.0 * n * 4,
-                        lambda n: _cold_add(n, working_set) - op)
+                        lambda n: _cold_call(lambda: (torch.ones(n), torch.ones(n)), torch.add, 8 * n, working_set) - op)
     finally:
         torch.set_num_threads(threads)
     cores = machine_cores()
     latency, bandwidth = _gloo_link(world)
-    shared = tuple((w / cores, *_gloo_link(w)) for w in sorted({cores * k for k in crowding}) if w > cores)
+    # ranks sharing cores are never faster than ranks with a core each (a noisy fit can say so)
+    shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth))
+                   for w in sorted({cores * k for k in crowding}) if w > cores for lat, bw in [_gloo_link(w)])
     peak = max(rate for _, rate in gemm)
     profile = DeviceProfile(
         name="cpu", peak_flops_bf16=peak, peak_flops_fp32=peak, memory_bytes=float(_total_memory()),

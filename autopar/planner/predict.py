@@ -341,9 +341,10 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
 def job_time(recordings: list, profile: DeviceProfile, load: float = 0.0) -> Prediction:
     """Play every rank's priced timeline: a collective ends `comm_time` after its last
     member arrives; a receive ends `comm_time` after the matching send started (sends do
-    not wait).  Host work is slowed by `oversubscription` (`load`: see `machine_load`)."""
+    not wait).  Host work is slowed by `oversubscription` (`load`: see `machine_load`), and
+    collectives take the `shared_link` of as many processes per core."""
     slow = oversubscription(len(recordings), profile, load)
-    crowding = len(recordings) / profile.cores if profile.cores else 1.0
+    crowding = (len(recordings) + load) / profile.cores if profile.cores else 1.0  # processes per core
     lines = {r.rank: _segments(r, profile, slow) for r in recordings}
     clock = {r: 0.0 for r in lines}
     spent = {r: dict.fromkeys(CATEGORIES, 0.0) for r in lines}
