@@ -14,9 +14,10 @@ from plain_process import last_line, run_plain
 KINDS = ("dp0", "zero1", "zero2", "zero3", "dpmp", "pp")
 
 
-def program(kind: str) -> list:
+def program(kind: str, device: str = "cpu") -> list:
     """Three training steps of a tiny HF Llama on 4 ranks; every step's comm_log as
-    [(op, ranks, bytes, shape)]."""
+    [(op, ranks, bytes, shape)].  With device "meta" the model and the batches are meta
+    tensors (a simulation that allocates nothing)."""
     if kind == "dpmp":
         mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
         config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": mp_plan()}}
@@ -26,10 +27,12 @@ def program(kind: str) -> list:
     else:
         mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
         config = {"dp_config": {"sharding_level": 0 if kind == "dp0" else int(kind[-1])}}
-    model = tiny_llama()
+    with torch.device(device):
+        model = tiny_llama()
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     logs = []
     for ids, labels in batches(3):
+        ids, labels = ids.to(device), labels.to(device)
         with dist.comm_log() as log:
             loss = model(input_ids=ids, labels=labels).loss
             loss.backward()
@@ -41,17 +44,18 @@ def program(kind: str) -> list:
 
 
 def _simulated(world: int) -> dict:
-    """{kind: [logs of rank 0, 1, ...]} from one plain process simulating every rank."""
+    """{device: {kind: [logs of rank 0, 1, ...]}} from one plain process simulating every
+    rank, with real CPU tensors and with meta tensors."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
         "import json, sys; sys.path.insert(0, %r)\n"
         "import autopar as dist, test_simulate as t\n"
-        "out = {}\n"
-        "for kind in t.KINDS:\n"
-        "    out[kind] = []\n"
+        "out = {'cpu': {}, 'meta': {}}\n"
+        "for device, kind in [(d, k) for d in out for k in t.KINDS]:\n"
+        "    out[device][kind] = []\n"
         "    for rank in range(%d):\n"
         "        with dist.simulate(%d, rank):\n"
-        "            out[kind].append(t.program(kind))\n"
+        "            out[device][kind].append(t.program(kind, device))\n"
         "print(json.dumps(out))\n" % (here, world, world)
     )
     return json.loads(last_line(run_plain(code, timeout=600)))
@@ -65,8 +69,8 @@ def simulated():
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_simulated_rank_sends_what_the_real_rank_sends(kind, simulated):
     real = run_dist(program, 4, kind)
-    for rank in range(4):
-        assert simulated[kind][rank] == real[rank], (kind, rank)
+    for device, rank in [(d, r) for d in ("cpu", "meta") for r in range(4)]:
+        assert simulated[device][kind][rank] == real[rank], (kind, device, rank)
     assert any(real[0]), kind  # the job communicates
 
 

@@ -33,6 +33,12 @@ def simulate(world_size: int, rank: int):
 
     The body must not depend on the values collectives return (a loss read to decide a
     branch gets a meaningless number).  Refused inside a real job.
+
+    The body may build its model and batches on the meta device (`with torch.device("meta"):`,
+    `ids.to("meta")`): nothing is allocated or computed, so a rank of a model too big for
+    this machine simulates, with the same collectives.  There value reads (`.item()`,
+    `bool(t)`, `.tolist()`) read zeros, and a local region's trial run, whose values cannot
+    be compared, is taken to agree (as it does on real tensors).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"simulate: rank {rank} is not in a world of {world_size} ranks")
@@ -43,6 +49,9 @@ def simulate(world_size: int, rank: int):
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    world = tdist.group.WORLD  # meta tensors go to the same fake backend as CPU ones
+    world._register_backend(torch.device("meta"), tdist.ProcessGroup.BackendType.CUSTOM,
+                            world._get_backend(torch.device("cpu")))
     _forget_job()
     backend.SIMULATING[0] = True
     try:
@@ -72,6 +81,18 @@ def plausible(op: str, tensors: tuple, logs: tuple) -> None:
     elif op == "send/recv":
         for buf in tensors[len(tensors) - sum(log[0] == "recv" for log in logs):]:
             buf.zero_()
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor whose values are read (`.item()`, `bool(t)`, `.tolist()`): zeros of its
+    shape and dtype, the made-up value a simulation on the meta device reads."""
+    return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`torch.equal`, except that meta tensors hold no values to differ: they agree (a local
+    region's trial on the meta device is taken to match, as it does on real tensors)."""
+    return a.is_meta or b.is_meta or torch.equal(a, b)
 
 
 def received(buf: torch.Tensor) -> torch.Tensor:
