@@ -43,7 +43,7 @@ from torch.autograd.function import once_differentiable
 from . import dispatch
 from .api.tensor import GradToPlacement
 from .comm import collectives
-from .comm.simulate import same_values
+from .comm.simulate import observes_only, same_values
 from .dtensor import DistTensor, local_piece, new_dist
 from . import grad_reduce
 from .grad_reduce import BackwardReduction, BucketPlan
@@ -129,8 +129,10 @@ _UNSEEN = object()
 
 
 def _saved_tensor_hooks():
-    """The innermost active saved-tensor hooks (activation checkpointing's), or None."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    """The innermost active saved-tensor hooks (activation checkpointing's), or None when
+    there are none or they only observe (`simulate`'s memory accounting)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if hooks is None or observes_only(hooks) else hooks
 
 
 def _call_key(module, args, kwargs) -> Optional[tuple]:

@@ -1,9 +1,11 @@
 """`dist.simulate` on the meta device: the model and the batches are meta tensors, nothing
 is allocated or computed, and the simulated rank still sends what the real rank sends,
 collective for collective and byte for byte."""
+import dataclasses
 import json
 import os
 
+import pytest
 import torch
 
 import autopar as dist
@@ -71,3 +73,52 @@ def value_reads() -> list:
 def test_value_reads_under_a_meta_simulation_are_made_up_zeros():
     assert _in_plain_process("t.each_rank(2, t.value_reads)") == [
         [0.0, False, 0.0, 0, [[0.0, 0.0]] * 4, [4, 2], True]] * 2
+
+
+MP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def held(kind: str, device: str = "cpu") -> list:
+    """A 4-rank job's memory after its second backward (AdamW, so the states exist), as
+    [parameters, gradients, optimizer states, activation peak] bytes of this rank."""
+    from autopar.comm.simulate import SavedActivations, memory
+
+    if kind == "dpmp":
+        mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+        config = {"dp_config": {"sharding_level": 1}, "mp_config": {"parallelize_plan": mp_plan()}}
+    else:
+        mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+        config = {"dp_config": {"sharding_level": int(kind[-1])}}
+    with torch.device(device):
+        model = tiny_llama()
+    model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh, config)
+    with SavedActivations() as saved:
+        for step, (ids, labels) in enumerate(batches(2)):
+            model(input_ids=ids.to(device), labels=labels.to(device)).loss.backward()
+            if step == 0:
+                opt.step()
+                opt.zero_grad()
+    return list(dataclasses.astuple(memory(model, opt, saved)))
+
+
+def _analytic(kind: str) -> list:
+    """[parameters, gradients, optimizer states] bytes of a rank, from the parameter counts:
+    a piece is 1/degree of its parameter (fp32), AdamW keeps 2 states per element and a
+    4-byte step per parameter."""
+    named = dict(tiny_llama().named_parameters())
+    if kind == "dpmp":  # mp 2 splits the Megatron layers; ZeRO-1 over dp 2 the states
+        params = sum(p.numel() // (2 if n.split(".")[-2] in MP_SPLIT else 1) for n, p in named.items()) * 4
+        return [params, params, params + 4 * len(named)]
+    n = sum(p.numel() for p in named.values()) * 4
+    stage = int(kind[-1])
+    return [n // 4 if stage == 3 else n, n // 4 if stage >= 2 else n, 2 * n // 4 + 4 * len(named)]
+
+
+@pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3", "dpmp"])
+def test_a_meta_simulation_holds_what_the_real_rank_holds(kind):
+    simulated = _in_plain_process("t.each_rank(4, t.held, %r, 'meta')" % kind)
+    real = run_dist(held, 4, kind)
+    assert simulated == real
+    for rank in range(4):
+        assert real[rank][:3] == _analytic(kind), (kind, rank)
+        assert real[rank][3] > 0

@@ -10,13 +10,143 @@ machines: the planner's exact check on small worlds.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import weakref
 
 import torch.distributed as tdist
 
 import torch
 
 from . import backend
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes one rank holds: its pieces of the parameters, of their gradients and of the
+    optimizer states (each storage once), and the most bytes autograd held at once for
+    backward (`activations_peak`)."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations_peak: int
+
+    @property
+    def total(self) -> int:
+        """An upper bound of the rank's peak: every part at its most at once."""
+        return self.parameters + self.gradients + self.optimizer_states + self.activations_peak
+
+
+class SavedActivations:
+    """Within: every tensor autograd saves for backward is noted, so that `peak()` tells the
+    most bytes held at once under the step's schedule (a pipeline's micro-batches in flight
+    included).  A storage counts once however many saved tensors look at it, from its first
+    save until autograd releases its last; a distributed tensor counts its local piece.
+    Only observes: local regions and checkpointing behave as without it."""
+
+    def __init__(self):
+        self.events: list = []  # (storage key, bytes, +1 saved / -1 released), in order
+        self._hooks = None
+
+    def __enter__(self) -> "SavedActivations":
+        from ..dispatch import storage_key
+
+        events = self.events
+
+        def pack(t):
+            local = getattr(t, "_local", t)
+            saved = _Saved(t, local.untyped_storage())
+            key, nbytes = storage_key(local), saved.storage.nbytes()
+            events.append((key, nbytes, 1))
+            weakref.finalize(saved, events.append, (key, nbytes, -1))
+            return saved
+
+        pack.observes_only = True
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _Saved.unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def peak(self, exclude=frozenset()) -> int:
+        """The most bytes saved at once, leaving out the storages keyed in `exclude` (the
+        parameters', counted as parameters)."""
+        count: dict = {}
+        first: dict = {}
+        held = peak = 0
+        for key, nbytes, step in self.events:
+            if key in exclude:
+                continue
+            n = count.get(key, 0)
+            if step > 0 and n == 0:
+                first[key] = nbytes
+                held += nbytes
+                peak = max(peak, held)
+            elif step < 0 and n == 1:
+                held -= first[key]
+            count[key] = n + step
+        return peak
+
+
+class _Saved:
+    """What autograd keeps instead of a saved tensor: its release is the tensor's.  It holds
+    the storage counted too (a reduced distributed tensor swaps its piece), so that no other
+    storage can take its key while it counts."""
+
+    __slots__ = ("tensor", "storage", "__weakref__")
+
+    def __init__(self, tensor, storage):
+        self.tensor, self.storage = tensor, storage
+
+    def unpack(self):
+        return self.tensor
+
+
+def observes_only(hooks) -> bool:
+    """Whether saved-tensor hooks (pack, unpack) are a `SavedActivations`' (which change nothing)."""
+    return getattr(hooks[0], "observes_only", False)
+
+
+def _storage_bytes(tensors) -> tuple[dict, int]:
+    """{storage key: bytes} of the local pieces of `tensors`, and their sum (each storage once)."""
+    from ..dispatch import storage_key
+
+    held = {}
+    for t in tensors:
+        local = getattr(t, "_local", t)
+        held[storage_key(local)] = local.untyped_storage().nbytes()
+    return held, sum(held.values())
+
+
+def memory(model: torch.nn.Module, optimizer=None, activations: "SavedActivations | None" = None) -> MemoryReport:
+    """This rank's bytes for `model` and `optimizer` now (call it after `backward` to see the
+    gradients), with the activation peak `activations` saw (0 without).  Buffers count
+    neither as parameters nor as activations."""
+    params, param_bytes = _storage_bytes(model.parameters())
+    held = {**params, **_storage_bytes(model.buffers())[0]}
+    _, grad_bytes = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    states = [] if optimizer is None else [
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]
+    return MemoryReport(
+        parameters=param_bytes, gradients=grad_bytes, optimizer_states=_storage_bytes(states)[1],
+        activations_peak=0 if activations is None else activations.peak(exclude=held),
+    )
+
+
+class Simulation:
+    """What `simulate` yields: the rank it plays, and what the body saved for backward."""
+
+    def __init__(self, world_size: int, rank: int):
+        self.world_size, self.rank = world_size, rank
+        self.activations = SavedActivations()
+
+    def memory(self, model: torch.nn.Module, optimizer=None) -> MemoryReport:
+        """This rank's bytes for `model` and `optimizer` now, and the body's activation peak
+        so far (see `memory`)."""
+        return memory(model, optimizer, self.activations)
 
 
 @contextlib.contextmanager
@@ -39,6 +169,10 @@ def simulate(world_size: int, rank: int):
     this machine simulates, with the same collectives.  There value reads (`.item()`,
     `bool(t)`, `.tolist()`) read zeros, and a local region's trial run, whose values cannot
     be compared, is taken to agree (as it does on real tensors).
+
+    It yields a `Simulation`: `sim.memory(model, optimizer)` gives the rank's bytes of
+    parameters, gradients and optimizer states and the peak of what autograd saved for
+    backward during the body (`MemoryReport`).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"simulate: rank {rank} is not in a world of {world_size} ranks")
@@ -54,8 +188,10 @@ def simulate(world_size: int, rank: int):
                             world._get_backend(torch.device("cpu")))
     _forget_job()
     backend.SIMULATING[0] = True
+    sim = Simulation(world_size, rank)
     try:
-        yield
+        with sim.activations:
+            yield sim
     finally:
         backend.SIMULATING[0] = False
         tdist.destroy_process_group()
