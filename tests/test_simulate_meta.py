@@ -122,3 +122,103 @@ def test_a_meta_simulation_holds_what_the_real_rank_holds(kind):
     for rank in range(4):
         assert real[rank][:3] == _analytic(kind), (kind, rank)
         assert real[rank][3] > 0
+
+
+PP, DP, MP = 4, 32, 8  # 1024 ranks
+VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, BATCH, SEQ = 32000, 8192, 28672, 64, 8, 4, 2 * DP, 256
+
+
+def big_job(sim, steps: int = 2) -> dict:
+    """A Llama with 70B-sized layers (4 of them) on pp 4 x dp 32 x mp 8 with ZeRO-1, built on
+    meta: this rank's parameter pieces, its memory after the first backward and after the
+    first step, and the last step's collectives as [op, ranks, bytes, shape]."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mesh = dist.ProcessMesh(torch.arange(PP * DP * MP).reshape(PP, DP, MP).tolist(), dim_names=["pp", "dp", "mp"])
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, attn_implementation="eager")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    config = {"dp_config": {"sharding_level": 1}, "mp_config": {"parallelize_plan": mp_plan()},
+              "pp_config": {"split_spec": "model.layers"}}
+    model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), mesh, config)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    out = {"pieces": {n: list(p._local.shape) for n, p in model.named_parameters() if p._local.numel()}}
+    for step in range(steps):
+        with dist.comm_log() as log:
+            model(input_ids=ids, labels=ids).loss.backward()
+            if step == 0:
+                out["after_backward"] = list(dataclasses.astuple(sim.memory(model, opt)))
+            opt.step()
+            opt.zero_grad()
+        if step == 0:
+            out["after_step"] = list(dataclasses.astuple(sim.memory(model, opt)))
+    out["log"] = [[r.op, list(r.ranks), r.bytes, list(r.shape)] for r in log]
+    return out
+
+
+def representatives_of_big_job() -> dict:
+    """{rank: big_job} for one rank per pipeline stage, and the seconds it took."""
+    import time
+
+    start = time.perf_counter()
+    mesh = dist.ProcessMesh(torch.arange(PP * DP * MP).reshape(PP, DP, MP).tolist(), dim_names=["pp", "dp", "mp"])
+    out = {}
+    for rank in dist.representative_ranks(mesh):
+        with dist.simulate(PP * DP * MP, rank) as sim:
+            out[rank] = big_job(sim)
+    return {"jobs": out, "seconds": time.perf_counter() - start}
+
+
+def _stage_pieces(stage: int) -> dict:
+    """The shapes of a rank's parameter pieces on pipeline stage `stage`: Megatron's layers cut
+    by mp, the rest whole (the vocabulary by mp in the LM head)."""
+    layer = 0 if stage == 0 else stage  # each stage holds one of the 4 layers
+    kv = HIDDEN // HEADS * KV_HEADS
+    pre = f"model.layers.{layer}."
+    pieces = {
+        pre + "self_attn.q_proj.weight": [HIDDEN // MP, HIDDEN], pre + "self_attn.k_proj.weight": [kv // MP, HIDDEN],
+        pre + "self_attn.v_proj.weight": [kv // MP, HIDDEN], pre + "self_attn.o_proj.weight": [HIDDEN, HIDDEN // MP],
+        pre + "mlp.gate_proj.weight": [FFN // MP, HIDDEN], pre + "mlp.up_proj.weight": [FFN // MP, HIDDEN],
+        pre + "mlp.down_proj.weight": [HIDDEN, FFN // MP],
+        pre + "input_layernorm.weight": [HIDDEN], pre + "post_attention_layernorm.weight": [HIDDEN],
+    }
+    if stage == 0:
+        pieces["model.embed_tokens.weight"] = [VOCAB, HIDDEN]
+    if stage == PP - 1:
+        pieces.update({"model.norm.weight": [HIDDEN], "lm_head.weight": [VOCAB // MP, HIDDEN]})
+    return pieces
+
+
+def test_one_rank_per_stage_of_a_1024_rank_job_on_meta_holds_and_sends_the_analytic_figures():
+    got = _in_plain_process("t.representatives_of_big_job()")
+    assert got["seconds"] < 60, got["seconds"]
+    jobs = {int(r): job for r, job in got["jobs"].items()}
+    assert sorted(jobs) == [0, 256, 512, 768]  # the first rank of each stage
+    activation = BATCH // DP * SEQ * HIDDEN * 4
+    n_params = LAYERS * 9 + 3
+    for stage, rank in enumerate(sorted(jobs)):
+        job = jobs[rank]
+        assert job["pieces"] == _stage_pieces(stage), stage
+        params = sum(torch.Size(s).numel() for s in job["pieces"].values()) * 4
+        assert job["after_backward"][:2] == [params, params]  # fp32 pieces and their gradients
+        assert job["after_step"][2] == 2 * params // DP + 4 * n_params  # AdamW's states: ZeRO-1 over dp
+        assert job["after_backward"][3] > 0
+        log = [(op, len(ranks), b, shape) for op, ranks, b, shape in job["log"]]
+        # ZeRO-1: the stage's gradients reduce-scattered over dp, the updated pieces all-gathered
+        for op in ("reduce_scatter", "all_gather"):
+            assert sum(b for o, k, b, _ in log if o == op and k == DP) == params * (DP - 1) // DP, (stage, op)
+        # Megatron, all-reduced over mp: per layer the row-split outputs in forward and the
+        # column-split inputs' gradients in backward; one more where the gradient a stage sends
+        # back is reduced, and in the column-split LM head's backward; one less on the first
+        # stage, whose embedding takes its input's gradient unreduced
+        reduced = [(k, b) for o, k, b, shape in log if o == "all_reduce" and shape == [BATCH // DP, SEQ, HIDDEN]]
+        count = 4 + (stage > 0) + (stage == PP - 1) - (stage == 0)
+        assert reduced == [(MP, 2 * (MP - 1) * activation // MP)] * count, stage
+        # the pipeline: activations to the same place on the next stage, their gradients back
+        nxt, prev = rank + DP * MP, rank - DP * MP
+        edges = [(op, ranks, b) for op, ranks, b, shape in job["log"] if shape == [BATCH // DP, SEQ, HIDDEN]
+                 and op in ("send", "recv") and (nxt in ranks or prev in ranks)]
+        expected = ([("recv", [prev, rank], 0), ("send", [rank, prev], activation)] if stage > 0 else [])
+        expected += [("send", [rank, nxt], activation), ("recv", [nxt, rank], 0)] if stage < PP - 1 else []
+        assert sorted(edges) == sorted(expected), stage

@@ -149,6 +149,25 @@ class Simulation:
         return memory(model, optimizer, self.activations)
 
 
+def representative_ranks(mesh, alike=None) -> list[int]:
+    """One rank per distinct role of `mesh`, to simulate instead of every rank: ranks whose
+    coordinates differ only along the `alike` dims (default: every dim but "pp") do the same
+    work on their own pieces, so the first of them stands for all.  For pp x dp x mp that is
+    the first rank of each pipeline stage.
+
+    >>> import autopar as dist
+    >>> mesh = dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["pp", "dp", "mp"])
+    >>> dist.representative_ranks(mesh), dist.representative_ranks(mesh, alike=["dp"])
+    ([0, 4], [0, 1, 4, 5])
+
+    (The world's first rank also sends plain batches to the others, as their source: the
+    other ranks of its role receive them instead.)"""
+    alike = [n for n in mesh.dim_names if n != "pp"] if alike is None else list(alike)
+    along = {mesh.dim_index(n) for n in alike}
+    first = mesh.mesh[tuple(0 if i in along else slice(None) for i in range(mesh.ndim))]
+    return [int(r) for r in first.reshape(-1)]
+
+
 @contextlib.contextmanager
 def simulate(world_size: int, rank: int):
     """Run the body as rank `rank` of a `world_size`-rank job, with no communication.
