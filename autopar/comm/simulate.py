@@ -4,8 +4,10 @@ Every collective and transfer goes to torch's fake process group, which returns 
 moves nothing, so the program makes the same decisions it makes in the real job (the
 placements, the reshards, the buckets) and `comm_log` records the same collectives with the
 same bytes, while the values that come back are meaningless.  Running each rank (or one
-rank per distinct role) of a job this way tells what it will send and hold without the
-machines: the planner's exact check on small worlds.
+rank per distinct role, `representative_ranks`) of a job this way tells what it will send
+and hold without the machines: the planner's exact check on small worlds.  With the model
+and the batches on the meta device nothing is allocated, so a rank of a thousand-rank job
+of a big model simulates in seconds; `Simulation.memory` reports what the rank holds.
 """
 from __future__ import annotations
 
