@@ -1,7 +1,6 @@
 """`dist.simulate`: one rank of an N-rank job run in a plain process records the collectives,
 groups and bytes the real job's rank sends, for data, tensor, pipeline parallel and ZeRO."""
 import json
-import os
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ import torch
 import autopar as dist
 from distpool import run_dist
 from hf_llama import batches, mp_plan, optimizer, tiny_llama
-from plain_process import last_line, run_plain
+from plain_process import evaluated, run_plain
 
 KINDS = ("dp0", "zero1", "zero2", "zero3", "dpmp", "pp")
 
@@ -43,27 +42,21 @@ def program(kind: str, device: str = "cpu") -> list:
     return logs
 
 
-def _simulated(world: int) -> dict:
-    """{device: {kind: [logs of rank 0, 1, ...]}} from one plain process simulating every
-    rank, with real CPU tensors and with meta tensors."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (
-        "import json, sys; sys.path.insert(0, %r)\n"
-        "import autopar as dist, test_simulate as t\n"
-        "out = {'cpu': {}, 'meta': {}}\n"
-        "for device, kind in [(d, k) for d in out for k in t.KINDS]:\n"
-        "    out[device][kind] = []\n"
-        "    for rank in range(%d):\n"
-        "        with dist.simulate(%d, rank):\n"
-        "            out[device][kind].append(t.program(kind, device))\n"
-        "print(json.dumps(out))\n" % (here, world, world)
-    )
-    return json.loads(last_line(run_plain(code, timeout=600)))
+def each_rank(world: int, fn, *args) -> list:
+    """fn(*args) simulated as every rank of a `world`-rank job in turn, in this process."""
+    out = []
+    for rank in range(world):
+        with dist.simulate(world, rank):
+            out.append(fn(*args))
+    return out
 
 
 @pytest.fixture(scope="module")
 def simulated():
-    return _simulated(4)
+    """{device: {kind: [logs of rank 0, 1, 2, 3]}} from one plain process simulating every
+    rank, with real CPU tensors and with meta tensors."""
+    return evaluated("{d: {k: t.each_rank(4, t.program, k, d) for k in t.KINDS} for d in ('cpu', 'meta')}",
+                     "test_simulate")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -112,10 +105,6 @@ def test_explain_names_each_ops_placements_and_the_reshard_it_caused():
 
 def test_explain_runs_under_simulate():
     """The same record for rank 1 of the 2-rank job, from a plain process."""
-    code = ("import json, sys; sys.path.insert(0, %r)\n"
-            "import autopar as dist, test_simulate as t\n"
-            "with dist.simulate(2, 1):\n"
-            "    print(json.dumps(t._explained_mlp()))\n" % os.path.dirname(os.path.abspath(__file__)))
-    simulated = json.loads(last_line(run_plain(code)))
+    simulated = evaluated("t.each_rank(2, t._explained_mlp)[1]", "test_simulate")
     real = run_dist(_explained_mlp, 2)[1]
     assert simulated == json.loads(json.dumps(real))

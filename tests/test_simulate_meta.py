@@ -2,8 +2,6 @@
 is allocated or computed, and the simulated rank still sends what the real rank sends,
 collective for collective and byte for byte."""
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
@@ -11,9 +9,8 @@ import torch
 import autopar as dist
 from distpool import run_dist
 from hf_llama import batches, mp_plan, optimizer, tiny_llama
-from plain_process import last_line, run_plain
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from plain_process import evaluated
+from test_simulate import each_rank  # noqa: F401  (the plain processes call t.each_rank)
 
 
 def mixed(device: str = "cpu", steps: int = 2) -> list:
@@ -36,26 +33,8 @@ def mixed(device: str = "cpu", steps: int = 2) -> list:
     return logs
 
 
-def each_rank(world: int, fn, *args) -> list:
-    """fn(*args) simulated as every rank of a `world`-rank job in turn."""
-    out = []
-    for rank in range(world):
-        with dist.simulate(world, rank):
-            out.append(fn(*args))
-    return out
-
-
-def _in_plain_process(expr: str):
-    """The JSON value of `expr`, evaluated in a fresh plain process (simulating needs one
-    outside any job) with this module imported as `t`."""
-    code = ("import json, sys; sys.path.insert(0, %r)\n"
-            "import autopar as dist, test_simulate_meta as t\n"
-            "print(json.dumps(%s))\n" % (HERE, expr))
-    return json.loads(last_line(run_plain(code, timeout=600)))
-
-
 def test_a_meta_simulation_of_8_ranks_sends_what_the_real_ranks_send():
-    simulated = _in_plain_process("t.each_rank(8, t.mixed, 'meta')")
+    simulated = evaluated("t.each_rank(8, t.mixed, 'meta')", "test_simulate_meta")
     real = run_dist(mixed, 8)
     assert all(len(steps) == 2 and all(steps) for steps in real)  # every rank communicates each step
     for rank in range(8):
@@ -71,7 +50,7 @@ def value_reads() -> list:
 
 
 def test_value_reads_under_a_meta_simulation_are_made_up_zeros():
-    assert _in_plain_process("t.each_rank(2, t.value_reads)") == [
+    assert evaluated("t.each_rank(2, t.value_reads)", "test_simulate_meta") == [
         [0.0, False, 0.0, 0, [[0.0, 0.0]] * 4, [4, 2], True]] * 2
 
 
@@ -116,7 +95,7 @@ def _analytic(kind: str) -> list:
 
 @pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3", "dpmp"])
 def test_a_meta_simulation_holds_what_the_real_rank_holds(kind):
-    simulated = _in_plain_process("t.each_rank(4, t.held, %r, 'meta')" % kind)
+    simulated = evaluated("t.each_rank(4, t.held, %r, 'meta')" % kind, "test_simulate_meta")
     real = run_dist(held, 4, kind)
     assert simulated == real
     for rank in range(4):
@@ -191,7 +170,7 @@ def _stage_pieces(stage: int) -> dict:
 
 
 def test_one_rank_per_stage_of_a_1024_rank_job_on_meta_holds_and_sends_the_analytic_figures():
-    got = _in_plain_process("t.representatives_of_big_job()")
+    got = evaluated("t.representatives_of_big_job()", "test_simulate_meta")
     assert got["seconds"] < 60, got["seconds"]
     jobs = {int(r): job for r, job in got["jobs"].items()}
     assert sorted(jobs) == [0, 256, 512, 768]  # the first rank of each stage

@@ -34,11 +34,6 @@ class MemoryReport:
     optimizer_states: int
     activations_peak: int
 
-    @property
-    def total(self) -> int:
-        """An upper bound of the rank's peak: every part at its most at once."""
-        return self.parameters + self.gradients + self.optimizer_states + self.activations_peak
-
 
 class SavedActivations:
     """Within: every tensor autograd saves for backward is noted, so that `peak()` tells the
@@ -52,7 +47,7 @@ class SavedActivations:
         self._hooks = None
 
     def __enter__(self) -> "SavedActivations":
-        from ..dispatch import storage_key
+        from ..dispatch import storage_key  # (dispatch imports this module)
 
         events = self.events
 
@@ -113,7 +108,7 @@ def observes_only(hooks) -> bool:
 
 def _storage_bytes(tensors) -> tuple[dict, int]:
     """{storage key: bytes} of the local pieces of `tensors`, and their sum (each storage once)."""
-    from ..dispatch import storage_key
+    from ..dispatch import storage_key  # (dispatch imports this module)
 
     held = {}
     for t in tensors:
@@ -241,9 +236,10 @@ def plausible(op: str, tensors: tuple, logs: tuple) -> None:
 
 
 def readable(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor whose values are read (`.item()`, `bool(t)`, `.tolist()`): zeros of its
-    shape and dtype, the made-up value a simulation on the meta device reads."""
-    return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t
+    """A tensor whose values are read (`.item()`, `bool(t)`, `.tolist()`): under `simulate`
+    a meta tensor reads as zeros of its shape and dtype (the made-up value of a simulation
+    on the meta device); anything else as it is (torch refuses meta reads elsewhere)."""
+    return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta and backend.SIMULATING[0] else t
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
