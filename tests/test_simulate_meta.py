@@ -3,7 +3,6 @@ is allocated or computed, and the simulated rank still sends what the real rank 
 collective for collective and byte for byte."""
 import dataclasses
 
-import pytest
 import torch
 
 import autopar as dist
@@ -93,14 +92,16 @@ def _analytic(kind: str) -> list:
     return [n // 4 if stage == 3 else n, n // 4 if stage >= 2 else n, 2 * n // 4 + 4 * len(named)]
 
 
-@pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3", "dpmp"])
-def test_a_meta_simulation_holds_what_the_real_rank_holds(kind):
-    simulated = evaluated("t.each_rank(4, t.held, %r, 'meta')" % kind, "test_simulate_meta")
-    real = run_dist(held, 4, kind)
-    assert simulated == real
-    for rank in range(4):
-        assert real[rank][:3] == _analytic(kind), (kind, rank)
-        assert real[rank][3] > 0
+def test_a_meta_simulation_holds_what_the_real_rank_holds():
+    peaks = {}
+    for kind in ("zero1", "zero2", "zero3", "dpmp"):
+        real = run_dist(held, 4, kind)
+        assert evaluated("t.each_rank(4, t.held, %r, 'meta')" % kind, "test_simulate_meta") == real, kind
+        for rank in range(4):
+            assert real[rank][:3] == _analytic(kind), (kind, rank)
+        peaks[kind] = [r[3] for r in real]
+    # ZeRO shards no activation (the parameters ZeRO-3 gathers and autograd saves are not ones)
+    assert peaks["zero1"] == peaks["zero2"] == peaks["zero3"] and min(peaks["zero1"]) > 0, peaks
 
 
 PP, DP, MP = 4, 32, 8  # 1024 ranks

@@ -119,10 +119,14 @@ def _storage_bytes(tensors) -> tuple[dict, int]:
 
 def memory(model: torch.nn.Module, optimizer=None, activations: "SavedActivations | None" = None) -> MemoryReport:
     """This rank's bytes for `model` and `optimizer` now (call it after `backward` to see the
-    gradients), with the activation peak `activations` saw (0 without).  Buffers count
-    neither as parameters nor as activations."""
+    gradients), with the activation peak `activations` saw (0 without).  Buffers, and the
+    full parameters ZeRO-3 gathers around a layer's use, count neither as parameters nor
+    as activations."""
+    from ..api import zero3  # (the api imports this package)
+
     params, param_bytes = _storage_bytes(model.parameters())
-    held = {**params, **_storage_bytes(model.buffers())[0]}
+    gathered = [g for g in map(zero3.gathered_piece, model.parameters()) if g is not None]
+    held = {**params, **_storage_bytes(model.buffers())[0], **_storage_bytes(gathered)[0]}
     _, grad_bytes = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
     states = [] if optimizer is None else [
         v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
