@@ -239,3 +239,27 @@ def test_the_activation_peak_follows_the_pipeline_schedule_on_meta_as_in_the_rea
         assert evaluated("t.each_rank(4, t.scheduled_peak, %r, 'meta')" % mode, "test_simulate_meta") == peaks[mode]
     # FThenB holds all 4 micro-batches' activations; 1F1B at most 2 on the first stage, 1 on the last
     assert all(b < a for a, b in zip(peaks["FThenB"], peaks["1F1B"])), peaks
+
+
+def captured(level: int, device: str = "cpu") -> list:
+    """Three `to_static` steps of data parallel with ZeRO stage `level` on 4 ranks; each
+    step's comm_log as [(op, ranks, bytes, shape)]."""
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    with torch.device(device):
+        model = tiny_llama()
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, {"dp_config": {"sharding_level": level}})
+    step = dist.to_static(model, None, _lm_loss, opt)
+    logs = []
+    for ids, labels in batches(3):
+        ids, labels = (dist.shard_tensor(t.to(device), mesh, [dist.Shard(0)]) for t in (ids, labels))
+        with dist.comm_log() as log:
+            step(ids, labels)
+        logs.append([[r.op, list(r.ranks), r.bytes, list(r.shape)] for r in log])
+    return logs
+
+
+def test_a_captured_program_on_meta_sends_what_the_real_one_sends():
+    for level in (0, 3):
+        real = run_dist(captured, 4, level)
+        assert all(all(steps) for steps in real)
+        assert evaluated("t.each_rank(4, t.captured, %d, 'meta')" % level, "test_simulate_meta") == real, level
