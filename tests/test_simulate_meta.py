@@ -57,8 +57,9 @@ MP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 
 def held(kind: str, device: str = "cpu") -> list:
-    """A 4-rank job's memory after its second backward (AdamW, so the states exist), as
-    [parameters, gradients, optimizer states, activation peak] bytes of this rank."""
+    """A 4-rank job's memory after its second backward (AdamW, stepped once so that its
+    states exist), as [parameters, gradients, optimizer states, activation peak] bytes of
+    this rank."""
     from autopar.comm.simulate import SavedActivations, memory
 
     if kind == "dpmp":
@@ -100,7 +101,8 @@ def test_a_meta_simulation_holds_what_the_real_rank_holds():
         for rank in range(4):
             assert real[rank][:3] == _analytic(kind), (kind, rank)
         peaks[kind] = [r[3] for r in real]
-    # ZeRO shards no activation (the parameters ZeRO-3 gathers and autograd saves are not ones)
+    # ZeRO shards no activation: every stage holds the same peak (ZeRO-3's gathered
+    # parameters, which autograd saves, do not count as activations)
     assert peaks["zero1"] == peaks["zero2"] == peaks["zero3"] and min(peaks["zero1"]) > 0, peaks
 
 
@@ -153,9 +155,8 @@ def representatives_of_big_job() -> dict:
 def _stage_pieces(stage: int) -> dict:
     """The shapes of a rank's parameter pieces on pipeline stage `stage`: Megatron's layers cut
     by mp, the rest whole (the vocabulary by mp in the LM head)."""
-    layer = 0 if stage == 0 else stage  # each stage holds one of the 4 layers
     kv = HIDDEN // HEADS * KV_HEADS
-    pre = f"model.layers.{layer}."
+    pre = f"model.layers.{stage}."  # each stage holds one of the 4 layers
     pieces = {
         pre + "self_attn.q_proj.weight": [HIDDEN // MP, HIDDEN], pre + "self_attn.k_proj.weight": [kv // MP, HIDDEN],
         pre + "self_attn.v_proj.weight": [kv // MP, HIDDEN], pre + "self_attn.o_proj.weight": [HIDDEN, HIDDEN // MP],
