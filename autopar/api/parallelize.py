@@ -131,7 +131,7 @@ def _stage_starts(names: list[str], split_spec: Any, degree: int) -> set[str]:
 
 
 def module_meshes(
-    names: list[str], mesh: ProcessMesh, pp_config: Optional[dict]
+    names: list[str], mesh: ProcessMesh, pp_config: Optional[dict], stateless: frozenset = frozenset()
 ) -> dict[str, Optional[ProcessMesh]]:
     """{layer name: the mesh its parameters live on} for the layers `names` (in
     `named_modules()` order): the whole mesh without pipeline parallel; else the stage's
@@ -141,7 +141,10 @@ def module_meshes(
     the extra ones; layers before it are stage 0, after it the last stage), a dict cuts at
     exactly the named layers.  With `vpp_degree` v the model is cut into v times as many
     stages and stage k lives on slice k % (pp size): each slice holds v stages (a virtual
-    pipeline, for the VPP schedule).
+    pipeline, for the VPP schedule).  A layer in `stateless` (it holds no parameter) directly
+    under a layer spanning stages belongs to no stage either (None): it runs wherever it is
+    called on the inputs it is given, as HF Llama's rotary embedding, registered after the
+    layers but called before the first, must.
 
     >>> mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "mp"])
     >>> names = ["", "emb", "layers", "layers.0", "layers.1", "head"]
@@ -167,6 +170,8 @@ def module_meshes(
             stage += 1
         marks[name] = stage
     spans = {a for n in names for a in _ancestors(n) if marks[a] != marks[n]}
+    free = [n for n in names if n in stateless and _parent(n) in spans]
+    spans |= {n for n in names if any(_within(n, f) for f in free)}
     return {
         n: None if n in spans else mesh if marks[n] == _GLOBAL else mesh.get_mesh_with_dim("pp", marks[n] % degree)
         for n in names
@@ -396,7 +401,8 @@ def parallelize(
         return model, optimizer
     _check_optimizer(optimizer)
     pp = "pp_config" in config
-    meshes = module_meshes([n for n, _ in model.named_modules()], mesh, config.get("pp_config"))
+    stateless = frozenset(n for n, m in model.named_modules() if next(m.parameters(), None) is None)
+    meshes = module_meshes([n for n, _ in model.named_modules()], mesh, config.get("pp_config"), stateless)
     plans = match_plans(model, config.get("mp_config", {}).get("parallelize_plan", {}))
     for name, attr, plan in plans:
         if attr is None and meshes[name] is None:
