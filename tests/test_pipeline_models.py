@@ -244,7 +244,7 @@ def _hf_llama_steps(pipelined):
                 loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         transfers = [(r.op, r.bytes) for r in log if r.op in ("send", "recv")]
     weights = {k: dist.unshard_dtensor(v.detach()) if dist.is_dist_tensor(v) else v.detach()
                for k, v in model.state_dict().items()}
