@@ -41,7 +41,7 @@ from .api.tensor import (
 )
 from .checkpoint import CheckpointError, CheckpointNotFoundError, load_state_dict, save_state_dict
 from .comm import CommError, comm_log, get_rank, get_world_size
-from .comm.simulate import simulate
+from .comm.simulate import representative_ranks, simulate
 from .explain import explain
 from .dtensor import DistTensor
 from .mesh import ProcessMesh
@@ -91,6 +91,7 @@ __all__ = [
     "Shard",
     "comm_log",
     "simulate",
+    "representative_ranks",
     "explain",
     "dtensor_from_fn",
     "dtensor_from_local",

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from . import comm, rng
+from .comm.simulate import readable
 from .dtensor import DistTensor, new_dist
 from .op_call import fast_op, meta_like
 from .placement import Partial, Replicate
@@ -76,6 +77,14 @@ WATCHERS: list = []
 # parameter holds it as its gradient reduces all its pending gradients at once, in buckets
 # (clip_grad_norm_ reads every gradient: one collective per bucket, not one per parameter)
 PARTIAL_READ_HOOKS: list = []
+
+
+def storage_key(t: torch.Tensor, start: bool = False):
+    """Which storage `t` looks at (with `start`: and at which element it starts), right on
+    every device: a meta tensor's `data_ptr()` is 0 plus its offset whatever its storage, so
+    addresses would take every meta piece for one and the same."""
+    key = t.untyped_storage()._cdata
+    return (key, t.storage_offset()) if start else key
 
 
 def _rank() -> int:
@@ -427,7 +436,7 @@ def _check_writes_reach_bases(func, dec: Decision, flat, locals_) -> None:
         if type(t) is not DistTensor or not t._is_view():
             continue
         base = t._base
-        if type(base) is DistTensor and locals_[i].untyped_storage().data_ptr() != base._local.untyped_storage().data_ptr():
+        if type(base) is DistTensor and storage_key(locals_[i]) != storage_key(base._local):
             raise ValueError(
                 f"{func} writes in place into a view of a distributed tensor of shape {list(base.shape)} placed "
                 f"{list(base._spec.placements)} on {base._spec.mesh}, but that view (shape {list(t.shape)}, "
@@ -442,7 +451,7 @@ def keep_reduced(t: DistTensor, reduced: torch.Tensor, spec: DistSpec) -> None:
     views made from `t` before are reduced from it rather than once more."""
     old = t._local
     if old is not reduced:
-        t._reduced_from = (old.untyped_storage().data_ptr(), old.storage_offset(), old.is_contiguous(), t._spec)
+        t._reduced_from = (storage_key(old), old.storage_offset(), old.is_contiguous(), t._spec)
     t._local, t._spec = reduced, spec
 
 
@@ -457,8 +466,8 @@ def _reduced_view(t: DistTensor, spec: DistSpec):
     if type(base) is not DistTensor or base._spec.mesh != spec.mesh:
         return None
     view = t._local
-    ptr = view.untyped_storage().data_ptr()
-    if base._local.untyped_storage().data_ptr() == ptr and base._local.is_contiguous():
+    ptr = storage_key(view)
+    if storage_key(base._local) == ptr and base._local.is_contiguous():
         reduced = [Replicate() if a != b else p for a, b, p in zip(t._spec.placements, spec.placements, base._spec.placements)]
         if any(type(p) is not Partial for a, b, p in zip(t._spec.placements, spec.placements, base._spec.placements) if a != b):
             return None
@@ -538,7 +547,7 @@ def _run_on_dense(func, args, kwargs, flat):
     differentiable: `loss.item()` costs the gather and the read, no autograd Function."""
     from .api.tensor import gather_everywhere
 
-    dense = [gather_everywhere(t._local, t._spec) if type(t) is DistTensor else t for t in flat]
+    dense = [readable(gather_everywhere(t._local, t._spec)) if type(t) is DistTensor else readable(t) for t in flat]
     dargs, dkwargs = _substitute(args, kwargs, dense)
     return func(*dargs, **dkwargs)
 

@@ -11,6 +11,7 @@ from torch.utils import _foreach_utils
 
 from .comm.backend import value_read
 from .comm.collectives import reading_values as _reading_values
+from .comm.simulate import readable
 from .spec import DistSpec
 
 
@@ -55,7 +56,7 @@ class DistTensor(torch.Tensor):
 
     _local: torch.Tensor
     _spec: DistSpec
-    # (storage address, offset, spec) of the piece a Partial tensor had before it was reduced
+    # (storage key, offset, contiguous, spec) of the piece a Partial tensor had before it was reduced
     # in place: views made earlier still look at that storage (dispatch._reduced_view)
     _reduced_from: tuple
     # no slots of its own: `torch.utils.swap_tensors` converts a plain Parameter in place
@@ -115,12 +116,12 @@ class DistTensor(torch.Tensor):
     def tolist(self):
         _reading_values("tolist")
         with value_read(".tolist()"):
-            return self.full_value().tolist()
+            return readable(self.full_value()).tolist()
 
     def numpy(self, *args, **kwargs):
         _reading_values("numpy")
         with value_read(".numpy()"):
-            return self.full_value().detach().cpu().numpy(*args, **kwargs)
+            return readable(self.full_value().detach()).cpu().numpy(*args, **kwargs)
 
     def __repr__(self, *, tensor_contents=None):
         with value_read("print/repr"):

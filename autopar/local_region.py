@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 from . import dispatch
 from .api.tensor import GradToPlacement
 from .comm import collectives
+from .comm.simulate import observes_only, same_values
 from .dtensor import DistTensor, local_piece, new_dist
 from . import grad_reduce
 from .grad_reduce import BackwardReduction, BucketPlan
@@ -128,8 +129,10 @@ _UNSEEN = object()
 
 
 def _saved_tensor_hooks():
-    """The innermost active saved-tensor hooks (activation checkpointing's), or None."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    """The innermost active saved-tensor hooks (activation checkpointing's), or None when
+    there are none or they only observe (`simulate`'s memory accounting)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if hooks is None or observes_only(hooks) else hooks
 
 
 def _call_key(module, args, kwargs) -> Optional[tuple]:
@@ -169,7 +172,7 @@ class _Watch:
         # an alias such as `.data`) is a side effect the region must not repeat
         self.mesh, self.ops, self.local = mesh, 0, True
         self.frame = frame  # the verification's own frame: the module's forward runs below it
-        self.protected = {local_piece(t).untyped_storage().data_ptr() for t in protected}
+        self.protected = {dispatch.storage_key(local_piece(t)) for t in protected}
 
     def enter_wire(self) -> None:  # an explicit reshard in the forward
         self.local = False
@@ -203,7 +206,7 @@ class _Watch:
                 self.local = False
         for i in dec.mutated:
             t = flat[i]
-            if local_piece(t).untyped_storage().data_ptr() in self.protected:
+            if dispatch.storage_key(local_piece(t)) in self.protected:
                 self.local = False
 
 
@@ -318,7 +321,7 @@ def _agrees(out, trial: Optional[list]) -> bool:
         return False
     return all(
         type(o) is DistTensor and isinstance(t, torch.Tensor) and type(t) is not DistTensor
-        and t.dtype == o._local.dtype and t.shape == o._local.shape and torch.equal(t, o._local)
+        and t.dtype == o._local.dtype and t.shape == o._local.shape and same_values(t, o._local)
         for o, t in zip(outs, trial)
     )
 
@@ -493,10 +496,10 @@ class _Backward:
     def own(self, g: torch.Tensor) -> torch.Tensor:
         """`g` contiguous, and a copy when a gradient handed out before starts at its address."""
         g = g.contiguous()
-        ptr = g.data_ptr()
-        if ptr in self.handed_out:
+        start = dispatch.storage_key(g, start=True)
+        if start in self.handed_out:
             return g.clone()
-        self.handed_out.add(ptr)
+        self.handed_out.add(start)
         return g
 
 
@@ -588,7 +591,7 @@ class _Exit(torch.autograd.Function):
         placed = [_placed_grad(g, s) for g, s in zip(grads, call.region.out_grad_specs)]
         for g in placed:  # the caller may hold these: a parameter's gradient must not be one
             if g is not None:
-                call.handed_out.add(g.data_ptr())
+                call.handed_out.add(dispatch.storage_key(g, start=True))
         return (None, *placed)
 
 

@@ -267,6 +267,11 @@ class DistSpec:
         """The same spec with every StridedShard made Replicate."""
         return self.with_placements([Replicate() if type(p) is StridedShard else p for p in self.placements])
 
+    def as_boxes(self) -> "DistSpec":
+        """The same spec with every StridedShard made a plain Shard of its dim: pieces of the
+        same sizes that are boxes of the global tensor (what a checkpoint stores)."""
+        return self.with_placements([Shard(p.dim) if type(p) is StridedShard else p for p in self.placements])
+
     def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
         shape = [b - a for a, b in self.block_box(coord)]
         for m, p in self.strided_dims():

@@ -1,5 +1,7 @@
 """Run Python code in a fresh process outside any job (no rendezvous variables), as
-`dist.simulate` needs: `run_plain(code)` returns its stdout, failing with its stderr."""
+`dist.simulate` needs: `run_plain(code)` returns its stdout, failing with its stderr;
+`evaluated(expr, module)` the JSON value of an expression over a test module."""
+import json
 import os
 import subprocess
 import sys
@@ -17,3 +19,13 @@ def run_plain(code: str, timeout: int = 300) -> str:
 
 def last_line(stdout: str) -> str:
     return stdout.strip().splitlines()[-1]
+
+
+def evaluated(expr: str, module: str, timeout: int = 600):
+    """The JSON value of `expr`, evaluated in a fresh plain process with the tests' `module`
+    imported as `t` (and autopar as `dist`)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import json, sys; sys.path.insert(0, %r)\n"
+            "import autopar as dist, %s as t\n"
+            "print(json.dumps(%s))\n" % (here, module, expr))
+    return json.loads(last_line(run_plain(code, timeout=timeout)))

@@ -9,7 +9,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_simulate_page_examples_run():
     with open(os.path.join(ROOT, "docs", "simulate.md")) as f:
-        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-    assert len(blocks) == 2
+        page = f.read()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(blocks) == 3
     out = run_plain("\n".join(blocks))
     assert "all_reduce over ranks [4, 5, 6, 7]: 3072 bytes sent" in out, out
+    printed = re.search(r"prints, in a few seconds:\n\n```\n(.*?)```", page, re.S).group(1)
+    assert printed in out, out  # the meta simulation of 1024 ranks prints what the page shows

@@ -68,7 +68,8 @@ def tp_plan(name) -> dict:
     col, row = dist.ColWiseParallel(), dist.RowWiseParallel()
     if name == "gpt2":
         layer = r"transformer\.h\.\d+\."
-        return {layer + "attn.c_attn": col, layer + "attn.c_proj": row,
+        # c_attn computes q, k, v side by side: each split alike, every rank holds its heads of each
+        return {layer + "attn.c_attn": dist.ColWiseParallel(fused=3), layer + "attn.c_proj": row,
                 layer + "mlp.c_fc": col, layer + "mlp.c_proj": row, "lm_head": col}
     if name == "t5":
         block = r"(en|de)coder\.block\.\d+\.layer\.\d\."
@@ -143,20 +144,15 @@ def test_data_parallel_matches_one_process(name, level):
             assert sum(_bytes(comm, "all_gather")) <= pbytes, (pbytes, comm)
 
 
-# GPT-2's c_attn computes q, k, v in one Conv1D: split by columns, each rank holds q and half of
-# k (the heads of q, k, v are not split alike), and splitting the output into q, k, v moves them
-FUSED_QKV = {"gpt2"}
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_tensor_parallel_matches_one_process(name):
     """Megatron's communication: a step reduces activations and gradients, it gathers no
-    activation (but a fused qkv's heads)."""
+    activation (GPT-2's fused q/k/v included: ColWiseParallel(fused=3))."""
     ref = reference(name)
     for got, comm, *_ in run_dist(_parallel, 2, name, {"mp_config": {"parallelize_plan": tp_plan(name)}}, ["mp"]):
         assert_matches(got, ref)
         gathered = [c for c in comm if c[0] in ("all_gather", "all_to_all")]
-        assert name in FUSED_QKV or not gathered, comm
+        assert not gathered, comm
 
 
 def test_plans_split_hf_conv1d_weights_laid_out_in_by_out():

@@ -199,8 +199,8 @@ PP = {"pp_config": {"split_spec": "layers"}}
     (_Net, _mp({"layers.0.conv": dist.ColWiseParallel()}),
      "ColWiseParallel on layer 'layers.0.conv': needs an nn.Linear or nn.Embedding, got Conv1d"),
     (_Net, _mp({"layers.0.up": dist.ColWiseParallel(), "layers.0.up.weight": dist.RowWiseParallel()}),
-     "parameter 'layers.0.up.weight' of shape \\[8, 4\\]: RowWiseParallel on 'layers.0.up' splits it on dim 1, "
-     "ColWiseParallel on 'layers.0.up' on dim 0"),
+     "parameter 'layers.0.up.weight' of shape \\[8, 4\\]: RowWiseParallel on 'layers.0.up' places it "
+     "Shard\\(1\\) over mp, ColWiseParallel on 'layers.0.up' Shard\\(0\\)"),
     (_tied, PP, r"parameter shared by \['emb.weight', 'head.weight'\] would live on several pipeline stages "
                 r"\[\[0, 1\], \[2, 3\]\]"),
     (_root_param, PP, "parameter 'scale' belongs to a layer that spans several pipeline stages"),

@@ -214,3 +214,53 @@ def test_pp_config_schedule_keys_are_checked(pp_config, match):
 
     with pytest.raises(ValueError, match=match):
         pipeline_settings(pp_config)
+
+
+def _hf_lm_loss(out, labels):
+    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
+def _hf_llama_steps(pipelined):
+    """A HF Llama trained 3 steps with the loss on its logits: in one process, or cut into 2
+    stages with nothing but split_spec, 1F1B over 4 micro-batches (with the last step's
+    transfers)."""
+    from hf_llama import batches, optimizer, tiny_llama
+
+    model = tiny_llama()
+    opt = optimizer(model.parameters())
+    step = None
+    if pipelined:
+        mesh = dist.ProcessMesh([0, 1], dim_names=["pp"])
+        config = {"pp_config": {"split_spec": "model.layers", "schedule_mode": "1F1B", "accumulate_steps": 4}}
+        model, opt = dist.parallelize(model, opt, mesh, config)
+        step = build_schedule(model, _hf_lm_loss).step
+    losses, transfers = [], []
+    for ids, labels in batches(3):
+        with dist.comm_log() as log:
+            if step is not None:
+                loss = step(ids, target=labels)
+            else:
+                loss = _hf_lm_loss(model(input_ids=ids), labels)
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        transfers = [(r.op, r.bytes) for r in log if r.op in ("send", "recv")]
+    weights = {k: dist.unshard_dtensor(v.detach()) if dist.is_dist_tensor(v) else v.detach()
+               for k, v in model.state_dict().items()}
+    return losses, weights, transfers
+
+
+def test_hf_llama_pipelines_with_its_rotary_embedding_run_where_it_is_called():
+    """HF Llama registers its rotary embedding after the layers but calls it before the first:
+    a module without parameters belongs to no stage, so each stage computes the cos/sin it
+    needs locally; only the hidden states (and their gradients) cross, one per micro-batch."""
+    from hf_llama import HIDDEN, SEQ
+
+    ref_losses, ref_weights, _ = _hf_llama_steps(False)
+    for losses, weights, transfers in run_dist(_hf_llama_steps, 2, True):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for k, v in ref_weights.items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        hidden = 1 * SEQ * HIDDEN * 4  # one micro-batch of one sequence, fp32
+        assert sorted(transfers) == sorted([("send", hidden)] * 4 + [("recv", 0)] * 4), transfers

@@ -49,6 +49,9 @@ def test_auto_on_four_ranks_keeps_the_named_mesh(dim_names):
         hf_llama.assert_matches(got, (*ref, []))
         assert degrees == {dim: 2 if dim in dim_names else 1 for dim in ("dp", "mp", "pp")}
         assert ("pp_config" in config) == pipeline and ("mp_config" in config) == ("mp" in dim_names)
+        if "mp" in dim_names:  # the plan splits the norms' sequences too (HF's [b, s, h], no transposes)
+            plan = config["mp_config"]["parallelize_plan"]
+            assert isinstance(plan["model.layers.*.mlp"], dist.SequenceParallelDisable)
         if pipeline:
             assert placed["model.layers.0.mlp.down_proj.weight"][1] == [0, 1]  # one layer per stage
             assert placed["model.layers.1.mlp.down_proj.weight"][1] == [2, 3]
@@ -147,3 +150,109 @@ def test_plan_takes_the_sequence_from_the_sample_batch_when_the_model_has_no_tab
         describe(Rotary())
     plan = dist.plan(Rotary(), torch.zeros(2, 12, dtype=torch.long), world_size=2, device="cpu", precision="fp32")
     assert plan.spec.seq == 12 and plan.spec.positions == 0
+
+
+def _recomputed(layout):
+    """A HF Llama planned on 2 ranks with too little memory to keep every layer's activations,
+    parallelized by the plan (its config, its recomputed layers checkpointed), trained 3
+    steps, counting how often every decoder layer's attention ran."""
+    model = hf_llama.tiny_llama()
+    batch = hf_llama.batches()[0][0]
+    fixed = {"dp": 2, "mp": 1, "pp": 1} if layout == "dp" else {"dp": 1, "mp": 2, "pp": 1}
+    roomy = dist.plan(model, batch, 2, device="cpu", precision="fp32", fixed=fixed)
+    m = roomy.memory_per_rank_bytes
+    tight = m["total"] - 0.6 * m["activations"]
+    plan = dist.plan(model, batch, 2, device="cpu", precision="fp32", fixed=fixed, memory_per_rank=tight)
+    opt = hf_llama.optimizer(model.parameters())
+    model, opt = dist.parallelize(model, opt, dist.ProcessMesh([0, 1], dim_names=["x"]), plan)
+    names = plan.apply_recompute(model)  # already done by parallelize: the same names, nothing wrapped twice
+    runs = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(lambda mod, args, i=i: runs.__setitem__(i, runs.get(i, 0) + 1))
+    losses = hf_llama.train(model, opt, hf_llama.batches())
+    weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return (losses, weights, []), names, runs, list(roomy.estimate.layout.recompute), "Recomputes" in plan.why
+
+
+@pytest.mark.parametrize("layout", ["dp", "mp"])
+def test_a_plan_that_recomputes_checkpoints_its_layers_and_matches_one_process(layout):
+    ref = hf_llama.reference(hf_llama.batches())
+    for got, names, runs, roomy_recompute, said in run_dist(_recomputed, 2, layout):
+        hf_llama.assert_matches(got, (*ref, []))
+        assert roomy_recompute == [0] and names and said  # with room nothing is recomputed
+        recomputed = {int(n.rpartition(".")[2]) for n in names}
+        for i, count in runs.items():  # 3 steps: a checkpointed layer runs its forward again in backward
+            assert count == (6 if i in recomputed else 3), (i, count, names)
+
+
+def _seed_llama_steps(planned_vpp):
+    """The seed's Llama (4 layers) trained 3 steps by one process or, with a plan pinned to
+    pp2 x vpp2, by its interleaved schedule on 2 ranks."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = _example("parallelize_llama").LlamaForCausalLM(64, 32, 64, 4, 4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 64, (4, 9), generator=g) for _ in range(3)]
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1))
+
+    dist_model, config = None, None
+    if planned_vpp:  # interleaved chunks run as a captured program (to_static reads pp_config's schedule)
+        plan = dist.plan(model, data[0][:, :-1], 2, device="cpu", precision="fp32",
+                         fixed={"pp": 2, "vpp": 2, "micro_batch": 1})
+        model, opt = dist.parallelize(model, opt, dist.ProcessMesh([0, 1], dim_names=["x"]), plan)
+        dist_model, config = dist.to_static(model, None, loss_fn, opt), plan.config["pp_config"]
+    losses = []
+    for ids in data:
+        x, y = ids[:, :-1], ids[:, 1:]
+        if dist_model is not None:
+            losses.append(float(dist_model(x, y)))
+            continue
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    order = dist_model.dist_main_program() if dist_model is not None else None
+    weights = {k: dist.unshard_dtensor(v.detach()) if dist.is_dist_tensor(v) else v.detach()
+               for k, v in model.named_parameters()}
+    return losses, weights, config, order
+
+
+def test_an_interleaved_plan_runs_its_chunks_on_alternating_stages_and_matches_one_process():
+    """pp2 x vpp2 over 4 layers: one layer per chunk, chunks 0 and 2 on the first stage,
+    1 and 3 on the second, 4 micro-batches in interleaved 1F1B (captured: the dynamic
+    schedules of an annotated model are 1F1B and FThenB)."""
+    ref_losses, ref_weights, _, _ = _seed_llama_steps(False)
+    for rank, (losses, weights, config, order) in enumerate(run_dist(_seed_llama_steps, 2, True)):
+        assert config["schedule_mode"] == "VPP" and config["vpp_degree"] == 2 and config["accumulate_steps"] == 4
+        assert sorted(config["split_spec"]) == ["llama.layers.1", "llama.layers.2", "llama.layers.3"]
+        assert order.startswith("pipeline VPP, 4 micro-batches"), order
+        assert f"F0s{rank}" in order and f"F0s{rank + 2}" in order, order
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for k, v in ref_weights.items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_planned_hf_gpt2_splits_its_fused_qkv_by_heads_and_its_tied_head_by_vocabulary():
+    """GPT-2 (Conv1D projections, q/k/v side by side in c_attn, head tied to the embedding)
+    planned on mp2: the plan keeps each rank's heads of q, k and v together and splits the
+    shared weight by vocabulary; trained through it, as one process, gathering only what
+    sequence parallel gathers (a block's input sequence halves, before attention and the MLP)."""
+    import test_hf_models as hfm
+
+    model = hfm.tiny("gpt2")
+    plan = dist.plan(model, hfm.batches()[0][0], 2, device="cpu", precision="fp32", fixed={"mp": 2})
+    mp_plan = plan.config["mp_config"]["parallelize_plan"]
+    assert mp_plan["transformer.h.*.attn.c_attn"].fused == 3 and mp_plan["transformer.h.*.mlp.c_fc"].fused == 1
+    embedding = mp_plan["transformer.wte"]
+    assert isinstance(embedding[0] if isinstance(embedding, list) else embedding, dist.RowWiseParallel)
+    ref = hfm.reference("gpt2")
+    for got, comm, *_ in run_dist(hfm._parallel, 2, "gpt2", plan, ["x"]):
+        hf_llama.assert_matches(got, ref)
+        half_sequence = 4 * hfm.SEQ * hfm.HIDDEN * 4 // 2  # [batch, seq / 2, hidden] fp32
+        assert {b for op, b in comm if op == "all_gather"} == {half_sequence}, comm
+        assert not [c for c in comm if c[0] == "all_to_all"], comm

@@ -1,8 +1,11 @@
 """The analytic transformer accounting against formulas worked by hand."""
+import dataclasses
+
 import pytest
+import torch
 
 from autopar.planner.cost import H100, collective_time, matmul_time
-from autopar.planner.model import Layout, Shape, TransformerSpec, evaluate, pipeline_time
+from autopar.planner.model import Layout, Shape, TransformerSpec, evaluate, pipeline_time, stage_terms
 
 LLAMA70B = TransformerSpec(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=4096)
 SMALL = TransformerSpec(layers=4, hidden=1024, heads=8, kv_heads=4, ffn=4096, vocab=32000, seq=2048)
@@ -71,9 +74,25 @@ def test_1f1b_bubble():
     assert bubble == pytest.approx((p - 1) / (m + p - 1))
 
 
+def test_interleaving_cuts_the_fill_by_vpp_and_holds_what_its_order_holds():
+    from autopar.pipelining import orders
+    from autopar.planner.model import held_micro_batches
+
+    t, p, m, v = 0.5, 4, 12, 2
+    # Narayanan et al.: the bubble of interleaved 1F1B is (p - 1) / v micro-batch times
+    assert pipeline_time([t] * p, [0.0] * p, m, v) == pytest.approx((m + (p - 1) / v) * t)
+    plain = _layout(pp=p, micro_batches=m).shape
+    inter = _layout(pp=p, micro_batches=m, vpp=v).shape
+    assert held_micro_batches(plain) == [4, 3, 2, 1]
+    peaks = orders.peak_held(orders.interleaved(p, v, m))  # chunk activations held, per rank
+    assert held_micro_batches(inter) == [k / v for k in peaks]
+    assert held_micro_batches(inter)[0] > held_micro_batches(plain)[0]  # the price of a smaller bubble
+
+
 def test_single_rank_step_time_is_flops_at_the_device_rate():
     b, s, h, kv, f, v, m = 1, 2048, 1024, 512, 4096, 32000, 3
-    est = evaluate(SMALL, H100, _layout(micro_batch=b, micro_batches=m))
+    spec = dataclasses.replace(SMALL, layer_ops=0, other_ops=0)  # no host cost: the device's time alone
+    est = evaluate(spec, H100, _layout(spec, micro_batch=b, micro_batches=m))
     tokens = b * s
     layer_fwd_flops = 2 * tokens * (2 * h * h + 2 * h * kv + 3 * h * f) + 2 * tokens * s * h
     layer_fwd = matmul_time(layer_fwd_flops, 8, H100) + 2 * tokens * (10 * h + 2 * (h + kv) + 3 * f) / H100.hbm_bandwidth
@@ -83,6 +102,26 @@ def test_single_rank_step_time_is_flops_at_the_device_rate():
     assert est.step_time == pytest.approx(m * (4 * 3 * layer_fwd + head + embedding) + adam)
     assert est.mfu == pytest.approx(SMALL.flops_per_token() * m * tokens / (989e12 * est.step_time))
     assert est.bytes_per_step == {}
+
+
+def test_host_time_adds_on_a_cpu_and_hides_behind_the_device_on_a_gpu():
+    """Each forward op costs three aten ops, two distributed dispatches and an autograd node
+    over forward and backward.  A CPU adds that to its compute, ranks sharing its cores slow
+    it all; a GPU's host only counts where it outlasts the device."""
+    quiet = dataclasses.replace(SMALL, layer_ops=0, other_ops=0)
+    busy = dataclasses.replace(SMALL, layer_ops=100, other_ops=0)
+    cpu = dataclasses.replace(H100, host_overlaps=False, op_latency=5e-6, autograd_node=10e-6, dispatch_overhead=30e-6)
+    layer = 100 * (3 * 5e-6 + 2 * 30e-6 + 10e-6)
+    for tp in (1, 2):
+        step = lambda spec, dev: evaluate(spec, dev, _layout(spec, tp=tp)).step_time  # noqa: E731
+        assert step(busy, cpu) - step(quiet, cpu) == pytest.approx(SMALL.layers * layer)
+    gpu_extra = evaluate(busy, H100, _layout(busy)).step_time - evaluate(quiet, H100, _layout(quiet)).step_time
+    device = stage_terms(quiet, H100, _layout(quiet).shape, 0).micro_time["compute"].per_layer
+    gpu_layer = 100 * (3 * H100.op_latency + 2 * H100.dispatch_overhead + H100.autograd_node)
+    assert gpu_extra == pytest.approx(SMALL.layers * max(0.0, gpu_layer - device))
+    crowded = dataclasses.replace(cpu, cores=2, ranks_per_node=1 << 16)
+    one, four = (evaluate(busy, crowded, _layout(busy, dp=d)) for d in (1, 8))
+    assert four.time["host"] == pytest.approx(4 * one.time["host"])  # 8 ranks on 2 cores
 
 
 def test_collective_bytes_and_time_per_step():
@@ -111,3 +150,18 @@ def test_hand_config_for_llama3_70b_on_1024_h100_fits_with_plausible_mfu():
 def test_a_bad_stage_split_is_refused():
     with pytest.raises(ValueError, match=r"stage_layers \(3, 3\) must split 4 layers into 2 stages"):
         evaluate(SMALL, H100, _layout(pp=2, stages=(3, 3)))
+
+
+def test_describe_counts_a_layers_ops_without_touching_the_model():
+    """The host cost is priced per aten op: describe counts one block's forward and the rest
+    on a short sequence (eval mode, no gradients, the random stream put back)."""
+    import hf_llama
+    from autopar.planner import describe
+
+    model = hf_llama.tiny_llama()
+    model.train()
+    state = torch.random.get_rng_state()
+    spec, _ = describe(model)
+    assert 60 < spec.layer_ops < 200 and 10 < spec.other_ops < 100, spec  # HF Llama: ~100 and ~50
+    assert model.training and torch.equal(torch.random.get_rng_state(), state)
+    assert all(p.grad is None for p in model.parameters())

@@ -1,7 +1,6 @@
 """`dist.simulate`: one rank of an N-rank job run in a plain process records the collectives,
 groups and bytes the real job's rank sends, for data, tensor, pipeline parallel and ZeRO."""
 import json
-import os
 
 import pytest
 import torch
@@ -9,14 +8,15 @@ import torch
 import autopar as dist
 from distpool import run_dist
 from hf_llama import batches, mp_plan, optimizer, tiny_llama
-from plain_process import last_line, run_plain
+from plain_process import evaluated, run_plain
 
 KINDS = ("dp0", "zero1", "zero2", "zero3", "dpmp", "pp")
 
 
-def program(kind: str) -> list:
+def program(kind: str, device: str = "cpu") -> list:
     """Three training steps of a tiny HF Llama on 4 ranks; every step's comm_log as
-    [(op, ranks, bytes, shape)]."""
+    [(op, ranks, bytes, shape)].  With device "meta" the model and the batches are meta
+    tensors (a simulation that allocates nothing)."""
     if kind == "dpmp":
         mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
         config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": mp_plan()}}
@@ -26,10 +26,12 @@ def program(kind: str) -> list:
     else:
         mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
         config = {"dp_config": {"sharding_level": 0 if kind == "dp0" else int(kind[-1])}}
-    model = tiny_llama()
+    with torch.device(device):
+        model = tiny_llama()
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     logs = []
     for ids, labels in batches(3):
+        ids, labels = ids.to(device), labels.to(device)
         with dist.comm_log() as log:
             loss = model(input_ids=ids, labels=labels).loss
             loss.backward()
@@ -40,33 +42,28 @@ def program(kind: str) -> list:
     return logs
 
 
-def _simulated(world: int) -> dict:
-    """{kind: [logs of rank 0, 1, ...]} from one plain process simulating every rank."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (
-        "import json, sys; sys.path.insert(0, %r)\n"
-        "import autopar as dist, test_simulate as t\n"
-        "out = {}\n"
-        "for kind in t.KINDS:\n"
-        "    out[kind] = []\n"
-        "    for rank in range(%d):\n"
-        "        with dist.simulate(%d, rank):\n"
-        "            out[kind].append(t.program(kind))\n"
-        "print(json.dumps(out))\n" % (here, world, world)
-    )
-    return json.loads(last_line(run_plain(code, timeout=600)))
+def each_rank(world: int, fn, *args) -> list:
+    """fn(*args) simulated as every rank of a `world`-rank job in turn, in this process."""
+    out = []
+    for rank in range(world):
+        with dist.simulate(world, rank):
+            out.append(fn(*args))
+    return out
 
 
 @pytest.fixture(scope="module")
 def simulated():
-    return _simulated(4)
+    """{device: {kind: [logs of rank 0, 1, 2, 3]}} from one plain process simulating every
+    rank, with real CPU tensors and with meta tensors."""
+    return evaluated("{d: {k: t.each_rank(4, t.program, k, d) for k in t.KINDS} for d in ('cpu', 'meta')}",
+                     "test_simulate")
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_simulated_rank_sends_what_the_real_rank_sends(kind, simulated):
     real = run_dist(program, 4, kind)
-    for rank in range(4):
-        assert simulated[kind][rank] == real[rank], (kind, rank)
+    for device, rank in [(d, r) for d in ("cpu", "meta") for r in range(4)]:
+        assert simulated[device][kind][rank] == real[rank], (kind, device, rank)
     assert any(real[0]), kind  # the job communicates
 
 
@@ -108,10 +105,6 @@ def test_explain_names_each_ops_placements_and_the_reshard_it_caused():
 
 def test_explain_runs_under_simulate():
     """The same record for rank 1 of the 2-rank job, from a plain process."""
-    code = ("import json, sys; sys.path.insert(0, %r)\n"
-            "import autopar as dist, test_simulate as t\n"
-            "with dist.simulate(2, 1):\n"
-            "    print(json.dumps(t._explained_mlp()))\n" % os.path.dirname(os.path.abspath(__file__)))
-    simulated = json.loads(last_line(run_plain(code)))
+    simulated = evaluated("t.each_rank(2, t._explained_mlp)[1]", "test_simulate")
     real = run_dist(_explained_mlp, 2)[1]
     assert simulated == json.loads(json.dumps(real))

@@ -117,3 +117,90 @@ def test_strided_cuts_must_be_the_last_and_keep_blocks_whole():
     assert not strided_cuts_valid((StridedShard(0, 8),), (8, 3), (2,))  # blocks of 1 row: no even split
     with pytest.raises(ValueError, match="last cut"):
         DistSpec(dist.ProcessMesh([[0, 1], [2, 3]]), (ss, S0), TensorMeta.contiguous((8, 3), torch.float32))
+
+
+def test_a_fused_projection_splits_into_its_parts_and_back_without_moving():
+    """A [tokens, 3h] output split column-wise as three blocks (StridedShard(1, 3)) cut into its
+    h-wide parts: each part is Shard(1) in place; unequal whole-block parts stay strided; the
+    backward's cat of three equal Shard(1) parts is the strided tensor again."""
+    mesh = dist.ProcessMesh([0, 1])
+    ss = (StridedShard(1, 3),)
+    split = _call(aten.split.Tensor, [(6, 24)], [(6, 8)] * 3, args=(None, 8, 1))
+    ins, outs, _ = engine.choose(split, mesh, [ss], inplace=False)
+    assert ins == [ss] and outs == [(S1,)] * 3
+    uneven = _call(aten.split_with_sizes.default, [(6, 24)], [(6, 16), (6, 8)], args=(None, [16, 8], 1))
+    ins, outs, _ = engine.choose(uneven, mesh, [ss], inplace=False)
+    assert ins == [ss] and outs == [(StridedShard(1, 2),), (S1,)]
+    cat = _call(aten.cat.default, [(6, 8)] * 3, [(6, 24)], args=(None, 1))
+    ins, outs, _ = engine.choose(cat, mesh, [(S1,)] * 3, inplace=False)
+    assert ins == [(S1,)] * 3 and outs == [ss]
+    # parts that are not whole blocks, or a dim not strided, are cut as before (whole first)
+    odd = _call(aten.split.Tensor, [(6, 24)], [(6, 12)] * 2, args=(None, 12, 1))
+    ins, _, _ = engine.choose(odd, mesh, [ss], inplace=False)
+    assert ins != [ss]
+
+
+def _fused_qkv(fused):
+    """A fused q/k/v linear under ColWiseParallel(fused=3), split into q, k, v: its pieces, the
+    step's collectives and gradients against one process."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 12)
+    x = torch.randn(2, 5, 4)
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    plan = {"": dist.ColWiseParallel(fused=fused)}
+    layer, _ = dist.parallelize(layer, mesh=mesh, config={"mp_config": {"parallelize_plan": plan}})
+    with dist.comm_log() as log:
+        q, k, v = layer(x).split(4, dim=-1)
+        loss = (q * k).sum() + v.pow(2).sum()
+        loss.backward()
+    return (layer.weight.placements, layer.weight.local_value().detach(), [r.op for r in log], loss.item(),
+            dist.unshard_dtensor(layer.weight.grad), dist.unshard_dtensor(layer.bias.grad))
+
+
+def test_col_wise_fused_holds_each_ranks_heads_of_q_k_v_and_moves_no_activation():
+    torch.manual_seed(0)
+    ref, x = torch.nn.Linear(4, 12), torch.randn(2, 5, 4)
+    q, k, v = ref(x).split(4, dim=-1)
+    loss = (q * k).sum() + v.pow(2).sum()
+    loss.backward()
+    for rank, (placements, local, ops, value, wgrad, bgrad) in enumerate(run_dist(_fused_qkv, 2, 3)):
+        assert placements == [StridedShard(0, 3)]
+        rows = [r for part in range(3) for r in range(4 * part + 2 * rank, 4 * part + 2 * rank + 2)]
+        torch.testing.assert_close(local, ref.weight.detach()[rows])  # q, k, v rows of this rank's heads
+        assert ops == [], ops  # nothing moves (the loss stays Partial until it is read)
+        torch.testing.assert_close(value, loss.item(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(wgrad, ref.weight.grad)
+        torch.testing.assert_close(bgrad, ref.bias.grad)
+    with pytest.raises(ValueError, match=r"fused=0"):
+        dist.ColWiseParallel(fused=0)
+
+
+def _fused_checkpoint(path, layout):
+    """Save a ColWiseParallel(fused=3) linear; load it into a fresh one parallelized as
+    `layout` ("fused" again, "plain" column split, "replicated"): the full weights."""
+    from autopar.checkpoint import load_state_dict, save_state_dict
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+    plans = {"fused": dist.ColWiseParallel(fused=3), "plain": dist.ColWiseParallel()}
+
+    def make(seed, how):
+        torch.manual_seed(seed)
+        config = {"mp_config": {"parallelize_plan": {"": plans[how]} if how in plans else {}}}
+        return dist.parallelize(torch.nn.Linear(4, 12), mesh=mesh, config=config)[0]
+
+    saved = make(0, "fused")
+    save_state_dict(saved.state_dict(), path)
+    fresh = make(1, layout)
+    sd = fresh.state_dict()
+    load_state_dict(sd, path)
+    return {k: dist.unshard_dtensor(v.detach()) for k, v in sd.items()}, [str(p) for p in fresh.weight.placements]
+
+
+@pytest.mark.parametrize("layout", ["fused", "plain", "replicated"])
+def test_a_fused_split_saves_and_loads_across_layouts(tmp_path, layout):
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 12)
+    for weights, placements in run_dist(_fused_checkpoint, 2, str(tmp_path / "ckpt"), layout):
+        torch.testing.assert_close(weights["weight"], ref.weight.detach())
+        torch.testing.assert_close(weights["bias"], ref.bias.detach())
+        assert (placements == ["StridedShard(0, split_factor=3)"]) == (layout == "fused"), placements

@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm import all_gather_into, get_rank
-from ..dispatch import PARTIAL_READ_HOOKS
+from ..dispatch import PARTIAL_READ_HOOKS, storage_key
 from ..dtensor import DistTensor, new_dist
 from ..flat_shards import FlatShards
 from .. import grad_reduce
@@ -136,7 +136,7 @@ class _ShardStep:
     def piece(self) -> tuple:
         """(spec, this rank's shard of the parameter's current local piece)."""
         local = _full_local(self.param)
-        key = (local.data_ptr(), local.shape, local.stride())  # (the view keeps an old piece alive)
+        key = (storage_key(local, start=True), local.shape, local.stride())  # (the view keeps an old piece alive)
         if key != self.key:
             self.key, self.view = key, _piece_within(local, self.full, self.spec)
         return self.spec, self.view

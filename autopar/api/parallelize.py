@@ -15,7 +15,7 @@ One config turns a single-device model and optimizer into a distributed pair, in
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -23,13 +23,16 @@ from torch.utils._pytree import tree_map_only
 from .. import local_region
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
-from ..placement import Shard
+from ..placement import Placement, Shard, StridedShard
 from ..spec import split_range
 from .global_mesh import get_mesh
 from .layer import convert_in_place, register_model, replicate_params, weak_refs_released
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
 from .tensor import reshard, shard_tensor
+
+if TYPE_CHECKING:
+    from ..planner import Plan
 
 _CONFIG_DIMS = {"dp_config": "dp", "mp_config": "mp", "pp_config": "pp"}
 _STAGES = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}
@@ -38,17 +41,25 @@ _GLOBAL = -1  # the stage mark of a global_spec layer: on every stage
 
 
 # -- names -------------------------------------------------------------------------------
+_DOTTED = re.compile(r"[\w.*]+")
+
+
 def match_names(key: str, names: list[str]) -> list[str]:
     """The names `key` matches: the name itself, or a regular expression matching the whole
-    name (so `layers.*.mlp` matches every layer's mlp, as in Paddle).
+    name (so `layers.*.mlp` matches every layer's mlp, as in Paddle).  In a key made of name
+    characters, dots and `.*` only, a dot not starting `.*` is a literal dot: `h.*.attn`
+    names each block's `attn`, not also its `c_attn` (a regex dot would match the `_`).
 
     >>> match_names("layers.*.mlp", ["layers", "layers.0", "layers.0.mlp", "layers.1.mlp"])
     ['layers.0.mlp', 'layers.1.mlp']
+    >>> match_names("h.*.attn", ["h.0.attn", "h.0.attn.c_attn"])
+    ['h.0.attn']
     """
     if key in names:
         return [key]
+    regex = re.sub(r"\.(?!\*)", r"\\.", key) if _DOTTED.fullmatch(key) else key
     try:
-        pattern = re.compile(key)
+        pattern = re.compile(regex)
     except re.error as err:
         raise ValueError(
             f"parallelize: {key!r} is neither a layer/parameter name nor a valid regular expression: {err}"
@@ -120,7 +131,7 @@ def _stage_starts(names: list[str], split_spec: Any, degree: int) -> set[str]:
 
 
 def module_meshes(
-    names: list[str], mesh: ProcessMesh, pp_config: Optional[dict]
+    names: list[str], mesh: ProcessMesh, pp_config: Optional[dict], stateless: frozenset = frozenset()
 ) -> dict[str, Optional[ProcessMesh]]:
     """{layer name: the mesh its parameters live on} for the layers `names` (in
     `named_modules()` order): the whole mesh without pipeline parallel; else the stage's
@@ -130,7 +141,10 @@ def module_meshes(
     the extra ones; layers before it are stage 0, after it the last stage), a dict cuts at
     exactly the named layers.  With `vpp_degree` v the model is cut into v times as many
     stages and stage k lives on slice k % (pp size): each slice holds v stages (a virtual
-    pipeline, for the VPP schedule).
+    pipeline, for the VPP schedule).  A layer in `stateless` (it holds no parameter) directly
+    under a layer spanning stages belongs to no stage either (None): it runs wherever it is
+    called on the inputs it is given, as HF Llama's rotary embedding, registered after the
+    layers but called before the first, must.
 
     >>> mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "mp"])
     >>> names = ["", "emb", "layers", "layers.0", "layers.1", "head"]
@@ -156,6 +170,8 @@ def module_meshes(
             stage += 1
         marks[name] = stage
     spans = {a for n in names for a in _ancestors(n) if marks[a] != marks[n]}
+    free = [n for n in names if n in stateless and _parent(n) in spans]
+    spans |= {n for n in names if any(_within(n, f) for f in free)}
     return {
         n: None if n in spans else mesh if marks[n] == _GLOBAL else mesh.get_mesh_with_dim("pp", marks[n] % degree)
         for n in names
@@ -195,9 +211,9 @@ def match_plans(model: torch.nn.Module, parallelize_plan: dict) -> list[tuple[st
     return out
 
 
-def _split_dims(modules: dict, plans: list) -> dict[int, tuple[Optional[int], str]]:
-    """{id(parameter): (the dim it is split on over "mp", the plan and layer that say so)}."""
-    dims: dict[int, tuple[Optional[int], str]] = {}
+def _split_dims(modules: dict, plans: list) -> dict[int, tuple[Optional[Placement], str]]:
+    """{id(parameter): (its placement over "mp" (None: not split), the plan and layer that say so)}."""
+    dims: dict[int, tuple[Optional[Placement], str]] = {}
     for layer_name, attr, plan in plans:
         if not isinstance(plan, _SplitWeights):
             continue
@@ -206,12 +222,18 @@ def _split_dims(modules: dict, plans: list) -> dict[int, tuple[Optional[int], st
         for pname, dim in wanted.items():
             p = getattr(layer, pname)
             who = f"{type(plan).__name__} on '{layer_name}'"
-            dim = None if dim is None else dim % max(p.dim(), 1)
-            have = dims.setdefault(id(p), (dim, who))
-            if have[0] != dim:
+            placement = None if dim is None else plan.placement(dim % max(p.dim(), 1))
+            if type(placement) is StridedShard and p.shape[placement.dim] % placement.split_factor:
                 raise ValueError(
-                    f"parameter '{_join(layer_name, pname)}' of shape {list(p.shape)}: {who} splits it on dim {dim}, "
-                    f"{have[1]} on dim {have[0]}"
+                    f"parameter '{_join(layer_name, pname)}' of shape {list(p.shape)}: {who} reads dim "
+                    f"{placement.dim} as {placement.split_factor} projections side by side, but "
+                    f"{p.shape[placement.dim]} does not divide by {placement.split_factor}"
+                )
+            have = dims.setdefault(id(p), (placement, who))
+            if have[0] != placement:
+                raise ValueError(
+                    f"parameter '{_join(layer_name, pname)}' of shape {list(p.shape)}: {who} places it "
+                    f"{placement} over mp, {have[1]} {have[0]}"
                 )
     return dims
 
@@ -246,9 +268,9 @@ def _parameter_targets(model: torch.nn.Module, meshes: dict, plans: list) -> lis
                 f"{sorted(m.process_ids for m in where)}; untie it or keep its layers on one stage"
             )
         mesh = where.pop()
-        dim = dims.get(pid, (None,))[0]
+        split = dims.get(pid, (None,))[0]
         p = getattr(holders[0][0], holders[0][2])
-        targets.append((holders, mesh, placements_on(p, mesh, **({"mp": Shard(dim)} if dim is not None else {}))))
+        targets.append((holders, mesh, placements_on(p, mesh, **({"mp": split} if split is not None else {}))))
     return targets
 
 
@@ -329,12 +351,14 @@ def parallelize(
     model: torch.nn.Module,
     optimizer: Optional[torch.optim.Optimizer] = None,
     mesh: Optional[ProcessMesh] = None,
-    config: Optional[dict] = None,
+    config: Union[dict, str, "Plan", None] = None,
 ) -> tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
     """Make `model` and `optimizer` distributed with one config (in place; both are returned).
 
     `mesh` defaults to `get_mesh()`; its dims are found by the names "dp", "mp" and "pp".
-    `config` is "auto" (the planner chooses, see `_auto_config`) or holds any of
+    `config` is "auto" (the planner chooses, see `_auto_config`), a `dist.plan(...)` result
+    (its config on its mesh, or on `mesh`'s ranks, its recomputed layers checkpointed), or
+    holds any of
     - `"dp_config": {"sharding_level": 0|1|2|3}`: plain tensor inputs are split on dim 0
       over "dp"; the optimizer gets ZeRO stage `sharding_level` over "dp" (0: none);
     - `"mp_config": {"parallelize_plan": {name: plan or [plans]}}`: names of layers or of
@@ -370,12 +394,15 @@ def parallelize(
     mesh = mesh if mesh is not None else get_mesh()
     if isinstance(config, str):
         mesh, config = _auto_config(model, mesh, config)
+    elif hasattr(config, "apply_recompute"):  # a Plan
+        mesh, config = _planned(model, mesh, config)
     config = _checked_config(config, mesh)
     if mesh is None or not config:
         return model, optimizer
     _check_optimizer(optimizer)
     pp = "pp_config" in config
-    meshes = module_meshes([n for n, _ in model.named_modules()], mesh, config.get("pp_config"))
+    stateless = frozenset(n for n, m in model.named_modules() if next(m.parameters(), None) is None)
+    meshes = module_meshes([n for n, _ in model.named_modules()], mesh, config.get("pp_config"), stateless)
     plans = match_plans(model, config.get("mp_config", {}).get("parallelize_plan", {}))
     for name, attr, plan in plans:
         if attr is None and meshes[name] is None:
@@ -403,8 +430,8 @@ def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: st
     """config="auto": the planner's fastest layout of `model` on `mesh`'s ranks (the "cpu"
     profile, fp32, one sequence per rank).  A mesh naming dp/mp/pp dims keeps their sizes
     (a missing one is 1); any other mesh is reshaped to the plan's ["pp", "dp", "mp"].
-    Sequence parallel stays off: its plans assume the seed's [s, b, h] activations, which
-    HF models do not use.  The plan is kept as `model._autopar_plan` (see its `why`)."""
+    The layers the plan recomputes are checkpointed.  The plan is kept as
+    `model._autopar_plan` (see its `why`)."""
     if config != "auto":
         raise ValueError(f"parallelize config must be a dict or 'auto', got {config!r}")
     if mesh is None:
@@ -412,14 +439,23 @@ def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: st
     from ..planner import plan
 
     sizes = dict(zip(mesh.dim_names, mesh.shape))
-    fixed = {"sequence_parallel": False}
+    fixed = {"vpp": 1}  # the dynamic schedules of an annotated model are 1F1B and FThenB
     named = any(dim in sizes for dim in _CONFIG_DIMS.values())
     if named:
         fixed.update({dim: sizes.get(dim, 1) for dim in _CONFIG_DIMS.values()})
     chosen = plan(model, world_size=len(mesh.process_ids), global_batch=len(mesh.process_ids), device="cpu",
                   precision="fp32", fixed=fixed)
-    model._autopar_plan = chosen
-    return (mesh if named else chosen.mesh(mesh.process_ids)), chosen.config
+    return _planned(model, mesh, chosen, keep_mesh=named)
+
+
+def _planned(model: torch.nn.Module, mesh: Optional[ProcessMesh], plan, keep_mesh: bool = False):
+    """(mesh, config) of a `dist.plan` result: its mesh over `mesh`'s ranks (or the job's
+    first ranks; `keep_mesh`: `mesh` itself), its recomputed layers checkpointed."""
+    model._autopar_plan = plan
+    plan.apply_recompute(model)
+    if keep_mesh:
+        return mesh, plan.config
+    return plan.mesh(None if mesh is None else list(mesh.process_ids)), plan.config
 
 
 def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict:

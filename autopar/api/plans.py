@@ -26,7 +26,7 @@ import torch
 
 from ..dtensor import DistTensor
 from ..mesh import ProcessMesh
-from ..placement import Placement, Replicate, Shard
+from ..placement import Placement, Replicate, Shard, StridedShard
 from .tensor import reshard
 
 
@@ -160,6 +160,10 @@ class _SplitWeights(PlanBase):
             )
         return {p: d for p, d in layout.items() if getattr(layer, p, None) is not None}
 
+    def placement(self, dim: int) -> Placement:
+        """How a parameter split on `dim` is cut over "mp"."""
+        return Shard(dim)
+
     def param_dim(self, owner: torch.nn.Module, param_name: str) -> Optional[int]:
         """The split dim of one parameter named by the plan's key: the owner's layout when it
         is an nn.Linear / nn.Embedding (so the plan means the same on the layer or its
@@ -176,6 +180,11 @@ class ColWiseParallel(_SplitWeights):
     The output comes out split on its last dim; `gather_output=True` makes it Replicate
     (one all-gather) for layers that need it whole.
 
+    `fused=k`: the layer computes k projections side by side (GPT-2's c_attn: q, k, v; a
+    gate_up_proj: gate, up), and each is split alike (Megatron's stride), so every rank holds
+    its heads of q, of k and of v and splitting the output into them moves nothing (a plain
+    column split would hand rank 0 all of q and part of k).
+
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["mp"])
     >>> plan = {"0": dist.ColWiseParallel(), "1": dist.RowWiseParallel()}
@@ -189,8 +198,14 @@ class ColWiseParallel(_SplitWeights):
     EMBEDDING = {"weight": 1}
     RAW = {"weight": -1, "bias": -1}
 
-    def __init__(self, gather_output: bool = False) -> None:
+    def __init__(self, gather_output: bool = False, fused: int = 1) -> None:
+        if not isinstance(fused, int) or fused < 1:
+            raise ValueError(f"ColWiseParallel(fused={fused!r}): the number of projections side by side, an int >= 1")
         self.gather_output = gather_output
+        self.fused = fused
+
+    def placement(self, dim: int) -> Placement:
+        return StridedShard(dim, self.fused) if self.fused > 1 else Shard(dim)
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
         if self.gather_output:

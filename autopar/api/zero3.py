@@ -61,6 +61,13 @@ def gathers(p: torch.Tensor) -> bool:
     return _unit_of(p) is not None
 
 
+def gathered_piece(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """The local piece of the full Parameter a ZeRO-3 unit gathers for `p` (its storage holds
+    data only around the unit's use), or None."""
+    unit = _unit_of(p)
+    return None if unit is None else next(w for q, w in zip(unit.params, unit.writes) if q is p)
+
+
 def install(params: list, mesh_dim) -> None:
     """Cut the models holding these sharded parameters into units (see the module doc).
     Parameters in no converted model are left to the op-by-op dispatch."""

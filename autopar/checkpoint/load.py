@@ -25,6 +25,7 @@ import torch
 from ..comm import current_device
 from ..dtensor import DistTensor
 from ..placement import Partial, ReduceType
+from ..reshard import redistribute_local
 from ..spec import DistSpec, TensorMeta
 from . import sync
 from .errors import Problems
@@ -89,8 +90,12 @@ class _Plan:
                     value = job.staged if job.spec is None else DistTensor(job.staged.to(current_device()), job.spec)
                     set_path(state_dict, tuple(job.entry["path"]), value)
                 elif isinstance(t, DistTensor):
+                    staged = job.staged
+                    if job.spec.strided_dims():  # read as boxes (see _stage), then cut into blocks
+                        whole = job.spec.without_partial()
+                        staged = redistribute_local(staged, whole.as_boxes(), whole)
                     if t._local.numel():
-                        t._local.copy_(job.staged)
+                        t._local.copy_(staged)
                 else:
                     t.copy_(job.staged)
         for p, value in self.assigns:
@@ -201,6 +206,12 @@ class _Loader:
     # -- reading -------------------------------------------------------------------------------
     def _stage(self, job: _Job, files: "_Files") -> torch.Tensor | None:
         entry, spec = job.entry, job.spec
+        if spec is not None and spec.strided_dims():
+            if spec.partial_dims():
+                self.problems.add(f"tensor {job.name!r}: loading into {list(spec.placements)} (strided and "
+                                  f"partial at once) is not supported; load it replicated and reshard")
+                return None
+            spec = spec.as_boxes()  # the pieces of the same sizes that are boxes; commit cuts them into blocks
         dtype = parse_dtype(entry["dtype"])
         full = [[0, s] for s in entry["shape"]]
         if spec is None:

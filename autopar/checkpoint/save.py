@@ -174,6 +174,10 @@ def _piece(t: torch.Tensor, rank: int):
         whole = spec.with_placements([Replicate() if type(p) is Partial else p for p in spec.placements])
         local = redistribute_local(local, spec, whole)
         spec = whole
+    if spec.strided_dims():  # blocks split alike (a fused projection): stored as one box per rank
+        boxes = spec.as_boxes()
+        local = redistribute_local(local, spec, boxes)
+        spec = boxes
     coord = spec.mesh.coordinate(rank)
     if coord is None:
         return None

@@ -184,7 +184,7 @@ def group_for(ranks: tuple):
 def _make_backend(store, group_rank: int, size: int):
     from torch._C import _distributed_c10d as c10d
 
-    if tdist.get_backend() == "fake":  # `simulate`: a group that records, sends nothing
+    if SIMULATING[0]:  # `simulate`: a group that records, sends nothing
         return c10d.FakeProcessGroup._create_internal(group_rank, size)
     if tdist.get_backend() == "nccl":
         opts = c10d.ProcessGroupNCCL.Options()

@@ -4,19 +4,169 @@ Every collective and transfer goes to torch's fake process group, which returns 
 moves nothing, so the program makes the same decisions it makes in the real job (the
 placements, the reshards, the buckets) and `comm_log` records the same collectives with the
 same bytes, while the values that come back are meaningless.  Running each rank (or one
-rank per distinct role) of a job this way tells what it will send and hold without the
-machines: the planner's exact check on small worlds.
+rank per distinct role, `representative_ranks`) of a job this way tells what it will send
+and hold without the machines: the planner's exact check on small worlds.  With the model
+and the batches on the meta device nothing is allocated, so a rank of a thousand-rank job
+of a big model simulates in seconds; `Simulation.memory` reports what the rank holds.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import weakref
 
 import torch.distributed as tdist
 
 import torch
 
 from . import backend
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes one rank holds: its pieces of the parameters, of their gradients and of the
+    optimizer states (each storage once), and the most bytes autograd held at once for
+    backward (`activations_peak`)."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations_peak: int
+
+
+class SavedActivations:
+    """Within: every tensor autograd saves for backward is noted, so that `peak()` tells the
+    most bytes held at once under the step's schedule (a pipeline's micro-batches in flight
+    included).  A storage counts once however many saved tensors look at it, from its first
+    save until autograd releases its last; a distributed tensor counts its local piece.
+    Only observes: local regions and checkpointing behave as without it."""
+
+    def __init__(self):
+        self.events: list = []  # (storage key, bytes, +1 saved / -1 released), in order
+        self._hooks = None
+
+    def __enter__(self) -> "SavedActivations":
+        from ..dispatch import storage_key  # (dispatch imports this module)
+
+        events = self.events
+
+        def pack(t):
+            local = getattr(t, "_local", t)
+            saved = _Saved(t, local.untyped_storage())
+            key, nbytes = storage_key(local), saved.storage.nbytes()
+            events.append((key, nbytes, 1))
+            weakref.finalize(saved, events.append, (key, nbytes, -1))
+            return saved
+
+        pack.observes_only = True
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _Saved.unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def peak(self, exclude=frozenset()) -> int:
+        """The most bytes saved at once, leaving out the storages keyed in `exclude` (the
+        parameters', counted as parameters)."""
+        count: dict = {}
+        first: dict = {}
+        held = peak = 0
+        for key, nbytes, step in self.events:
+            if key in exclude:
+                continue
+            n = count.get(key, 0)
+            if step > 0 and n == 0:
+                first[key] = nbytes
+                held += nbytes
+                peak = max(peak, held)
+            elif step < 0 and n == 1:
+                held -= first[key]
+            count[key] = n + step
+        return peak
+
+
+class _Saved:
+    """What autograd keeps instead of a saved tensor: its release is the tensor's.  It holds
+    the storage counted too (a reduced distributed tensor swaps its piece), so that no other
+    storage can take its key while it counts."""
+
+    __slots__ = ("tensor", "storage", "__weakref__")
+
+    def __init__(self, tensor, storage):
+        self.tensor, self.storage = tensor, storage
+
+    def unpack(self):
+        return self.tensor
+
+
+def observes_only(hooks) -> bool:
+    """Whether saved-tensor hooks (pack, unpack) are a `SavedActivations`' (which change nothing)."""
+    return getattr(hooks[0], "observes_only", False)
+
+
+def _storage_bytes(tensors) -> tuple[dict, int]:
+    """{storage key: bytes} of the local pieces of `tensors`, and their sum (each storage once)."""
+    from ..dispatch import storage_key  # (dispatch imports this module)
+
+    held = {}
+    for t in tensors:
+        local = getattr(t, "_local", t)
+        held[storage_key(local)] = local.untyped_storage().nbytes()
+    return held, sum(held.values())
+
+
+def memory(model: torch.nn.Module, optimizer=None, activations: "SavedActivations | None" = None) -> MemoryReport:
+    """This rank's bytes for `model` and `optimizer` now (call it after `backward` to see the
+    gradients), with the activation peak `activations` saw (0 without).  Buffers, and the
+    full parameters ZeRO-3 gathers around a layer's use, count neither as parameters nor
+    as activations."""
+    from ..api import zero3  # (the api imports this package)
+
+    params, param_bytes = _storage_bytes(model.parameters())
+    gathered = [g for g in map(zero3.gathered_piece, model.parameters()) if g is not None]
+    held = {**params, **_storage_bytes(model.buffers())[0], **_storage_bytes(gathered)[0]}
+    _, grad_bytes = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    states = [] if optimizer is None else [
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]
+    return MemoryReport(
+        parameters=param_bytes, gradients=grad_bytes, optimizer_states=_storage_bytes(states)[1],
+        activations_peak=0 if activations is None else activations.peak(exclude=held),
+    )
+
+
+class Simulation:
+    """What `simulate` yields: the rank it plays, and what the body saved for backward."""
+
+    def __init__(self, world_size: int, rank: int):
+        self.world_size, self.rank = world_size, rank
+        self.activations = SavedActivations()
+
+    def memory(self, model: torch.nn.Module, optimizer=None) -> MemoryReport:
+        """This rank's bytes for `model` and `optimizer` now, and the body's activation peak
+        so far (see `memory`)."""
+        return memory(model, optimizer, self.activations)
+
+
+def representative_ranks(mesh, alike=None) -> list[int]:
+    """One rank per distinct role of `mesh`, to simulate instead of every rank: ranks whose
+    coordinates differ only along the `alike` dims (default: every dim but "pp") do the same
+    work on their own pieces, so the first of them stands for all.  For pp x dp x mp that is
+    the first rank of each pipeline stage.
+
+    >>> import autopar as dist
+    >>> mesh = dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["pp", "dp", "mp"])
+    >>> dist.representative_ranks(mesh), dist.representative_ranks(mesh, alike=["dp"])
+    ([0, 4], [0, 1, 4, 5])
+
+    (The world's first rank also sends plain batches to the others, as their source: the
+    other ranks of its role receive them instead.)"""
+    alike = [n for n in mesh.dim_names if n != "pp"] if alike is None else list(alike)
+    along = {mesh.dim_index(n) for n in alike}
+    first = mesh.mesh[tuple(0 if i in along else slice(None) for i in range(mesh.ndim))]
+    return [int(r) for r in first.reshape(-1)]
 
 
 @contextlib.contextmanager
@@ -33,6 +183,16 @@ def simulate(world_size: int, rank: int):
 
     The body must not depend on the values collectives return (a loss read to decide a
     branch gets a meaningless number).  Refused inside a real job.
+
+    The body may build its model and batches on the meta device (`with torch.device("meta"):`,
+    `ids.to("meta")`): nothing is allocated or computed, so a rank of a model too big for
+    this machine simulates, with the same collectives.  There value reads (`.item()`,
+    `bool(t)`, `.tolist()`) read zeros, and a local region's trial run, whose values cannot
+    be compared, is taken to agree (as it does on real tensors).
+
+    It yields a `Simulation`: `sim.memory(model, optimizer)` gives the rank's bytes of
+    parameters, gradients and optimizer states and the peak of what autograd saved for
+    backward during the body (`MemoryReport`).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"simulate: rank {rank} is not in a world of {world_size} ranks")
@@ -43,10 +203,15 @@ def simulate(world_size: int, rank: int):
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     tdist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    world = tdist.group.WORLD  # meta tensors go to the same fake backend as CPU ones
+    world._register_backend(torch.device("meta"), tdist.ProcessGroup.BackendType.CUSTOM,
+                            world._get_backend(torch.device("cpu")))
     _forget_job()
     backend.SIMULATING[0] = True
+    sim = Simulation(world_size, rank)
     try:
-        yield
+        with sim.activations:
+            yield sim
     finally:
         backend.SIMULATING[0] = False
         tdist.destroy_process_group()
@@ -72,6 +237,19 @@ def plausible(op: str, tensors: tuple, logs: tuple) -> None:
     elif op == "send/recv":
         for buf in tensors[len(tensors) - sum(log[0] == "recv" for log in logs):]:
             buf.zero_()
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whose values are read (`.item()`, `bool(t)`, `.tolist()`): under `simulate`
+    a meta tensor reads as zeros of its shape and dtype (the made-up value of a simulation
+    on the meta device); anything else as it is (torch refuses meta reads elsewhere)."""
+    return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta and backend.SIMULATING[0] else t
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`torch.equal`, except that meta tensors hold no values to differ: they agree (a local
+    region's trial on the meta device is taken to match, as it does on real tensors)."""
+    return a.is_meta or b.is_meta or torch.equal(a, b)
 
 
 def received(buf: torch.Tensor) -> torch.Tensor:

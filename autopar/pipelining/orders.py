@@ -196,6 +196,24 @@ def simulate(orders: Orders, num_stages: int, costs: dict = COSTS) -> Simulation
     return Simulation(max(clock), busy, peak)
 
 
+def peak_held(orders: Orders) -> list:
+    """Per rank, the most stage-micro-batches whose activations it holds at once (a forward
+    keeps them until its B, or its W when the backward is split): the memory a schedule
+    costs, in units of one stage's activations for one micro-batch.
+
+    >>> peak_held(one_f_one_b(4, 8)), peak_held(interleaved(2, 2, 4))
+    ([4, 3, 2, 1], [5, 3])
+    """
+    peaks = []
+    for row in orders:
+        held = peak = 0
+        for a in row:
+            held += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
 def format_orders(orders: Orders) -> str:
     """One row per rank: `rank 0: F0 F1 B0 ...` (with the stage, `F0s2`, when a rank holds several).
 

@@ -8,9 +8,9 @@ from typing import Any, Optional, Union
 import torch
 
 from .cost import DeviceProfile, load_profile
-from .describe import HF_LLAMA, ModelNames, config_json, describe, parallelize_config
+from .describe import HF_LLAMA, ModelNames, apply_recompute, config_json, describe, parallelize_config
 from .model import Estimate, TransformerSpec
-from .search import SOLVE_SECONDS, search
+from .search import SOLVE_SECONDS, VPP_DEGREES, search
 
 GB = 1e9
 
@@ -18,7 +18,9 @@ GB = 1e9
 @dataclass
 class Plan:
     """The chosen layout and what it costs per rank.  `config` goes to `dist.parallelize`
-    on `mesh()`; recompute and gradient accumulation (pp = 1) are the training loop's."""
+    on `mesh()`, `apply_recompute(model)` checkpoints the layers the plan recomputes
+    (`parallelize(..., config="auto")` does both); gradient accumulation (pp = 1, several
+    micro-batches) is the training loop's."""
 
     estimate: Estimate
     runner_up: Optional[Estimate]
@@ -28,11 +30,17 @@ class Plan:
     profile: DeviceProfile
     memory_limit: float
     why: str
+    names: ModelNames = HF_LLAMA
 
     @property
     def degrees(self) -> dict:
         s = self.estimate.layout.shape
         return {"dp": s.dp, "mp": s.tp, "pp": s.pp}
+
+    @property
+    def name(self) -> str:
+        """The layout in short: "dp4 tp1 pp2 zero1 mb1x2" (sp: sequence parallel)."""
+        return _name(self.estimate)
 
     @property
     def memory_per_rank_bytes(self) -> dict:
@@ -49,6 +57,21 @@ class Plan:
     @property
     def mfu(self) -> float:
         return self.estimate.mfu
+
+    def apply_recompute(self, model: torch.nn.Module) -> list:
+        """Checkpoint the decoder layers the plan recomputes (before or after `parallelize`);
+        returns their names.
+
+        >>> import torch, autopar as dist
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=64))
+        >>> p = dist.plan(model, torch.zeros(1, 64, dtype=torch.long), 1, device="cpu", precision="fp32",
+        ...               memory_per_rank=1.9e6)  # 2.2 MB without recompute
+        >>> p.apply_recompute(model)
+        ['model.layers.0', 'model.layers.1']
+        """
+        return apply_recompute(model, self.names, self.estimate.layout)
 
     def mesh(self, process_ids: Optional[list] = None):
         """The ProcessMesh the config runs on: dims ["pp", "dp", "mp"], mp fastest."""
@@ -70,6 +93,7 @@ class Plan:
             "micro_batch": layout.shape.micro_batch,
             "micro_batches": layout.shape.micro_batches,
             "sequence_parallel": layout.shape.sequence_parallel,
+            "vpp_degree": layout.shape.vpp,
             "stage_layers": list(layout.stage_layers),
             "recompute_layers": list(layout.recompute),
             "memory_per_rank_bytes": self.memory_per_rank_bytes,
@@ -89,7 +113,7 @@ class Plan:
         lines = [
             f"plan: dp {s.dp} x mp {s.tp} x pp {s.pp} on {s.world} {self.profile.name} ranks, ZeRO-{s.zero}, "
             f"sequence parallel {'on' if s.sequence_parallel else 'off'}, {s.micro_batches} micro-batches of "
-            f"{s.micro_batch}",
+            f"{s.micro_batch}" + (f", interleaved 1F1B over {s.vpp} chunks per stage" if s.vpp > 1 else ""),
             f"  layers per stage {list(layout.stage_layers)}, recomputed {list(layout.recompute)}",
             f"  step time {est.step_time:.4g} s, MFU {est.mfu:.1%}",
             "  memory per rank (fullest stage): " + ", ".join(
@@ -109,8 +133,8 @@ class Plan:
 
 def _name(est: Estimate) -> str:
     s = est.layout.shape
-    return (f"dp{s.dp} tp{s.tp} pp{s.pp} zero{s.zero}{' sp' if s.sequence_parallel else ''} "
-            f"mb{s.micro_batch}x{s.micro_batches}")
+    return (f"dp{s.dp} tp{s.tp} pp{s.pp}{f' vpp{s.vpp}' if s.vpp > 1 else ''} zero{s.zero}"
+            f"{' sp' if s.sequence_parallel else ''} mb{s.micro_batch}x{s.micro_batches}")
 
 
 def _summary(est: Estimate) -> dict:
@@ -178,7 +202,8 @@ def plan(
     why = (
         f"searched {result.searched} layouts of {world_size} ranks (dp x mp x pp with mp within a node of "
         f"{profile.ranks_per_node} dividing {spec.heads} heads and {spec.kv_heads} kv heads, pp <= {spec.layers} "
-        f"layers, every micro-batch size dividing the batch, ZeRO 0-3, sequence parallel on/off"
+        f"layers, every micro-batch size dividing the batch, ZeRO 0-3, sequence parallel on/off, 1F1B or "
+        f"interleaved over {'/'.join(map(str, VPP_DEGREES[1:]))} chunks per stage"
         + (f", fixed {fixed}" if fixed else "") + f"); for {result.solved} of them HiGHS solved the integer "
         f"program of layers and recomputed layers per stage ({result.infeasible} cannot fit {limit / GB:.1f} GB"
         + (f", {result.unproven} stopped at {SOLVE_SECONDS:g} s without proof" if result.unproven else "") + "), "
@@ -190,4 +215,8 @@ def plan(
         r = result.runner_up
         why += (f" Runner-up with other degrees: {_name(r)}, {r.step_time:.4g} s "
                 f"({r.step_time / best.step_time - 1:+.1%}), {r.peak_memory / GB:.1f} GB.")
-    return Plan(best, result.runner_up, compared, parallelize_config(names, best.layout), spec, profile, limit, why)
+    if best.layout.recompute and any(best.layout.recompute):
+        why += (f" Recomputes {sum(best.layout.recompute)} of {spec.layers} layers (per stage "
+                f"{list(best.layout.recompute)}) to fit.")
+    return Plan(best, result.runner_up, compared, parallelize_config(names, best.layout), spec, profile, limit,
+                why, names)

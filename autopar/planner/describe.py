@@ -1,9 +1,10 @@
 """From a model to the planner and back: a module's dimensions (`describe`) and the
 `parallelize` config that runs a layout on it (`parallelize_config`).
 
-Two families are recognised: HuggingFace Llama-like models (a `config` with
-num_hidden_layers, hidden_size, ...) and plain decoder stacks like the examples' GPT (a
-ModuleList of identical blocks between token embeddings and a vocabulary-sized head).
+Two families are recognised: HuggingFace decoder models (Llama-like, and GPT-2 with its
+Conv1D projections and fused q/k/v; a `config` with num_hidden_layers, hidden_size, ...)
+and plain decoder stacks like the examples' GPT (a ModuleList of identical blocks between
+token embeddings and a vocabulary-sized head).
 """
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .model import Layout, TransformerSpec
 
 # linear layers of a block split by output features (column) or input features (row)
-_COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "q", "k", "v", "fc1")
-_ROW = ("o_proj", "down_proj", "proj", "fc2")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "q", "k", "v", "fc1",
+           "c_attn", "c_fc")
+_ROW = ("o_proj", "down_proj", "proj", "fc2", "c_proj")
 _GATED = ("gate_proj", "gate_up_proj")
 _FINAL_NORM = ("norm", "ln", "ln_f", "final_layernorm")
-_MLP_IN = ("up_proj", "fc1", "gate_up_proj")
+_MLP_IN = ("up_proj", "fc1", "gate_up_proj", "c_fc")
+# HF Conv1D projections computing q, k and v side by side (GPT-2): split with each part cut alike
+_FUSED_QKV = ("c_attn",)
 _HEADS = ("heads", "num_heads", "n_head")
 
 
@@ -33,6 +38,8 @@ class ModelNames:
     embedding: str
     head: str  # the vocabulary projection
     final_norm: Optional[str] = None
+    fused: tuple = ()  # block-relative names of column linears computing 3 equal projections (q, k, v)
+    tied: bool = False  # the head shares the embedding's weight
 
 
 def _layer_list(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
@@ -46,9 +53,11 @@ def _layer_list(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
 def describe(model: torch.nn.Module, seq: Optional[int] = None) -> tuple[TransformerSpec, ModelNames]:
     """The transformer dimensions of `model` and the names of its parts.  `seq` defaults to
     the model's position table (learned, or HF's max_position_embeddings)."""
+    from ..api.plans import _is_hf_conv1d
+
     layers_name, blocks = _layer_list(model)
     block = blocks[0]
-    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear) or _is_hf_conv1d(m)}
     leaf = lambda n: n.rpartition(".")[2]  # noqa: E731
     column = tuple(n for n in linears if leaf(n) in _COLUMN)
     row = tuple(n for n in linears if leaf(n) in _ROW)
@@ -74,7 +83,7 @@ def describe(model: torch.nn.Module, seq: Optional[int] = None) -> tuple[Transfo
     up_name, up = next(((n, m) for n, m in linears.items() if leaf(n) in _MLP_IN), (None, None))
     if up is None:
         raise ValueError(f"{type(model).__name__}: its blocks' linears {sorted(linears)} name no MLP input {_MLP_IN}")
-    ffn = up.out_features // (2 if leaf(up_name) == "gate_up_proj" else 1)
+    ffn = _out_features(up) // (2 if leaf(up_name) == "gate_up_proj" else 1)
     if cfg is not None and hasattr(cfg, "num_attention_heads"):
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -84,18 +93,60 @@ def describe(model: torch.nn.Module, seq: Optional[int] = None) -> tuple[Transfo
         if heads is None:
             raise ValueError(f"{type(model).__name__}: no config.num_attention_heads and no block attribute {_HEADS}")
         k = [m for n, m in linears.items() if leaf(n) in ("k_proj", "k")]
-        kv_heads = k[0].out_features * heads // hidden if k else heads
+        kv_heads = _out_features(k[0]) * heads // hidden if k else heads
     positions = [m.num_embeddings for n, m in embeddings if n != emb_name]
     seq = seq or (positions[0] if positions else None)
     if seq is None:
         raise ValueError(f"{type(model).__name__}: give the sequence length (no position table to read it from)")
     norms = [n for n, _ in model.named_modules() if leaf(n) in _FINAL_NORM and not n.startswith(layers_name + ".")]
+    ops = count_ops(model, blocks[0])
     spec = TransformerSpec(
         layers=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq=seq,
         gated=gated, tied=head_weight is emb.weight, bias=any(m.bias is not None for m in linears.values()),
         positions=positions[0] if positions else 0,
+        **({} if ops is None else {"layer_ops": ops[0], "other_ops": max(ops[1] - len(blocks) * ops[0], 0)}),
     )
-    return spec, ModelNames(layers_name, column, row, emb_name, head, norms[-1] if norms else None)
+    fused = tuple(n for n in column if leaf(n) in _FUSED_QKV and _out_features(linears[n]) == 3 * hidden)
+    return spec, ModelNames(layers_name, column, row, emb_name, head, norms[-1] if norms else None, fused, spec.tied)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(model: torch.nn.Module, block: torch.nn.Module, tokens: int = 8) -> Optional[tuple]:
+    """(aten ops of `block`'s forward, aten ops of the whole forward) on one sequence of
+    `tokens` ids, in eval mode under no_grad with the random state put back: the host cost
+    the planner prices per layer.  None if the model does not run on token ids alone."""
+    device = next(model.parameters()).device
+    counter, at_block = _OpCounter(), []
+    hooks = [block.register_forward_pre_hook(lambda *_: at_block.append(counter.ops)),
+             block.register_forward_hook(lambda *_: at_block.append(counter.ops))]
+    training = model.training
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), counter:
+            model(torch.zeros(1, tokens, dtype=torch.long, device=device))
+    except Exception:  # noqa: BLE001 - an unusual forward: the planner keeps its default counts
+        return None
+    finally:
+        model.train(training)
+        for h in hooks:
+            h.remove()
+    if len(at_block) < 2:
+        return None
+    return at_block[1] - at_block[0], counter.ops
+
+
+def _out_features(layer: torch.nn.Module) -> int:
+    """Output features of an nn.Linear ([out, in] weight) or a HF Conv1D ([in, out])."""
+    return layer.out_features if isinstance(layer, torch.nn.Linear) else layer.weight.shape[1]
 
 
 HF_LLAMA = ModelNames(
@@ -110,36 +161,103 @@ HF_LLAMA = ModelNames(
 
 def parallelize_config(names: ModelNames, layout: Layout) -> dict:
     """The `parallelize` config of `layout`, a key per dim of degree > 1: ZeRO over "dp", Megatron's column/row plan over
-    "mp" (the embedding split on hidden, the head on vocabulary; sequence parallel between
-    the blocks when the layout says so), 1F1B stages over "pp" cut where the layout cuts."""
+    "mp" (the embedding split on hidden, or on vocabulary when the head shares its weight, the
+    head on vocabulary; sequence parallel between
+    the blocks when the layout says so, on the [batch, seq, hidden] activations the model
+    passes, no transposes), 1F1B stages over "pp" cut where the layout cuts."""
     import autopar as dist
 
     shape = layout.shape
     config: dict = {"dp_config": {"sharding_level": shape.zero}} if shape.dp > 1 else {}
     if shape.tp > 1:
         each = f"{names.layers}.*."
-        plan = {each + n: dist.ColWiseParallel() for n in names.column}
+        plan = {each + n: dist.ColWiseParallel(fused=3 if n in names.fused else 1) for n in names.column}
         plan.update({each + n: dist.RowWiseParallel() for n in names.row})
-        plan[names.embedding] = dist.ColWiseParallel()
+        # a head tied to the embedding splits both by vocabulary (the embedding's output then
+        # comes out Partial and is reduced where it is next needed)
+        embedding = dist.RowWiseParallel() if names.tied else dist.ColWiseParallel()
+        plan[names.embedding] = embedding
         plan[names.head] = dist.ColWiseParallel()
         if shape.sequence_parallel:
-            plan[names.embedding] = [dist.ColWiseParallel(), dist.SequenceParallelBegin()]
+            plan[names.embedding] = [embedding, dist.SequenceParallelBegin(need_transpose=False)]
             for part in sorted({n.partition(".")[0] for n in names.column + names.row if "." in n}):
-                plan[each + part] = dist.SequenceParallelDisable()
+                plan[each + part] = dist.SequenceParallelDisable(need_transpose=False)
             if names.final_norm:
                 plan[names.final_norm] = dist.SequenceParallelEnable()
-            plan[names.head] = [dist.ColWiseParallel(), dist.SequenceParallelEnd()]
+            plan[names.head] = [dist.ColWiseParallel(), dist.SequenceParallelEnd(need_transpose=False)]
         config["mp_config"] = {"parallelize_plan": plan}
     if shape.pp > 1:
         starts, at = [], 0
-        for n in layout.stage_layers[:-1]:
+        for n in chunk_layers(layout)[:-1]:
             at += n
             starts.append(at)
         config["pp_config"] = {
             "split_spec": {f"{names.layers}.{i}": dist.SplitPoint.BEGINNING for i in starts},
-            "schedule_mode": "1F1B", "accumulate_steps": shape.micro_batches,
+            "schedule_mode": "1F1B" if shape.vpp == 1 else "VPP", "accumulate_steps": shape.micro_batches,
         }
+        if shape.vpp > 1:
+            config["pp_config"]["vpp_degree"] = shape.vpp
     return config
+
+
+def chunk_layers(layout: Layout) -> list:
+    """Layers per pipeline chunk in model order: chunk c runs on stage c mod pp, each stage's
+    layers split evenly over its vpp chunks (one chunk per stage without interleaving)."""
+    pp, v = layout.shape.pp, layout.shape.vpp
+    return [layout.stage_layers[c % pp] // v for c in range(pp * v)]
+
+
+def recomputed_layers(layout: Layout) -> list:
+    """Indices of the decoder layers `layout` recomputes: the first r of each stage's n,
+    taken chunk by chunk in model order (a stage's layers all hold their activations
+    about equally long)."""
+    pp = layout.shape.pp
+    left = list(layout.recompute)
+    out, start = [], 0
+    for c, n in enumerate(chunk_layers(layout)):
+        take = min(left[c % pp], n)
+        left[c % pp] -= take
+        out += range(start, start + take)
+        start += n
+    return out
+
+
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # HF names, old and new
+
+
+def _checkpointed(forward):
+    """`forward` under non-reentrant activation checkpointing when a backward can follow.  A
+    key/value cache is not passed in: the recomputation would append the keys a second
+    time (HF turns caching off under checkpointing for the same reason)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        kwargs = {k: None if k in _CACHE_KWARGS else v for k, v in kwargs.items()}
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def apply_recompute(model: torch.nn.Module, names: ModelNames, layout: Layout) -> list:
+    """Run the layers `layout` recomputes under activation checkpointing (exact under every
+    placement): each keeps only its input and runs its forward again in the backward.
+    Returns their names."""
+    blocks = model.get_submodule(names.layers)
+    done = []
+    for i in recomputed_layers(layout):
+        block = blocks[i]
+        if not getattr(block, "_autopar_recomputed", False):
+            block.forward = _checkpointed(block.forward)
+            block._autopar_recomputed = True
+        done.append(f"{names.layers}.{i}")
+    return done
 
 
 def config_json(config: dict) -> dict:

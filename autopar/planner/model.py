@@ -17,18 +17,24 @@ Conventions (Megatron-LM's, Korthikanti et al. 2022 for activations):
 - attention is flash attention (no s x s scores kept) and causal (half the score FLOPs);
 - 1F1B: stage s holds min(pp - s, m) micro-batches of activations; a step takes
   (m - 1) x the slowest stage's micro-batch time + one micro-batch through every stage;
+  interleaved 1F1B (vpp v > 1: each stage's layers in v chunks, chunk c on stage c mod pp)
+  cuts that pipeline fill by v, holds what autopar's order holds (`orders.peak_held`) and
+  sends v times as often;
 - the data-parallel gradient reduction and the optimizer run after the pipeline flushes,
   not overlapped with the backward (an upper bound on the step time).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .cost import DeviceProfile, collective_time, matmul_time, memory_bound_time
 
 MEMORY = ("params", "grads", "optimizer", "activations", "reserved")
-TIME = ("compute", "tp_comm", "zero_comm", "p2p", "dp_comm", "optimizer")
+MICRO_TIME = ("compute", "host", "tp_comm", "zero_comm", "p2p")  # per micro-batch
+END_TIME = ("dp_comm", "optimizer")  # once per step, after the pipeline flushes
+TIME = MICRO_TIME + END_TIME
 # bytes per parameter: (weights, gradients, optimizer states, reduced gradient, gathered weight)
 _STATE_BYTES = {"bf16": (2, 4, 12, 2, 2), "fp32": (4, 4, 8, 4, 4)}
 _ACT_BYTES = {"bf16": 2, "fp32": 4}
@@ -50,6 +56,11 @@ class TransformerSpec:
     tied: bool = False  # LM head shares the embedding's weight
     bias: bool = False  # linear biases and LayerNorm shifts (GPT)
     positions: int = 0  # rows of a learned position embedding (0: rotary)
+    # aten ops one decoder layer's forward runs, and the rest of the model's forward (embedding,
+    # final norm, head, masks): their host cost matters where layers are small (`describe`
+    # counts them on a module; these are HF Llama's)
+    layer_ops: int = 100
+    other_ops: int = 50
 
     @property
     def kv_dim(self) -> int:
@@ -104,6 +115,7 @@ class Shape:
     zero: int = 0
     sequence_parallel: bool = False
     precision: str = "bf16"
+    vpp: int = 1  # chunks per pipeline stage (interleaved 1F1B when > 1)
 
     @property
     def world(self) -> int:
@@ -177,7 +189,7 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
     a = _ACT_BYTES[shape.precision]
     tokens = shape.micro_batch * spec.seq
     sp_div = tp if shape.sequence_parallel else 1
-    inflight = min(pp - stage, shape.micro_batches)
+    inflight = held_micro_batches(shape)[stage]
     terms = StageTerms()
 
     # parameters this rank holds (a tp shard of the matrices, whole norms)
@@ -220,7 +232,22 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
         compute += Affine(head + memory_bound_time(3 * tokens * spec.vocab / tp * (a + 8), profile))
     if first:
         compute += Affine(memory_bound_time(3 * tokens * h * a, profile))  # lookup, its gradient's scatter
-    terms.add("micro_time", "compute", compute)
+    crowd = crowding(shape, profile)
+    terms.add("micro_time", "compute", compute * crowd)
+
+    # host: per forward op a step runs about three aten ops (the op, two in its backward), two
+    # distributed dispatches and one autograd node (counted on HF Llama under dp and under mp:
+    # 3.1 aten ops, 2.0 dispatches, 0.75 nodes per forward op); a recomputed layer runs its
+    # forward again.  A CPU computes its ops itself (host and compute add); a GPU's host issues
+    # ops while the device runs, so only host time beyond the device's counts
+    per_op = profile.op_latency + profile.dispatch_overhead
+    pass_cost = 3 * profile.op_latency + 2 * profile.dispatch_overhead + profile.autograd_node
+    ends = (0.5 if first else 0.0) + (0.5 if last else 0.0)  # embedding side / head side of the rest
+    host = Affine(ends * spec.other_ops * pass_cost, spec.layer_ops * pass_cost, spec.layer_ops * per_op) * crowd
+    if profile.host_overlaps:
+        host = Affine(*(max(0.0, x - y) for x, y in zip(
+            (host.c, host.per_layer, host.per_recompute), (compute.c, compute.per_layer, compute.per_recompute))))
+    terms.add("micro_time", "host", host)
 
     # tensor parallel: per layer, forward (again when recomputed) and backward each gather the
     # attention's and the MLP's input and reduce-scatter their outputs (sequence parallel), or
@@ -244,7 +271,7 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
 
     # pipeline: the activation (split over tp) goes forward, its gradient backward
     if pp > 1:
-        sends = Affine((0 if last else 1) + (0 if first else 1))
+        sends = Affine((shape.vpp - last) + (shape.vpp - first))
         _collective(terms, "micro", "p2p", "send", 2, tp * dp, sends, sends * (activation / tp), profile)
 
     # end of step: gradients all-reduced over dp (ZeRO-1: reduce-scattered), the updated
@@ -287,13 +314,38 @@ class Estimate:
         return max(self.memory_by_stage, key=lambda m: sum(m.values()))
 
 
+def crowding(shape: Shape, profile: DeviceProfile) -> float:
+    """How much slower each rank computes because ranks outnumber the cores they share (a
+    profile measured on one machine: `cores`; devices of their own: 1)."""
+    if not profile.cores:
+        return 1.0
+    return max(1.0, min(shape.world, profile.ranks_per_node) / profile.cores)
+
+
+def held_micro_batches(shape: Shape) -> list:
+    """Per stage, how many micro-batches' activations of all its layers it holds at the
+    peak under the shape's schedule (interleaved: in chunk units over v)."""
+    if shape.vpp == 1:
+        return [min(shape.pp - s, shape.micro_batches) for s in range(shape.pp)]
+    return list(_interleaved_peaks(shape.pp, shape.vpp, shape.micro_batches))
+
+
+@functools.lru_cache(maxsize=None)
+def _interleaved_peaks(pp: int, vpp: int, micro_batches: int) -> tuple:
+    from ..pipelining import orders
+
+    return tuple(k / vpp for k in orders.peak_held(orders.interleaved(pp, vpp, micro_batches)))
+
+
 def all_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape) -> list:
     return [stage_terms(spec, profile, shape, s) for s in range(shape.pp)]
 
 
-def pipeline_time(micro: list, end: list, micro_batches: int) -> float:
-    """1F1B step time from each stage's micro-batch time and end-of-step time."""
-    return (micro_batches - 1) * max(micro) + sum(micro) + max(end)
+def pipeline_time(micro: list, end: list, micro_batches: int, vpp: int = 1) -> float:
+    """1F1B step time from each stage's micro-batch time and end-of-step time: m micro-batches
+    through the slowest stage plus the fill of the others, which interleaving cuts by vpp."""
+    slowest = max(micro)
+    return micro_batches * slowest + (sum(micro) - slowest) / vpp + max(end)
 
 
 def evaluate(spec: TransformerSpec, profile: DeviceProfile, layout: Layout,
@@ -302,6 +354,8 @@ def evaluate(spec: TransformerSpec, profile: DeviceProfile, layout: Layout,
     shape = layout.shape
     if len(layout.stage_layers) != shape.pp or sum(layout.stage_layers) != spec.layers:
         raise ValueError(f"stage_layers {layout.stage_layers} must split {spec.layers} layers into {shape.pp} stages")
+    if any(n % shape.vpp for n in layout.stage_layers):
+        raise ValueError(f"stage_layers {layout.stage_layers} must each split into vpp={shape.vpp} chunks")
     terms = all_terms(spec, profile, shape)
     nr = list(zip(layout.stage_layers, layout.recompute))
     at = lambda table, key, s: table[key].at(*nr[s]) if key in table else 0.0  # noqa: E731
@@ -309,11 +363,11 @@ def evaluate(spec: TransformerSpec, profile: DeviceProfile, layout: Layout,
     peak = max(sum(m.values()) for m in memory)
     micro = [sum(v.at(*nr[s]) for v in t.micro_time.values()) for s, t in enumerate(terms)]
     end = [sum(v.at(*nr[s]) for v in t.end_time.values()) for s, t in enumerate(terms)]
-    step = pipeline_time(micro, end, shape.micro_batches)
+    step = pipeline_time(micro, end, shape.micro_batches, shape.vpp)
     slow, last_end = max(range(shape.pp), key=micro.__getitem__), max(range(shape.pp), key=end.__getitem__)
     m = shape.micro_batches
-    time = {k: m * at(terms[slow].micro_time, k, slow) for k in TIME[:4]}
-    time.update({k: at(terms[last_end].end_time, k, last_end) for k in TIME[4:]})
+    time = {k: m * at(terms[slow].micro_time, k, slow) for k in MICRO_TIME}
+    time.update({k: at(terms[last_end].end_time, k, last_end) for k in END_TIME})
     time["bubble"] = step - sum(time.values())
     busiest = [{op: m * b.at(*nr[s]) for op, b in t.micro_bytes.items()} for s, t in enumerate(terms)]
     for s, t in enumerate(terms):

@@ -2,7 +2,8 @@
 
 It enumerates the shapes (dp x tp x pp = world with tp inside a node and dividing the
 heads and kv heads, pp at most the layers, micro-batch size, ZeRO level, sequence
-parallel), and for each solves one small integer program with HiGHS: how many layers
+parallel, the interleaving degree of the pipeline), and for each solves one small integer
+program with HiGHS: how many layers
 each pipeline stage gets and how many of them it recomputes, minimising the 1F1B step
 time subject to every stage's memory.  Stages differ (the first holds the embedding and
 the most micro-batches in flight, the last the LM head and logits), so uneven splits and
@@ -28,12 +29,15 @@ def _divisors(n: int) -> list:
 
 # the settings `fixed` may pin, by the names users know them by -> Shape's field
 _FIXED = {"dp": "dp", "tp": "tp", "mp": "tp", "pp": "pp", "zero": "zero", "sharding_level": "zero",
-          "micro_batch": "micro_batch", "sequence_parallel": "sequence_parallel"}
+          "micro_batch": "micro_batch", "sequence_parallel": "sequence_parallel", "vpp": "vpp",
+          "vpp_degree": "vpp"}
+VPP_DEGREES = (1, 2, 4)  # chunks per pipeline stage tried (interleaved 1F1B beyond 1)
 
 
 def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: DeviceProfile,
            precision: str = "bf16", fixed: Optional[dict] = None) -> list:
-    """Every Shape worth pricing.  `fixed` pins any of dp/tp/pp/zero/micro_batch/sequence_parallel."""
+    """Every Shape worth pricing.  `fixed` pins any of dp/tp/pp/zero/micro_batch/sequence_parallel/vpp.
+    Interleaving needs pp > 1, a multiple of pp micro-batches and pp x vpp <= layers."""
     fixed = fixed or {}
     unknown = sorted(set(fixed) - set(_FIXED))
     if unknown:
@@ -47,11 +51,14 @@ def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: Device
             if pp > spec.layers or global_batch % dp:
                 continue
             for b in _divisors(global_batch // dp):
+                m = global_batch // (dp * b)
+                vpps = [v for v in VPP_DEGREES if v == 1 or (pp > 1 and m % pp == 0 and pp * v <= spec.layers)]
                 for zero in range(4):
                     for sp in (False, True) if tp > 1 else (False,):
-                        shape = Shape(dp, tp, pp, b, global_batch // (dp * b), zero, sp, precision)
-                        if all(getattr(shape, _FIXED[k]) == v for k, v in fixed.items()):
-                            out.append(shape)
+                        for v in vpps:
+                            shape = Shape(dp, tp, pp, b, m, zero, sp, precision, v)
+                            if all(getattr(shape, _FIXED[k]) == x for k, x in fixed.items()):
+                                out.append(shape)
     return out
 
 
@@ -65,7 +72,8 @@ def lower_bound(terms: list, shape: Shape, layers: int) -> float:
     fixed_end = [sum(v.c for v in t.end_time.values()) for t in terms]
     per_layer_end = sum(v.per_layer for v in terms[0].end_time.values())
     end = max(max(fixed_end) + per_layer_end, min(fixed_end) + per_layer_end * layers / shape.pp)
-    return (shape.micro_batches - 1) * total / shape.pp + total + end
+    m, v = shape.micro_batches, shape.vpp
+    return (m - 1 / v) * total / shape.pp + total / v + end
 
 
 SOLVE_SECONDS = 5.0  # per integer program; past it the best split found so far is taken
@@ -75,25 +83,26 @@ GAP = 1e-7  # relative optimality gap at which HiGHS may stop
 def solve_split(terms: list, shape: Shape, layers: int, memory_limit: float) -> tuple[Optional[tuple], bool]:
     """((stage_layers, recompute), proven optimal) minimising the step time with every
     stage's memory within `memory_limit`; (None, proven) if nothing fits or nothing was found
-    in SOLVE_SECONDS.  Variables: n_s >= 1 layers and 0 <= r_s <= n_s recomputed layers per
-    stage (integers), T >= each stage's micro-batch time, E >= each stage's end-of-step
-    time; minimise (m - 1) T + sum_s time_s + E."""
+    in SOLVE_SECONDS.  Variables: k_s >= 1 layers per chunk (n_s = vpp k_s layers per stage)
+    and 0 <= r_s <= n_s recomputed layers per stage (integers), T >= each stage's
+    micro-batch time, E >= each stage's end-of-step time; minimise
+    (m - 1/vpp) T + sum_s time_s / vpp + E (`model.pipeline_time`)."""
     highspy, h = _highs()
-    pp = shape.pp
+    pp, v = shape.pp, shape.vpp
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", GAP)
     h.setOptionValue("time_limit", SOLVE_SECONDS)
-    n = [h.addIntegral(lb=1, ub=layers) for _ in range(pp)]
+    k = [h.addIntegral(lb=1, ub=layers // v) for _ in range(pp)]
+    n = [v * x for x in k]
     r = [h.addIntegral(lb=0, ub=layers) for _ in range(pp)]
     big_t, big_e = h.addVariable(lb=0.0), h.addVariable(lb=0.0)
-    const, objective = 0.0, (shape.micro_batches - 1) * big_t + big_e
+    objective = (shape.micro_batches - 1 / v) * big_t + big_e
     h.addConstr(sum(n) == layers)
     for s, t in enumerate(terms):
         micro = _total(t.micro_time)
         end = _total(t.end_time)
         memory = _total(t.memory)
-        const += micro.c
-        objective = objective + micro.per_layer * n[s] + micro.per_recompute * r[s]
+        objective = objective + (micro.per_layer * n[s] + micro.per_recompute * r[s]) * (1 / v)
         h.addConstr(r[s] <= n[s])
         h.addConstr(big_t >= micro.c + micro.per_layer * n[s] + micro.per_recompute * r[s])
         h.addConstr(big_e >= end.c + end.per_layer * n[s] + end.per_recompute * r[s])
@@ -105,8 +114,8 @@ def solve_split(terms: list, shape: Shape, layers: int, memory_limit: float) -> 
     if status != highspy.HighsModelStatus.kOptimal and h.getInfo().primal_solution_status != 2:  # none feasible
         return None, proven
     values = h.getSolution().col_value
-    stage_layers = tuple(round(values[v.index]) for v in n)
-    recompute = tuple(round(values[v.index]) for v in r)
+    stage_layers = tuple(v * round(values[x.index]) for x in k)
+    recompute = tuple(round(values[x.index]) for x in r)
     return (stage_layers, recompute), proven
 
 

@@ -164,6 +164,8 @@ def strided_variants(call: OpCall, strategies: list, current: list, m: int, k: i
         if n % p.split_factor or (n // p.split_factor) % k:
             continue
         for s in strategies:
+            if any(type(t) is StridedShard for t in s.inputs + s.outputs):
+                continue  # the rule's own strided strategy already says how blocks map
             if s.kernel is None and s.inputs[i] == Shard(p.dim):
                 v = _as_strided(call, s, n, p.split_factor)
                 if v is not None and v not in out:

@@ -26,12 +26,14 @@ from ..placement import Partial, Replicate, Shard
 from ..spec import DistSpec, TensorMeta
 from .registry import MODULE_RULES, register
 from .strategy import OpCall, Strategy
-from .tensor_ops import split_rule
+from .tensor_ops import split_rule, split_sizes_local
 
 aten = torch.ops.aten
 _R, _P = Replicate(), Partial()
 
-register([aten.unsafe_split, aten.unsafe_split_with_sizes, aten.unsafe_chunk])(split_rule)  # GRU/LSTM cells' chunk
+# GRU/LSTM cells' chunk (the same number of pieces locally) and its split forms
+register([aten.unsafe_split, aten.unsafe_split_with_sizes], local_args=split_sizes_local)(split_rule)
+register([aten.unsafe_chunk])(split_rule)
 
 
 def _batch_dim(call: OpCall, batch_first_at: int) -> int:

@@ -10,9 +10,11 @@ share into a Partial(sum) self (Replicate -> Partial is free: the terms are the 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..placement import Partial, Replicate, Shard
+from ..placement import Partial, Replicate, Shard, StridedShard
 from .pointwise import _ALL_PARTIALS, _SUM_AVG, shard_strategies
 from .registry import register, register_kernel
 from .strategy import OpCall, Strategy
@@ -60,6 +62,10 @@ def cat_rule(call: OpCall) -> list[Strategy]:
         for d in range(len(out))
         if d != dim
     ]
+    if all(full) and len(call.inputs) > 1 and len({m.shape[dim] for m in call.inputs}) == 1:
+        # equal pieces split alike on the cat dim: rank i's parts, side by side, are its share of
+        # every block (a fused q/k/v's gradient, back from the split into q, k, v)
+        strategies.append(Strategy((StridedShard(dim, len(call.inputs)),), (Shard(dim),) * len(call.inputs)))
     return strategies + [Strategy((p,), (p,) * len(call.inputs)) for p in _ALL_PARTIALS]
 
 
@@ -70,12 +76,28 @@ def stack_rule(call: OpCall) -> list[Strategy]:
     return _moved({d: d + (d >= dim) for d in range(nd - 1)}, len(call.inputs), 1)
 
 
-@register([aten.split.Tensor, aten.split_with_sizes.default])
+def split_sizes_local(args, kwargs, out_shapes):
+    """A split of a dim this rank holds a share of takes the local piece sizes."""
+    dim = _dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), len(out_shapes[0]))
+    sizes = [s[dim] for s in out_shapes]
+    return with_arg(args, kwargs, 1, "split_size" if isinstance(args[1], int) else "split_sizes",
+                    sizes[0] if isinstance(args[1], int) else sizes)
+
+
+@register([aten.split.Tensor, aten.split_with_sizes.default], local_args=split_sizes_local)
 def split_rule(call: OpCall) -> list[Strategy]:
-    """Pieces along one dim: the other dims keep their shards."""
+    """Pieces along one dim: the other dims keep their shards.  A dim read as blocks split
+    alike (StridedShard: a fused q/k/v or gate/up projection split column-wise) is cut
+    locally where the pieces are whole blocks: each piece keeps its blocks' shares."""
     nd = len(call.inputs[0].shape)
     dim = _dim(call.arg(2, "dim", 0), nd)
-    return _moved({d: d for d in range(nd) if d != dim}, 1, len(call.outputs))
+    strategies = _moved({d: d for d in range(nd) if d != dim}, 1, len(call.outputs))
+    sizes = [m.shape[dim] for m in call.outputs]
+    block = math.gcd(*sizes)
+    if len(sizes) > 1 and block:
+        pieces = tuple(Shard(dim) if n == block else StridedShard(dim, n // block) for n in sizes)
+        strategies.append(Strategy(pieces, (StridedShard(dim, sum(sizes) // block),)))
+    return strategies
 
 
 @register([aten.slice.Tensor])
