@@ -19,7 +19,8 @@ def _auto(mesh_ids, dim_names, with_grads=True):
     weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
     placed = {k: (v.process_mesh.dim_names, v.process_mesh.process_ids, [str(p) for p in v.placements])
               for k, v in model.named_parameters()}
-    return (losses, weights, grads or []), model._autopar_plan.degrees, model._autopar_plan.config, placed
+    plan = model._autopar_plan
+    return (losses, weights, grads or []), plan.degrees, (plan.config, plan.estimate.layout.shape.sequence_parallel), placed
 
 
 @pytest.mark.parametrize("mesh_ids, dim_names", [([0, 1], ["x"]), ([[0, 1]], ["pp", "dp"])])
@@ -27,7 +28,7 @@ def test_auto_on_two_ranks_matches_one_process(mesh_ids, dim_names):
     grads = []
     ref = hf_llama.reference(hf_llama.batches(), grads=grads)
     results = run_dist(_auto, 2, mesh_ids, dim_names)
-    for got, degrees, config, placed in results:
+    for got, degrees, _, placed in results:
         hf_llama.assert_matches(got, (*ref, grads))
         assert degrees["dp"] * degrees["mp"] * degrees["pp"] == 2
         if dim_names == ["pp", "dp"]:  # a mesh naming its dims keeps their sizes
@@ -45,13 +46,14 @@ def test_auto_on_four_ranks_keeps_the_named_mesh(dim_names):
     stages (split points where the plan cuts, 1F1B) trains as one process does."""
     ref = hf_llama.reference(hf_llama.batches())
     pipeline = "pp" in dim_names
-    for got, degrees, config, placed in run_dist(_auto, 4, [[0, 1], [2, 3]], dim_names, not pipeline):
+    for got, degrees, (config, sequence_parallel), placed in run_dist(_auto, 4, [[0, 1], [2, 3]], dim_names,
+                                                                      not pipeline):
         hf_llama.assert_matches(got, (*ref, []))
         assert degrees == {dim: 2 if dim in dim_names else 1 for dim in ("dp", "mp", "pp")}
         assert ("pp_config" in config) == pipeline and ("mp_config" in config) == ("mp" in dim_names)
-        if "mp" in dim_names:  # the plan splits the norms' sequences too (HF's [b, s, h], no transposes)
+        if "mp" in dim_names:  # sequence parallel is in the plan exactly when the layout says so
             plan = config["mp_config"]["parallelize_plan"]
-            assert isinstance(plan["model.layers.*.mlp"], dist.SequenceParallelDisable)
+            assert ("model.layers.*.mlp" in plan) == sequence_parallel
         if pipeline:
             assert placed["model.layers.0.mlp.down_proj.weight"][1] == [0, 1]  # one layer per stage
             assert placed["model.layers.1.mlp.down_proj.weight"][1] == [2, 3]
@@ -156,12 +158,18 @@ def _recomputed(layout):
     """A HF Llama planned on 2 ranks with too little memory to keep every layer's activations,
     parallelized by the plan (its config, its recomputed layers checkpointed), trained 3
     steps, counting how often every decoder layer's attention ran."""
+    from autopar.planner import evaluate
+    from autopar.planner.model import Layout
+
     model = hf_llama.tiny_llama()
     batch = hf_llama.batches()[0][0]
-    fixed = {"dp": 2, "mp": 1, "pp": 1} if layout == "dp" else {"dp": 1, "mp": 2, "pp": 1}
+    # one micro-batch, ZeRO-0, no sequence parallel: recompute is the only way to fit
+    fixed = {"pp": 1, "zero": 0, "sequence_parallel": False, "micro_batch": 4 // (2 if layout == "dp" else 1),
+             **({"dp": 2, "mp": 1} if layout == "dp" else {"dp": 1, "mp": 2})}
     roomy = dist.plan(model, batch, 2, device="cpu", precision="fp32", fixed=fixed)
-    m = roomy.memory_per_rank_bytes
-    tight = m["total"] - 0.6 * m["activations"]
+    layout = roomy.estimate.layout
+    every_layer = Layout(layout.shape, layout.stage_layers, layout.stage_layers)  # all recomputed
+    tight = (roomy.memory_per_rank_bytes["total"] + evaluate(roomy.spec, roomy.profile, every_layer).peak_memory) / 2
     plan = dist.plan(model, batch, 2, device="cpu", precision="fp32", fixed=fixed, memory_per_rank=tight)
     opt = hf_llama.optimizer(model.parameters())
     model, opt = dist.parallelize(model, opt, dist.ProcessMesh([0, 1], dim_names=["x"]), plan)
@@ -245,7 +253,8 @@ def test_a_planned_hf_gpt2_splits_its_fused_qkv_by_heads_and_its_tied_head_by_vo
     import test_hf_models as hfm
 
     model = hfm.tiny("gpt2")
-    plan = dist.plan(model, hfm.batches()[0][0], 2, device="cpu", precision="fp32", fixed={"mp": 2})
+    plan = dist.plan(model, hfm.batches()[0][0], 2, device="cpu", precision="fp32",
+                     fixed={"mp": 2, "sequence_parallel": True})
     mp_plan = plan.config["mp_config"]["parallelize_plan"]
     assert mp_plan["transformer.h.*.attn.c_attn"].fused == 3 and mp_plan["transformer.h.*.mlp.c_fc"].fused == 1
     embedding = mp_plan["transformer.wte"]

@@ -161,6 +161,16 @@ def link(profile: DeviceProfile, group_size: int, stride: int) -> tuple[float, f
     return profile.inter_latency, profile.inter_bandwidth
 
 
+def op_link(profile: DeviceProfile, op: str, latency: float, bandwidth: float) -> tuple[float, float]:
+    """(latency, bandwidth) of collective `op` on a link measured as (latency, bandwidth) for
+    all_reduce: scaled as the profile measured `op` against all_reduce (`op_links`; gloo's
+    reduce_scatter is 3x slower per byte on this machine), unchanged where it did not."""
+    for name, op_latency, op_bandwidth in profile.op_links:
+        if name == op:
+            return latency * op_latency / profile.intra_latency, bandwidth * op_bandwidth / profile.intra_bandwidth
+    return latency, bandwidth
+
+
 def collective_time(op: str, nbytes: float, group_size: int, profile: DeviceProfile, stride: int = 1) -> float:
     """Seconds for one collective `op` on `nbytes` over `group_size` ranks (alpha-beta ring).
 
@@ -172,7 +182,7 @@ def collective_time(op: str, nbytes: float, group_size: int, profile: DeviceProf
     if op not in _RING:
         raise ValueError(f"no cost model for collective {op!r}; known: {list(_RING)}")
     steps, factor = _RING[op](group_size)
-    alpha, bandwidth = link(profile, group_size, stride)
+    alpha, bandwidth = op_link(profile, op, *link(profile, group_size, stride))
     return steps * alpha + factor * nbytes / bandwidth
 
 

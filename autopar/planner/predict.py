@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from .cost import _RING, DeviceProfile, load_profile
+from .cost import _RING, DeviceProfile, load_profile, op_link
 
 aten = torch.ops.aten
 
@@ -106,11 +106,7 @@ def comm_time(op: str, group_size: int, sent: float, received: float, profile: D
     """
     if group_size <= 1:
         return 0.0
-    latency, bandwidth = shared_link(profile, crowding)
-    for name, op_latency, op_bandwidth in profile.op_links:  # this collective against all_reduce
-        if name == op:
-            latency *= op_latency / profile.intra_latency
-            bandwidth *= op_bandwidth / profile.intra_bandwidth
+    latency, bandwidth = op_link(profile, op, *shared_link(profile, crowding))
     steps = _RING[op](group_size)[0] if op in _RING else 1
     return steps * latency + max(sent, received) / bandwidth
 
