@@ -16,14 +16,17 @@ from .api import plan
 from .cost import calibrate, save_profile
 from .model import TransformerSpec
 
-_DEGREE = {"tp": "mp", "mp": "mp", "pp": "pp", "dp": "dp", "zero": "zero"}
+_DEGREE = {"tp": "mp", "mp": "mp", "pp": "pp", "dp": "dp", "zero": "zero", "vpp": "vpp"}
 
 
 def parse_degrees(text: str) -> dict:
-    """"tp8,pp4" -> {"mp": 8, "pp": 4} (tp and mp are the same dim; also dp, zero).
+    """"tp8,pp4" -> {"mp": 8, "pp": 4} (tp and mp are the same dim; also dp, zero, and vpp:
+    chunks per pipeline stage, 1 for plain 1F1B).
 
     >>> parse_degrees("tp8,pp4,zero1")
     {'mp': 8, 'pp': 4, 'zero': 1}
+    >>> parse_degrees("tp8,pp4,vpp1")
+    {'mp': 8, 'pp': 4, 'vpp': 1}
     """
     out = {}
     for part in filter(None, text.split(",")):
