@@ -155,3 +155,54 @@ def test_the_predict_step_example_runs_in_a_plain_process():
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     runner.run(test)
     assert runner.summarize(verbose=False) == (0, 4)
+
+
+def test_one_timeline_per_role_plays_the_job():
+    """Ranks 0-1 and 2-3 are two pipeline stages of dp 2: recorded once each (ranks 0 and 2).
+    A stage's dp all-reduce waits for nobody but costs what two ranks' ring costs; the
+    activation crosses between the roles and the second stage waits for it."""
+    op = ("op", "aten::add", 0, 0, 0.0, 0)  # 1 ms each on UNIT
+    reduce_first, reduce_second = CommRecord("all_reduce", (0, 1), 0), CommRecord("all_reduce", (2, 3), 0)
+    send, recv = CommRecord("send", (0, 2), 0), CommRecord("recv", (0, 2), 0, 0)
+    peer = CommRecord("send", (0, 1), 0)  # to a rank of its own role: nobody waits for it
+    first = _recording(0, op, op, send, peer, reduce_first)
+    second = _recording(2, recv, op, reduce_second)
+    roles = {0: 0, 1: 0, 2: 2, 3: 2}
+    p = P.job_time([first, second], UNIT, roles=roles, world_size=4)
+    link = P.comm_time("all_reduce", 2, 0, 0, UNIT, crowding=4 / UNIT.cores)
+    hop = P.comm_time("recv", 2, 0, 0, UNIT, crowding=4 / UNIT.cores)
+    slow = P.oversubscription(4, UNIT)
+    assert p.total == pytest.approx(2e-3 * slow + hop + 1e-3 * slow + link)  # the second stage ends last
+    assert p.rank == 2
+
+
+def _pipeline_step(device):
+    def make_step():
+        import hf_llama
+
+        mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"])
+        with torch.device(device):
+            model = hf_llama.tiny_llama()
+        opt = hf_llama.optimizer(model.parameters())
+        config = {"dp_config": {"sharding_level": 0}, "pp_config": {"split_spec": "model.layers"}}
+        model, opt = dist.parallelize(model, opt, mesh, config)
+        ids, labels = (t.to(device) for t in hf_llama.batches()[0])
+
+        def step():
+            model(input_ids=ids, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+    return make_step
+
+
+def test_a_job_priced_from_one_rank_per_stage_matches_every_rank_and_runs_on_meta():
+    """pp2 x dp2 HF Llama: the first rank of each stage stands for its stage; built on the
+    meta device (nothing computed) it prices the same step."""
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"])
+    every = P.predict_step(_pipeline_step("cpu"), 4)
+    per_role = P.predict_step(_pipeline_step("cpu"), 4, mesh=mesh)
+    on_meta = P.predict_step(_pipeline_step("meta"), 4, mesh=mesh)
+    assert per_role.total == pytest.approx(every.total, rel=0.1)
+    assert on_meta.total == pytest.approx(per_role.total, rel=0.02)
+    assert on_meta.categories["compute"] == pytest.approx(per_role.categories["compute"], rel=1e-6)

@@ -16,6 +16,8 @@ import dataclasses
 import os
 import weakref
 
+import numpy as np
+
 import torch.distributed as tdist
 
 import torch
@@ -163,10 +165,23 @@ def representative_ranks(mesh, alike=None) -> list[int]:
 
     (The world's first rank also sends plain batches to the others, as their source: the
     other ranks of its role receive them instead.)"""
+    return sorted(set(rank_roles(mesh, alike).values()))
+
+
+def rank_roles(mesh, alike=None) -> dict:
+    """{rank: the representative rank of its role} (see `representative_ranks`).
+
+    >>> import autopar as dist
+    >>> rank_roles(dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"]))
+    {0: 0, 1: 0, 2: 2, 3: 2}
+    """
     alike = [n for n in mesh.dim_names if n != "pp"] if alike is None else list(alike)
     along = {mesh.dim_index(n) for n in alike}
-    first = mesh.mesh[tuple(0 if i in along else slice(None) for i in range(mesh.ndim))]
-    return [int(r) for r in first.reshape(-1)]
+    roles = {}
+    for coord, rank in np.ndenumerate(mesh.mesh):
+        first = tuple(0 if i in along else c for i, c in enumerate(coord))
+        roles[int(rank)] = int(mesh.mesh[first])
+    return roles
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import bisect
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -336,13 +336,21 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
     return out
 
 
-def job_time(recordings: list, profile: DeviceProfile, load: float = 0.0) -> Prediction:
+def job_time(recordings: list, profile: DeviceProfile, load: float = 0.0, roles: Optional[dict] = None,
+             world_size: Optional[int] = None) -> Prediction:
     """Play every rank's priced timeline: a collective ends `comm_time` after its last
     member arrives; a receive ends `comm_time` after the matching send started (sends do
     not wait).  Host work is slowed by `oversubscription` (`load`: see `machine_load`), and
-    collectives take the `shared_link` of as many processes per core."""
-    slow = oversubscription(len(recordings), profile, load)
-    crowding = (len(recordings) + load) / profile.cores if profile.cores else 1.0  # processes per core
+    collectives take the `shared_link` of as many processes per core.
+
+    `roles` ({rank: the recorded rank that stands for it}) plays a job from one recording
+    per role (`representative_ranks`): a collective waits for the roles among its members
+    and a transfer between two ranks of one role for nobody (each rank of a role does the
+    same at the same time), priced for the real group; `world_size` is the job's ranks."""
+    roles = roles or {}
+    world = world_size or len(recordings)
+    slow = oversubscription(world, profile, load)
+    crowding = (world + load) / profile.cores if profile.cores else 1.0  # processes per core
     lines = {r.rank: _segments(r, profile, slow) for r in recordings}
     clock = {r: 0.0 for r in lines}
     spent = {r: dict.fromkeys(CATEGORIES, 0.0) for r in lines}
@@ -363,14 +371,18 @@ def job_time(recordings: list, profile: DeviceProfile, load: float = 0.0) -> Pre
                     continue
                 rec = seg[1]
                 cost = comm_time(rec.op, len(rec.ranks), rec.bytes, rec.recv_bytes, profile, crowding)
-                base = (rec.op if rec.op not in ("send", "recv") else "p2p", rec.ranks)
+                members = tuple(dict.fromkeys(roles.get(x, x) for x in rec.ranks))
+                base = (rec.op if rec.op not in ("send", "recv") else "p2p", members)
                 n = count.get((r, base), 0)
-                if rec.op == "send":
-                    sent[(rec.ranks, n)] = clock[r]
+                if rec.op in ("send", "recv") and len(members) == 1:  # within one role: nobody to wait for
+                    clock[r] += cost
+                    spent[r]["comm"] += cost
+                elif rec.op == "send":
+                    sent[(members, n)] = clock[r]
                     clock[r] += shared_link(profile, crowding)[0]
                     spent[r]["comm"] += shared_link(profile, crowding)[0]
                 elif rec.op == "recv":
-                    start = sent.get((rec.ranks, n))
+                    start = sent.get((members, n))
                     if start is None:
                         break
                     end = max(clock[r], start + cost)
@@ -378,12 +390,12 @@ def job_time(recordings: list, profile: DeviceProfile, load: float = 0.0) -> Pre
                     spent[r]["comm"] += end - max(clock[r], start)
                     clock[r] = end
                 else:
-                    members = arrived.setdefault((base, n), {})
-                    members.setdefault(r, clock[r])
-                    if len(members) < len(rec.ranks):
+                    present = arrived.setdefault((base, n), {})
+                    present.setdefault(r, clock[r])
+                    if len(present) < len(members):
                         break
-                    end = max(members.values()) + cost
-                    for m, t in members.items():
+                    end = max(present.values()) + cost
+                    for m, t in present.items():
                         spent[m]["wait"] += end - cost - t
                         spent[m]["comm"] += cost
                         clock[m] = end
@@ -404,7 +416,8 @@ def job_time(recordings: list, profile: DeviceProfile, load: float = 0.0) -> Pre
 
 
 def predict_step(make_step: Callable[[], Callable[[], object]], world_size: int,
-                 device: Union[str, DeviceProfile] = "cpu", warmup: int = 3, load: float = 0.0) -> Prediction:
+                 device: Union[str, DeviceProfile] = "cpu", warmup: int = 3, load: float = 0.0,
+                 mesh=None) -> Prediction:
     """Predict one step of a `world_size`-rank job on `device` by running every rank here
     under `simulate` (small worlds) and pricing what it ran.  `make_step()` is called inside each
     simulated rank and builds the model, returning the step callable.  `load`: cores' worth
@@ -425,9 +438,18 @@ def predict_step(make_step: Callable[[], Callable[[], object]], world_size: int,
     (True, True)
 
     (Skipped where docstrings run inside a job; tests/test_predict.py runs it in a plain process.)
+
+    With `mesh` (the job's), only one rank per role runs (`dist.representative_ranks`), so a
+    large job built on the meta device is priced from its stages' first ranks.
     """
     profile = load_profile(device)
-    return job_time([record_step(make_step, world_size, r, warmup) for r in range(world_size)], profile, load)
+    if mesh is None:
+        return job_time([record_step(make_step, world_size, r, warmup) for r in range(world_size)], profile, load)
+    from ..comm.simulate import rank_roles
+
+    roles = rank_roles(mesh)
+    recordings = [record_step(make_step, world_size, r, warmup) for r in sorted(set(roles.values()))]
+    return job_time(recordings, profile, load, roles, world_size)
 
 
 # -- calibration -----------------------------------------------------------------------------------
