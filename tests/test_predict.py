@@ -206,3 +206,16 @@ def test_a_job_priced_from_one_rank_per_stage_matches_every_rank_and_runs_on_met
     assert per_role.total == pytest.approx(every.total, rel=0.1)
     assert on_meta.total == pytest.approx(per_role.total, rel=0.02)
     assert on_meta.categories["compute"] == pytest.approx(per_role.categories["compute"], rel=1e-6)
+
+
+def test_a_gpu_host_hides_behind_the_device_between_collectives():
+    """Ops with 3 ms of device work and 1 ms of host work each: a CPU (UNIT) adds them; a
+    device whose host issues ops ahead takes the longer of the two between collectives."""
+    mm = ("op", "aten::mm", 3_000_000, 0, 3e6, 0)  # 3e6 FLOPs at 1e9/s: 3 ms, + 1 ms op latency
+    launch_bound = ("op", "aten::add", 0, 0, 0.0, 0)  # host only: 1 ms
+    reduce = CommRecord("all_reduce", (0,), 0)
+    gpu = dataclasses.replace(UNIT, host_overlaps=True, cores=0)
+    # CPU: 4 + (4 + 1) ms; GPU: 3 (device over 1 of host) + 3 (device over 2 of host)
+    for profile, want in ((UNIT, 4e-3 + 4e-3 + 1e-3), (gpu, 3e-3 + 3e-3)):
+        p = P.job_time([_recording(0, mm, reduce, mm, launch_bound)], profile)
+        assert p.total == pytest.approx(want), profile.host_overlaps

@@ -318,21 +318,36 @@ class Prediction:
 
 
 def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list:
-    """The rank's timeline priced: ("busy", category, seconds) and ("comm", record)."""
-    out = []
+    """The rank's timeline priced: ("busy", category, seconds) and ("comm", record).  Where
+    the host issues ops while the device runs earlier ones (`host_overlaps`, GPUs), the ops
+    between two collectives take the longer of their device time and their host time: the
+    host categories keep only what exceeds the device's."""
+    out, run = [], []
+
+    def flush():
+        if profile.host_overlaps:
+            device = sum(t for c, t in run if c == "compute")
+            host = sum(t for c, t in run if c != "compute")
+            beyond = max(0.0, host - device) / host if host else 0.0
+            run[:] = [(c, t if c == "compute" else t * beyond) for c, t in run]
+        out.extend(("busy", c, t) for c, t in run)
+        run.clear()
+
     for e in recording.events:
         kind = e[0]
         if kind == "op":
             framework = profile.op_latency
-            out.append(("busy", "compute", (op_time(e[2], e[3], profile, gemm=e[4], name=e[1], elements=e[5])
-                                            - framework) * slow))
-            out.append(("busy", "framework", framework * slow))
+            run.append(("compute", (op_time(e[2], e[3], profile, gemm=e[4], name=e[1], elements=e[5])
+                                    - framework) * slow))
+            run.append(("framework", framework * slow))
         elif kind == "dist":
-            out.append(("busy", "dispatch", profile.dispatch_overhead * slow))
+            run.append(("dispatch", profile.dispatch_overhead * slow))
         elif kind == "node":
-            out.append(("busy", "autograd", profile.autograd_node * slow))
+            run.append(("autograd", profile.autograd_node * slow))
         else:
+            flush()
             out.append(("comm", e[1]))
+    flush()
     return out
 
 
