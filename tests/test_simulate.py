@@ -26,11 +26,17 @@ def program(kind: str, device: str = "cpu") -> list:
     else:
         mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
         config = {"dp_config": {"sharding_level": 0 if kind == "dp0" else int(kind[-1])}}
+    return logged_steps(mesh, config, 3, device)
+
+
+def logged_steps(mesh, config: dict, steps: int, device: str = "cpu") -> list:
+    """A tiny HF Llama (on `device`) parallelized by `config` on `mesh`, trained `steps`
+    steps; each step's comm_log as [(op, ranks, bytes, shape)] (the loss read after it)."""
     with torch.device(device):
         model = tiny_llama()
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     logs = []
-    for ids, labels in batches(3):
+    for ids, labels in batches(steps):
         ids, labels = ids.to(device), labels.to(device)
         with dist.comm_log() as log:
             loss = model(input_ids=ids, labels=labels).loss

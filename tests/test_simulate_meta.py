@@ -9,7 +9,7 @@ import autopar as dist
 from distpool import run_dist
 from hf_llama import batches, mp_plan, optimizer, tiny_llama
 from plain_process import evaluated
-from test_simulate import each_rank  # noqa: F401  (the plain processes call t.each_rank)
+from test_simulate import each_rank, logged_steps  # noqa: F401  (the plain processes call t.each_rank)
 
 
 def mixed(device: str = "cpu", steps: int = 2) -> list:
@@ -18,18 +18,7 @@ def mixed(device: str = "cpu", steps: int = 2) -> list:
     mesh = dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["pp", "dp", "mp"])
     config = {"dp_config": {"sharding_level": 1}, "mp_config": {"parallelize_plan": mp_plan()},
               "pp_config": {"split_spec": "model.layers"}}
-    with torch.device(device):
-        model = tiny_llama()
-    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
-    logs = []
-    for ids, labels in batches(steps):
-        with dist.comm_log() as log:
-            loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        logs.append([[r.op, list(r.ranks), r.bytes, list(r.shape)] for r in log])
-    return logs
+    return logged_steps(mesh, config, steps, device)
 
 
 def test_a_meta_simulation_of_8_ranks_sends_what_the_real_ranks_send():

@@ -247,8 +247,9 @@ def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, 
     tdist.destroy_process_group()
 
 
-def _median_time(fn, repeats: int = 7) -> float:
-    """Median seconds of `fn` (per-op costs: the machine as it runs, other work included)."""
+def median_time(fn, repeats: int = 7) -> float:
+    """Median seconds of `fn` over `repeats` calls after one untimed call (per-op costs and
+    steps: the machine as it runs, other work included)."""
     import statistics
     import time
 
@@ -266,7 +267,7 @@ def _per_call(fn, calls: int = 400) -> float:
     def loop():
         for _ in range(calls):
             fn()
-    return _median_time(loop) / calls
+    return median_time(loop) / calls
 
 
 def _cold_call(make_args, func, nbytes: int, working_set: int) -> float:
@@ -279,7 +280,7 @@ def _cold_call(make_args, func, nbytes: int, working_set: int) -> float:
     def loop():
         for i in range(count):
             func(*calls[i % len(calls)])
-    return _median_time(loop, 5) / count
+    return median_time(loop, 5) / count
 
 
 # element-wise ops that compute more per element than they move (transcendentals, reductions
@@ -312,7 +313,7 @@ def _element_costs(op: float, working_set: int) -> tuple:
         def loop():
             for args in calls:
                 func(*args)
-        out.append((name, max(_median_time(loop, 5) / len(calls) - op, 0.0) / xs[0].numel()))
+        out.append((name, max(median_time(loop, 5) / len(calls) - op, 0.0) / xs[0].numel()))
     return tuple(out)
 
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from .cost import _RING, DeviceProfile, load_profile, op_link
+from .cost import _RING, DeviceProfile, load_profile, median_time, op_link
 
 aten = torch.ops.aten
 
@@ -476,21 +476,14 @@ def _reference_model(width: int = 16):
 
 def _reference_cost(step, profile: DeviceProfile, steps: int = 30) -> tuple:
     """(median seconds of `step` after warm-up, its recording, the compute part of its price)."""
-    import statistics
-    import time
-
-    for _ in range(3):
+    for _ in range(2):  # with median_time's own untimed call: three warm-up steps
         step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    seconds = median_time(step, steps)
     recording = Recording(0)
     with _Recorder(recording):
         step()
     compute = sum(s[2] for s in _segments(recording, profile, 1.0) if s[0] == "busy" and s[1] == "compute")
-    return statistics.median(times), recording, compute
+    return seconds, recording, compute
 
 
 def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
