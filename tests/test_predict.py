@@ -57,16 +57,31 @@ def test_a_collective_costs_a_latency_per_ring_step_plus_its_bytes_over_the_link
     assert P.comm_time("all_gather", 4, 1e6, 0, slow_scatter) == P.comm_time("all_gather", 4, 1e6, 0, UNIT)
 
 
-def test_ranks_beyond_the_cores_slow_every_rank_down():
-    assert P.oversubscription(2, UNIT) == 1.0
-    assert P.oversubscription(8, UNIT) == 4.0
-    assert P.oversubscription(2, UNIT, load=2.0) == 2.0
-    assert P.oversubscription(64, dataclasses.replace(UNIT, cores=0)) == 1.0  # a rank per device
+def test_ranks_beyond_the_cores_share_them_and_do_more_host_work():
+    assert P.core_share(2, UNIT) == 1.0 and P.core_share(8, UNIT) == 0.25
+    assert P.core_share(64, dataclasses.replace(UNIT, cores=0)) == 1.0  # a rank per device
     switching = dataclasses.replace(UNIT, shared_host=((2.0, 1.2), (4.0, 1.4)))
-    assert P.oversubscription(2, switching) == 1.0
-    assert P.oversubscription(4, switching) == pytest.approx(2 * 1.2)
-    assert P.oversubscription(6, switching) == pytest.approx(3 * 1.3)
+    assert P.host_factor(1.0, switching) == 1.0
+    assert P.host_factor(2.0, switching) == pytest.approx(1.2)
+    assert P.host_factor(3.0, switching) == pytest.approx(1.3)
+    assert P.host_factor(4.0, dataclasses.replace(switching, cores=0)) == 1.0
     assert 0.0 <= P.machine_load(0.05) <= P.machine_cores()
+
+
+def test_a_rank_in_a_collective_leaves_its_core_to_the_others():
+    """Four ranks on UNIT's two cores: ranks 0 and 1 have 4 ms of work; ranks 2 and 3 first
+    all-reduce (2 ms: two ring steps of 1 ms), then work 1 ms.  For those 2 ms ranks 0 and 1
+    have a core each; then four share two cores (each at half speed) until ranks 2 and 3 are
+    done at 4 ms; ranks 0 and 1 finish their last millisecond alone."""
+    op = ("op", "aten::add", 0, 0, 0.0, 0)  # 1 ms each on UNIT
+    reduce = CommRecord("all_reduce", (2, 3), 0)
+    busy = [_recording(r, op, op, op, op) for r in (0, 1)]
+    p = P.job_time(busy + [_recording(r, reduce, op) for r in (2, 3)], UNIT)
+    assert p.total == pytest.approx(5e-3) and p.rank == 0
+    assert p.categories["framework"] == pytest.approx(5e-3)  # 4 ms of work over 5 ms
+    # busy the whole time, four ranks would take twice their work; other programs count too
+    assert P.job_time([_recording(r, op, op) for r in range(4)], UNIT).total == pytest.approx(4e-3)
+    assert P.job_time([_recording(r, op, op) for r in range(2)], UNIT, load=2.0).total == pytest.approx(4e-3)
 
 
 def _matmul_then_replicate():
@@ -166,14 +181,18 @@ def test_one_timeline_per_role_plays_the_job():
     send, recv = CommRecord("send", (0, 2), 0), CommRecord("recv", (0, 2), 0, 0)
     peer = CommRecord("send", (0, 1), 0)  # to a rank of its own role: nobody waits for it
     first = _recording(0, op, op, send, peer, reduce_first)
-    second = _recording(2, recv, op, reduce_second)
+    second = _recording(2, recv, op, op, reduce_second)
     roles = {0: 0, 1: 0, 2: 2, 3: 2}
     p = P.job_time([first, second], UNIT, roles=roles, world_size=4)
     link = P.comm_time("all_reduce", 2, 0, 0, UNIT, crowding=4 / UNIT.cores)
     hop = P.comm_time("recv", 2, 0, 0, UNIT, crowding=4 / UNIT.cores)
-    slow = P.oversubscription(4, UNIT)
-    assert p.total == pytest.approx(2e-3 * slow + hop + 1e-3 * slow + link)  # the second stage ends last
+    # the stages never run at once (the first sends and reduces while the second works), so
+    # each has the machine's two cores for its two ranks; the second stage ends last
+    assert p.total == pytest.approx(2e-3 + hop + 2e-3 + link)
     assert p.rank == 2
+    # each timeline stands for two ranks: two stages running at once share the two cores
+    both = P.job_time([_recording(0, op, op), _recording(2, op, op)], UNIT, roles=roles, world_size=4)
+    assert both.total == pytest.approx(4e-3)
 
 
 def _pipeline_step(device):

@@ -54,7 +54,8 @@ class DeviceProfile:
     memory_curve: tuple = ()
     element_costs: tuple = ()  # (aten op name, seconds per element) of compute-bound element-wise ops
     # (ranks per core, latency per ring step, bandwidth) of collectives among ranks that share
-    # cores (a peer must be scheduled before a step completes), ascending; empty: the intra link
+    # cores (a peer must be scheduled before a step completes; measured as a round of compute
+    # and a collective less the round's compute), ascending; empty: the intra link
     shared_links: tuple = ()
     # (collective, latency per ring step, bandwidth) measured like the intra link's all_reduce;
     # a collective not listed (or on a profile without any) takes the intra link
@@ -87,23 +88,23 @@ _ONE_MACHINE = 1 << 16  # the cpu profile's ranks all share this machine
 # over loopback, the machine otherwise idle); every rank of a job must plan with the same numbers, so "cpu" is this
 # fixed profile unless $AUTOPAR_CPU_PROFILE names a file measured on yours
 CPU = DeviceProfile(
-    name="cpu", peak_flops_bf16=1.04e11, peak_flops_fp32=1.04e11, memory_bytes=25e9, hbm_bandwidth=5.48e10,
-    intra_bandwidth=1.14e9, intra_latency=2.33e-4, inter_bandwidth=1.14e9, inter_latency=2.33e-4,
-    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.2e-7, reserved_bytes=0.0,
-    op_latency=3.18e-6, dispatch_overhead=1.22e-5, autograd_node=0.0, cores=2,
-    gemm_curve=((1.02e3, 3.11e9), (8.19e3, 1.36e10), (6.55e4, 3.62e10), (5.24e5, 6.55e10), (4.19e6, 8.53e10),
-                (3.36e7, 9.67e10), (2.68e8, 1.04e11)),
-    memory_curve=((1.23e4, 1.27e10), (4.92e4, 2.11e10), (1.97e5, 3.74e10), (7.86e5, 4.49e10), (3.15e6, 4.38e10),
-                  (1.26e7, 5.48e10), (5.03e7, 4.01e10), (2.01e8, 6.51e9)),
-    element_costs=(("aten::exp", 6.36e-10), ("aten::log", 7.92e-10), ("aten::sqrt", 3.86e-10), ("aten::rsqrt", 2.47e-10),
-                   ("aten::sigmoid", 2.66e-10), ("aten::tanh", 2.12e-9), ("aten::silu", 2.72e-10), ("aten::gelu", 5.27e-10),
-                   ("aten::silu_backward", 2.95e-10), ("aten::gelu_backward", 5.65e-10), ("aten::tanh_backward", 1.62e-10),
-                   ("aten::sigmoid_backward", 1.7e-10), ("aten::pow.Tensor_Scalar", 1.82e-10),
-                   ("aten::mean.dim", 1.39e-10), ("aten::sum.dim_IntList", 1.28e-10), ("aten::_softmax", 5.43e-10),
-                   ("aten::_log_softmax", 4.35e-10), ("aten::_softmax_backward_data", 2e-10),
-                   ("aten::_log_softmax_backward_data", 4.23e-10)),
-    shared_links=((2.0, 1.22e-3, 1.14e9), (4.0, 1.83e-3, 1.14e9)), shared_host=((2.0, 1.19), (4.0, 1.23)),
-    op_links=(("all_gather", 3.61e-4, 1.09e9), ("reduce_scatter", 3.8e-4, 3.35e8), ("all_to_all", 1.44e-4, 1.71e9)),
+    name="cpu", peak_flops_bf16=1.07e11, peak_flops_fp32=1.07e11, memory_bytes=25e9, hbm_bandwidth=6.11e10,
+    intra_bandwidth=1.45e9, intra_latency=6.52e-4, inter_bandwidth=1.45e9, inter_latency=6.52e-4,
+    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.48e-7, reserved_bytes=0.0,
+    op_latency=3.27e-6, dispatch_overhead=1.16e-5, autograd_node=0.0, cores=2,
+    gemm_curve=((1.02e3, 5.82e9), (8.19e3, 1.43e10), (6.55e4, 3.75e10), (5.24e5, 6.74e10), (4.19e6, 8.84e10),
+                (3.36e7, 1e11), (2.68e8, 1.07e11)),
+    memory_curve=((1.23e4, 1.8e10), (4.92e4, 3e10), (1.97e5, 4.39e10), (7.86e5, 5.41e10), (3.15e6, 5.18e10),
+                  (1.26e7, 6.11e10), (5.03e7, 4.79e10), (2.01e8, 6.89e9)),
+    element_costs=(("aten::exp", 6.38e-10), ("aten::log", 7.89e-10), ("aten::sqrt", 3.89e-10), ("aten::rsqrt", 2.48e-10),
+                   ("aten::sigmoid", 2.65e-10), ("aten::tanh", 2.13e-9), ("aten::silu", 2.71e-10), ("aten::gelu", 4.54e-10),
+                   ("aten::silu_backward", 3.07e-10), ("aten::gelu_backward", 5.27e-10), ("aten::tanh_backward", 1.36e-10),
+                   ("aten::sigmoid_backward", 1.31e-10), ("aten::pow.Tensor_Scalar", 1.31e-10),
+                   ("aten::mean.dim", 1.15e-10), ("aten::sum.dim_IntList", 1.09e-10), ("aten::_softmax", 4.5e-10),
+                   ("aten::_log_softmax", 4.29e-10), ("aten::_softmax_backward_data", 1.59e-10),
+                   ("aten::_log_softmax_backward_data", 2.86e-10)),
+    shared_links=((2.0, 1.08e-3, 1.45e9), (4.0, 1.53e-3, 5.94e8)), shared_host=((2.0, 1.21), (4.0, 1.25)),
+    op_links=(("all_gather", 8.54e-4, 1.3e9), ("reduce_scatter", 1.25e-3, 5.5e8), ("all_to_all", 6.75e-4, 1.4e9)),
     host_overlaps=False,
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
@@ -217,11 +218,24 @@ def _collective(op: str, t, world: int):
     return lambda: tdist.all_reduce(t)
 
 
-def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, out) -> None:
-    """Rank 0 puts the median seconds of collective `op` on each size, each call made after a
-    millisecond of GEMMs: in a training step a collective follows compute, and gloo's threads
-    have gone to sleep by then (back-to-back calls find them awake, 3-5x faster)."""
-    import statistics
+def _gemms(a) -> None:
+    """The compute of a calibration round: three 256^3 GEMMs (about a millisecond here)."""
+    import torch
+
+    for _ in range(3):
+        torch.mm(a, a)
+
+
+def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, compute: float, out,
+                        samples: int = 48) -> None:
+    """Rank 0 puts, for each size, the mean seconds of a round (`_gemms`, then collective `op`)
+    less the round's compute: `compute` seconds on a core of its own, times the ranks per
+    core where they share cores (all are busy then).  In a training step a collective
+    follows compute, and gloo's threads have gone to sleep by then (back-to-back calls find
+    them awake, 3-5x faster).  The mean, not the median: a step pays every call, and one call
+    in five or so waits a scheduler slice (milliseconds) for a core, which the median never
+    shows.  Rounds, not the call alone: a rank whose turn on a shared core comes late makes
+    the others wait at the collective, which the time of the call counts again."""
     import time
 
     import torch
@@ -230,17 +244,18 @@ def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, 
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     a = torch.randn(256, 256)
+    busy = compute * max(1.0, world / machine_cores())
     times = []
     for n in sizes:
         call = _collective(op, torch.ones(n // 4), world)
-        samples = []
-        for _ in range(12):
-            for _ in range(3):
-                torch.mm(a, a)
-            t0 = time.perf_counter()
+        _gemms(a)
+        call()
+        tdist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(samples):
+            _gemms(a)
             call()
-            samples.append(time.perf_counter() - t0)
-        times.append(statistics.median(samples[1:]))
+        times.append(max((time.perf_counter() - t0) / samples - busy, 1e-7))
     tdist.barrier()
     if rank == 0:
         out.put(times)
@@ -374,8 +389,17 @@ def _spawn(target, world: int, *args):
 
 def _gloo_link(world: int, op: str = "all_reduce") -> tuple[float, float]:
     """(latency per ring step, bandwidth) of gloo's `op` on `world` local ranks."""
+    import torch
+
     sizes = [1 << k for k in range(8, 24, 2)]
-    times = _spawn(_measure_collective, world, op, sizes)
+    a = torch.randn(256, 256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        compute = median_time(lambda: _gemms(a), 21)
+    finally:
+        torch.set_num_threads(threads)
+    times = _spawn(_measure_collective, world, op, sizes, compute)
     steps, factor = _RING[op](world)
     per_byte, fixed = _fit_line([factor * s for s in sizes], times)
     fixed = min(fixed, times[0])
@@ -389,12 +413,14 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
     element-wise ops, its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
     from small training steps the per-op, per-autograd-node and per-DistTensor-dispatch host
-    costs (`predict.framework_costs`).  all_gather, reduce_scatter and all_to_all are measured
-    like all_reduce (`op_links`); all_reduce is also measured on `crowding` times as
-    many ranks as cores (`shared_links`), and so is a small step's host time (`shared_host`); element-wise inputs cycle through `working_set` bytes."""
+    costs (`predict.framework_costs`).  Collectives are timed as a step meets them, after
+    compute and averaged (`_measure_collective`); all_gather, reduce_scatter and all_to_all
+    like all_reduce (`op_links`); all_reduce also on `crowding` times as many ranks as cores
+    (`shared_links`), and so is a small step's host time (`shared_host`); element-wise inputs
+    cycle through `working_set` bytes."""
     import torch
 
-    from .predict import framework_costs, machine_cores
+    from .predict import framework_costs
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -434,6 +460,11 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     finally:
         torch.set_num_threads(threads)
     return dataclasses.replace(profile, op_latency=op, dispatch_overhead=dispatch, autograd_node=node)
+
+
+def machine_cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _total_memory() -> int:

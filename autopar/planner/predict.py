@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from .cost import _RING, DeviceProfile, load_profile, median_time, op_link
+from .cost import _RING, DeviceProfile, load_profile, machine_cores, median_time, op_link
 
 aten = torch.ops.aten
 
@@ -111,23 +111,34 @@ def comm_time(op: str, group_size: int, sent: float, received: float, profile: D
     return steps * latency + max(sent, received) / bandwidth
 
 
-def oversubscription(ranks: int, profile: DeviceProfile, load: float = 0.0) -> float:
-    """How much slower each rank computes when `ranks` processes, and `load` cores' worth of
-    other programs' work (`machine_load`), share the profile's cores (1 where every rank has
-    a core of its own, or the profile counts none).
+def host_factor(crowding: float, profile: DeviceProfile) -> float:
+    """How much more host work each rank does where `crowding` processes share each core
+    (caches refilled, switches paid at every collective: the profile's `shared_host`); 1
+    where every rank has a core of its own, or the profile counts no cores.
 
-    Where ranks share cores, each also does more host work (`shared_host`).
-
-    >>> from autopar.planner.cost import H100
     >>> import dataclasses
-    >>> two = dataclasses.replace(H100, cores=2)
-    >>> oversubscription(8, two), oversubscription(2, two), oversubscription(2, two, load=1.0)
-    (4.0, 1.0, 1.5)
+    >>> from autopar.planner.cost import H100
+    >>> switching = dataclasses.replace(H100, cores=2, shared_host=((2.0, 1.2), (4.0, 1.4)))
+    >>> host_factor(1.0, switching), round(host_factor(3.0, switching), 6)
+    (1.0, 1.3)
     """
     if not profile.cores:
         return 1.0
-    crowding = (ranks + load) / profile.cores
-    return max(1.0, crowding) * _piecewise([(1.0, 1.0)] + list(profile.shared_host), crowding)[0]
+    return _piecewise([(1.0, 1.0)] + list(profile.shared_host), crowding)[0]
+
+
+def core_share(runnable: float, profile: DeviceProfile) -> float:
+    """The share of a core each of `runnable` processes gets: all of one up to the profile's
+    cores, then an equal part of them (always 1 where the profile counts no cores: a device
+    per rank).
+
+    >>> from autopar.planner.cost import CPU
+    >>> core_share(2, CPU), core_share(8, CPU)  # two cores
+    (1.0, 0.25)
+    """
+    if not profile.cores or runnable <= profile.cores:
+        return 1.0
+    return profile.cores / runnable
 
 
 def machine_load(seconds: float = 1.0) -> float:
@@ -351,83 +362,144 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
     return out
 
 
+def _chunks(recording: Recording, profile: DeviceProfile, factor: float) -> list:
+    """The rank's priced timeline with consecutive host work merged: ("busy", {category:
+    seconds on a core of its own}) and ("comm", record)."""
+    out = []
+    for seg in _segments(recording, profile, factor):
+        if seg[0] != "busy":
+            out.append(seg)
+        elif out and out[-1][0] == "busy":
+            out[-1][1][seg[1]] = out[-1][1].get(seg[1], 0.0) + seg[2]
+        else:
+            out.append(("busy", {seg[1]: seg[2]}))
+    return out
+
+
+class _Playback:
+    """The job's timelines played forward in time.  A rank is running (host work, or the
+    latency of posting a send), blocked (at a collective its peers have not reached, or on a
+    receive whose send has not started), or in a transfer (a collective all its members
+    reached, or a receive after its send started), which ends at a fixed time.  Running
+    ranks share the cores (`core_share`, other programs' `load` counted among them); a
+    blocked rank or one in a transfer leaves its core to the others."""
+
+    def __init__(self, recordings: list, profile: DeviceProfile, load: float, roles: dict, world: int):
+        self.profile, self.load, self.roles = profile, load, roles
+        crowding = (world + load) / profile.cores if profile.cores else 1.0
+        self.crowding = crowding  # collectives are priced as measured with this many processes per core
+        self.lines = {r.rank: _chunks(r, profile, host_factor(crowding, profile)) for r in recordings}
+        self.weight = dict.fromkeys(self.lines, 0)  # ranks each timeline stands for
+        for rank in range(world):
+            self.weight[roles.get(rank, rank)] += 1
+        self.spent = {r: dict.fromkeys(CATEGORIES, 0.0) for r in self.lines}
+        self.pos = dict.fromkeys(self.lines, 0)
+        self.state: dict = {}  # rank -> ["run", left, total, {category: seconds}] | ["until", end] | [blocked]
+        self.finish: dict = {}
+        self.now = 0.0
+        self.arrived: dict = {}  # collective key -> ranks arrived
+        self.sent: dict = {}  # transfer key -> send start
+        self.count: dict = {}  # (rank, key without index) -> how many seen
+
+    def _run(self, r, categories: dict) -> None:
+        total = sum(categories.values())
+        self.state[r] = ["run", total, total, categories]
+
+    def _take(self, r) -> None:
+        """Rank `r` starts its next segment (or finishes)."""
+        line = self.lines[r]
+        if self.pos[r] == len(line):
+            self.state[r], self.finish[r] = ["done"], self.now
+            return
+        seg = line[self.pos[r]]
+        if seg[0] == "busy":
+            return self._run(r, dict(seg[1]))
+        rec = seg[1]
+        cost = comm_time(rec.op, len(rec.ranks), rec.bytes, rec.recv_bytes, self.profile, self.crowding)
+        members = tuple(dict.fromkeys(self.roles.get(x, x) for x in rec.ranks))
+        base = (rec.op if rec.op not in ("send", "recv") else "p2p", members)
+        n = self.count.get((r, base), 0)
+        if rec.op in ("send", "recv") and len(members) == 1:  # within one role: nobody to wait for
+            self.count[(r, base)] = n + 1
+            self.state[r] = ["until", self.now + cost, "comm"]
+        elif rec.op == "send":  # sends do not wait: posting one costs the link's latency
+            self.count[(r, base)] = n + 1
+            self.sent[(members, n)] = self.now
+            self._run(r, {"comm": shared_link(self.profile, self.crowding)[0]})
+        elif rec.op == "recv":
+            start = self.sent.get((members, n))
+            if start is None:
+                self.state[r] = ["recv"]
+                return
+            self.count[(r, base)] = n + 1
+            self.state[r] = ["until", max(self.now, start + cost), "comm"]
+        else:
+            self.count[(r, base)] = n + 1
+            present = self.arrived.setdefault((base, n), [])
+            present.append(r)
+            self.state[r] = ["collective"]
+            if len(present) == len(members):
+                for m in present:
+                    self.state[m] = ["until", self.now + cost, "comm"]
+
+    def _advance(self) -> None:
+        """Move time to the next end of a running segment or a transfer."""
+        running = [r for r, s in self.state.items() if s[0] == "run"]
+        share = core_share(self.load + sum(self.weight[r] for r in running), self.profile)
+        ends = [self.state[r][1] / share for r in running]
+        ends += [s[1] - self.now for s in self.state.values() if s[0] == "until"]
+        if not ends:
+            stuck = {r: self.lines[r][self.pos[r]][1] for r, s in self.state.items() if s[0] != "done"}
+            raise RuntimeError(f"predict: the ranks' collectives do not match; each waits on {stuck}")
+        dt = max(min(ends), 0.0)
+        self.now += dt
+        done = []
+        for r, s in self.state.items():
+            if s[0] == "run":
+                for category, seconds in s[3].items():
+                    self.spent[r][category] += dt * seconds / s[2]
+                s[1] -= dt * share
+                if s[1] <= 1e-12 * max(s[2], 1.0):
+                    done.append(r)
+            elif s[0] == "until":
+                self.spent[r][s[2]] += dt
+                if s[1] <= self.now + 1e-15:
+                    done.append(r)
+            elif s[0] != "done":
+                self.spent[r]["wait"] += dt
+        for r in done:
+            self.pos[r] += 1
+            self._take(r)
+
+    def play(self) -> Prediction:
+        for r in self.lines:
+            self._take(r)
+        while any(s[0] != "done" for s in self.state.values()):
+            for r, s in list(self.state.items()):  # a receive whose send has started since
+                if s[0] == "recv":
+                    self._take(r)
+            if any(s[0] != "done" for s in self.state.values()):
+                self._advance()
+        last = max(self.finish, key=self.finish.get)
+        return Prediction(self.finish[last], self.spent[last], last, [])
+
+
 def job_time(recordings: list, profile: DeviceProfile, load: float = 0.0, roles: Optional[dict] = None,
              world_size: Optional[int] = None) -> Prediction:
-    """Play every rank's priced timeline: a collective ends `comm_time` after its last
-    member arrives; a receive ends `comm_time` after the matching send started (sends do
-    not wait).  Host work is slowed by `oversubscription` (`load`: see `machine_load`), and
-    collectives take the `shared_link` of as many processes per core.
+    """Play every rank's priced timeline (`_Playback`): a collective ends `comm_time` after
+    its last member arrives; a receive ends `comm_time` after the matching send started
+    (sends do not wait).  Where the ranks (and `load`: see `machine_load`) outnumber the
+    profile's cores, the running ones share them and each does more host work
+    (`host_factor`), and collectives take the `shared_link` of as many processes per core.
 
     `roles` ({rank: the recorded rank that stands for it}) plays a job from one recording
     per role (`representative_ranks`): a collective waits for the roles among its members
     and a transfer between two ranks of one role for nobody (each rank of a role does the
     same at the same time), priced for the real group; `world_size` is the job's ranks."""
-    roles = roles or {}
     world = world_size or len(recordings)
-    slow = oversubscription(world, profile, load)
-    crowding = (world + load) / profile.cores if profile.cores else 1.0  # processes per core
-    lines = {r.rank: _segments(r, profile, slow) for r in recordings}
-    clock = {r: 0.0 for r in lines}
-    spent = {r: dict.fromkeys(CATEGORIES, 0.0) for r in lines}
-    pos = {r: 0 for r in lines}
-    arrived: dict = {}  # collective key -> {rank: arrival}
-    sent: dict = {}  # (src, dst, n) -> send start
-    count: dict = {}  # (rank, key without index) -> how many seen
-    while any(pos[r] < len(lines[r]) for r in lines):
-        progressed = False
-        for r, line in lines.items():
-            while pos[r] < len(line):
-                seg = line[pos[r]]
-                if seg[0] == "busy":
-                    clock[r] += seg[2]
-                    spent[r][seg[1]] += seg[2]
-                    pos[r] += 1
-                    progressed = True
-                    continue
-                rec = seg[1]
-                cost = comm_time(rec.op, len(rec.ranks), rec.bytes, rec.recv_bytes, profile, crowding)
-                members = tuple(dict.fromkeys(roles.get(x, x) for x in rec.ranks))
-                base = (rec.op if rec.op not in ("send", "recv") else "p2p", members)
-                n = count.get((r, base), 0)
-                if rec.op in ("send", "recv") and len(members) == 1:  # within one role: nobody to wait for
-                    clock[r] += cost
-                    spent[r]["comm"] += cost
-                elif rec.op == "send":
-                    sent[(members, n)] = clock[r]
-                    clock[r] += shared_link(profile, crowding)[0]
-                    spent[r]["comm"] += shared_link(profile, crowding)[0]
-                elif rec.op == "recv":
-                    start = sent.get((members, n))
-                    if start is None:
-                        break
-                    end = max(clock[r], start + cost)
-                    spent[r]["wait"] += max(0.0, start - clock[r])
-                    spent[r]["comm"] += end - max(clock[r], start)
-                    clock[r] = end
-                else:
-                    present = arrived.setdefault((base, n), {})
-                    present.setdefault(r, clock[r])
-                    if len(present) < len(members):
-                        break
-                    end = max(present.values()) + cost
-                    for m, t in present.items():
-                        spent[m]["wait"] += end - cost - t
-                        spent[m]["comm"] += cost
-                        clock[m] = end
-                        count[(m, base)] = n + 1
-                        if m != r:
-                            pos[m] += 1
-                    pos[r] += 1
-                    progressed = True
-                    continue
-                count[(r, base)] = n + 1
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: lines[r][pos[r]][1] for r in lines if pos[r] < len(lines[r])}
-            raise RuntimeError(f"predict: the ranks' collectives do not match; each waits on {stuck}")
-    slowest = max(clock, key=clock.get)
-    return Prediction(clock[slowest], spent[slowest], slowest, list(recordings))
+    prediction = _Playback(recordings, profile, load, roles or {}, world).play()
+    prediction.recordings = list(recordings)
+    return prediction
 
 
 def predict_step(make_step: Callable[[], Callable[[], object]], world_size: int,
@@ -525,7 +597,3 @@ def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
     busy = compute + op * rec.count("op") + node * rec.count("node")
     return op, node, max(seconds - busy, 0.0) / max(rec.count("dist"), 1)
 
-
-def machine_cores() -> int:
-    """Cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
