@@ -18,7 +18,7 @@ aten = torch.ops.aten
 UNIT = dataclasses.replace(
     CPU, gemm_curve=((1.0, 1e9),), memory_curve=((1.0, 1e9),), op_latency=1e-3, dispatch_overhead=2e-3,
     autograd_node=4e-3, intra_latency=1e-3, intra_bandwidth=1e9, cores=2, element_costs=(("aten::exp", 1e-6),),
-    shared_links=(), shared_host=(), op_links=(),
+    strided_costs=(), shared_links=(), shared_host=(), op_links=(),
 )
 
 
@@ -32,6 +32,22 @@ def test_an_mm_is_priced_by_its_flops_or_its_bytes_whichever_is_slower():
     assert P.op_time(10, 1e6, UNIT) == pytest.approx(1e6 / 1e9 + 1e-3)
     assert P.op_bytes(aten.t.default, (a,), {}, a.t()) == 0  # a view moves nothing
     assert P.op_time(0, 8, UNIT, name="aten::exp", elements=1000) == pytest.approx(1e-3 + 1e-3)
+
+
+def test_an_op_on_a_strided_input_takes_its_strided_cost_per_element():
+    profile = dataclasses.replace(UNIT, strided_costs=(("aten::exp", 5e-6),))
+    assert P.op_time(0, 8, profile, name="aten::exp", elements=1000, strided=True) == pytest.approx(5e-3 + 1e-3)
+    assert P.op_time(0, 8, profile, name="aten::exp", elements=1000) == pytest.approx(1e-3 + 1e-3)
+    assert P.op_time(0, 8, UNIT, name="aten::exp", elements=1000, strided=True) == pytest.approx(1e-3 + 1e-3)
+    rec = P.Recording(0)
+    x = torch.ones(16, 8)
+    every_other, top = x[:, ::2], x[:8]  # every other element of each row; the first rows
+    with P._Recorder(rec):
+        torch.exp(every_other)
+        torch.exp(top)
+        torch.stack([x, x], -1)
+    assert [(e[1], e[5], e[6]) for e in rec.events] == [
+        ("aten::exp", 64, True), ("aten::exp", 64, False), ("aten::stack", 128, True)]
 
 
 def test_rate_curves_interpolate_in_log_space_and_batched_products_use_their_own_size():
@@ -73,7 +89,7 @@ def test_a_rank_in_a_collective_leaves_its_core_to_the_others():
     all-reduce (2 ms: two ring steps of 1 ms), then work 1 ms.  For those 2 ms ranks 0 and 1
     have a core each; then four share two cores (each at half speed) until ranks 2 and 3 are
     done at 4 ms; ranks 0 and 1 finish their last millisecond alone."""
-    op = ("op", "aten::add", 0, 0, 0.0, 0)  # 1 ms each on UNIT
+    op = ("op", "aten::add", 0, 0, 0.0, 0, False)  # 1 ms each on UNIT
     reduce = CommRecord("all_reduce", (2, 3), 0)
     busy = [_recording(r, op, op, op, op) for r in (0, 1)]
     p = P.job_time(busy + [_recording(r, reduce, op) for r in (2, 3)], UNIT)
@@ -139,7 +155,7 @@ def _recording(rank, *events):
 
 
 def test_timelines_wait_for_the_sender_and_for_every_member_of_a_collective():
-    op = ("op", "aten::add", 0, 0, 0.0, 0)  # 1 ms each on UNIT
+    op = ("op", "aten::add", 0, 0, 0.0, 0, False)  # 1 ms each on UNIT
     send, recv = CommRecord("send", (0, 1), 0), CommRecord("recv", (0, 1), 0, 0)
     reduce = CommRecord("all_reduce", (0, 1), 0)
     p = P.job_time([_recording(0, op, op, op, send, reduce), _recording(1, recv, op, reduce)], UNIT)
@@ -176,7 +192,7 @@ def test_one_timeline_per_role_plays_the_job():
     """Ranks 0-1 and 2-3 are two pipeline stages of dp 2: recorded once each (ranks 0 and 2).
     A stage's dp all-reduce waits for nobody but costs what two ranks' ring costs; the
     activation crosses between the roles and the second stage waits for it."""
-    op = ("op", "aten::add", 0, 0, 0.0, 0)  # 1 ms each on UNIT
+    op = ("op", "aten::add", 0, 0, 0.0, 0, False)  # 1 ms each on UNIT
     reduce_first, reduce_second = CommRecord("all_reduce", (0, 1), 0), CommRecord("all_reduce", (2, 3), 0)
     send, recv = CommRecord("send", (0, 2), 0), CommRecord("recv", (0, 2), 0, 0)
     peer = CommRecord("send", (0, 1), 0)  # to a rank of its own role: nobody waits for it
@@ -230,8 +246,8 @@ def test_a_job_priced_from_one_rank_per_stage_matches_every_rank_and_runs_on_met
 def test_a_gpu_host_hides_behind_the_device_between_collectives():
     """Ops with 3 ms of device work and 1 ms of host work each: a CPU (UNIT) adds them; a
     device whose host issues ops ahead takes the longer of the two between collectives."""
-    mm = ("op", "aten::mm", 3_000_000, 0, 3e6, 0)  # 3e6 FLOPs at 1e9/s: 3 ms, + 1 ms op latency
-    launch_bound = ("op", "aten::add", 0, 0, 0.0, 0)  # host only: 1 ms
+    mm = ("op", "aten::mm", 3_000_000, 0, 3e6, 0, False)  # 3e6 FLOPs at 1e9/s: 3 ms, + 1 ms op latency
+    launch_bound = ("op", "aten::add", 0, 0, 0.0, 0, False)  # host only: 1 ms
     reduce = CommRecord("all_reduce", (0,), 0)
     gpu = dataclasses.replace(UNIT, host_overlaps=True, cores=0)
     # CPU: 4 + (4 + 1) ms; GPU: 3 (device over 1 of host) + 3 (device over 2 of host)

@@ -53,6 +53,7 @@ class DeviceProfile:
     gemm_curve: tuple = ()
     memory_curve: tuple = ()
     element_costs: tuple = ()  # (aten op name, seconds per element) of compute-bound element-wise ops
+    strided_costs: tuple = ()  # the same on inputs stepping along their last dim (`predict.strided_access`)
     # (ranks per core, latency per ring step, bandwidth) of collectives among ranks that share
     # cores (a peer must be scheduled before a step completes; measured as a round of compute
     # and a collective less the round's compute), ascending; empty: the intra link
@@ -88,23 +89,31 @@ _ONE_MACHINE = 1 << 16  # the cpu profile's ranks all share this machine
 # over loopback, the machine otherwise idle); every rank of a job must plan with the same numbers, so "cpu" is this
 # fixed profile unless $AUTOPAR_CPU_PROFILE names a file measured on yours
 CPU = DeviceProfile(
-    name="cpu", peak_flops_bf16=1.07e11, peak_flops_fp32=1.07e11, memory_bytes=25e9, hbm_bandwidth=6.11e10,
-    intra_bandwidth=1.45e9, intra_latency=6.52e-4, inter_bandwidth=1.45e9, inter_latency=6.52e-4,
-    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.48e-7, reserved_bytes=0.0,
-    op_latency=3.27e-6, dispatch_overhead=1.16e-5, autograd_node=0.0, cores=2,
-    gemm_curve=((1.02e3, 5.82e9), (8.19e3, 1.43e10), (6.55e4, 3.75e10), (5.24e5, 6.74e10), (4.19e6, 8.84e10),
-                (3.36e7, 1e11), (2.68e8, 1.07e11)),
-    memory_curve=((1.23e4, 1.8e10), (4.92e4, 3e10), (1.97e5, 4.39e10), (7.86e5, 5.41e10), (3.15e6, 5.18e10),
-                  (1.26e7, 6.11e10), (5.03e7, 4.79e10), (2.01e8, 6.89e9)),
-    element_costs=(("aten::exp", 6.38e-10), ("aten::log", 7.89e-10), ("aten::sqrt", 3.89e-10), ("aten::rsqrt", 2.48e-10),
-                   ("aten::sigmoid", 2.65e-10), ("aten::tanh", 2.13e-9), ("aten::silu", 2.71e-10), ("aten::gelu", 4.54e-10),
-                   ("aten::silu_backward", 3.07e-10), ("aten::gelu_backward", 5.27e-10), ("aten::tanh_backward", 1.36e-10),
-                   ("aten::sigmoid_backward", 1.31e-10), ("aten::pow.Tensor_Scalar", 1.31e-10),
-                   ("aten::mean.dim", 1.15e-10), ("aten::sum.dim_IntList", 1.09e-10), ("aten::_softmax", 4.5e-10),
-                   ("aten::_log_softmax", 4.29e-10), ("aten::_softmax_backward_data", 1.59e-10),
-                   ("aten::_log_softmax_backward_data", 2.86e-10)),
-    shared_links=((2.0, 1.08e-3, 1.45e9), (4.0, 1.53e-3, 5.94e8)), shared_host=((2.0, 1.21), (4.0, 1.25)),
-    op_links=(("all_gather", 8.54e-4, 1.3e9), ("reduce_scatter", 1.25e-3, 5.5e8), ("all_to_all", 6.75e-4, 1.4e9)),
+    name="cpu", peak_flops_bf16=1.05e11, peak_flops_fp32=1.05e11, memory_bytes=25e9, hbm_bandwidth=5.95e10,
+    intra_bandwidth=1.38e9, intra_latency=7.73e-4, inter_bandwidth=1.38e9, inter_latency=7.73e-4,
+    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.49e-7, reserved_bytes=0.0,
+    op_latency=3.29e-6, dispatch_overhead=1.26e-5, autograd_node=0.0, cores=2,
+    gemm_curve=((1.02e3, 2.75e9), (8.19e3, 1.2e10), (6.55e4, 3.67e10), (5.24e5, 6.34e10), (4.19e6, 8.52e10),
+                (3.36e7, 9.84e10), (2.68e8, 1.05e11)),
+    memory_curve=((1.23e4, 1.52e10), (4.92e4, 2.65e10), (1.97e5, 4.16e10), (7.86e5, 4.87e10), (3.15e6, 5.95e10),
+                  (1.26e7, 5.8e10), (5.03e7, 3.99e10), (2.01e8, 6.72e9)),
+    element_costs=(("aten::exp", 6.36e-10), ("aten::log", 7.89e-10), ("aten::sqrt", 3.93e-10), ("aten::rsqrt", 2.49e-10),
+                   ("aten::sigmoid", 2.69e-10), ("aten::tanh", 2.12e-9), ("aten::silu", 2.76e-10), ("aten::gelu", 4.92e-10),
+                   ("aten::silu_backward", 2.9e-10), ("aten::gelu_backward", 5.54e-10), ("aten::tanh_backward", 1.55e-10),
+                   ("aten::sigmoid_backward", 1.58e-10), ("aten::pow.Tensor_Scalar", 1.77e-10),
+                   ("aten::mean.dim", 1.34e-10), ("aten::sum.dim_IntList", 1.25e-10), ("aten::_softmax", 5.49e-10),
+                   ("aten::_log_softmax", 4.3e-10), ("aten::_softmax_backward_data", 1.77e-10),
+                   ("aten::_log_softmax_backward_data", 2.97e-10)),
+    strided_costs=(("aten::exp", 1.12e-9), ("aten::log", 1.27e-9), ("aten::sqrt", 8.74e-10), ("aten::rsqrt", 5.19e-10),
+                   ("aten::sigmoid", 1.82e-9), ("aten::tanh", 2.56e-9), ("aten::silu", 1.87e-9), ("aten::gelu", 6.26e-9),
+                   ("aten::silu_backward", 2.23e-9), ("aten::gelu_backward", 8e-9), ("aten::tanh_backward", 4.14e-10),
+                   ("aten::sigmoid_backward", 4.17e-10), ("aten::pow.Tensor_Scalar", 3.83e-10),
+                   ("aten::mean.dim", 2.93e-10), ("aten::sum.dim_IntList", 2.82e-10), ("aten::_softmax", 8.08e-10),
+                   ("aten::_log_softmax", 7.72e-10), ("aten::_softmax_backward_data", 7.94e-10),
+                   ("aten::_log_softmax_backward_data", 9.07e-10), ("aten::mul.Tensor", 3.98e-10),
+                   ("aten::add.Tensor", 4.11e-10), ("aten::stack", 7.01e-10), ("aten::cat", 7.1e-10)),
+    shared_links=((2.0, 1.01e-3, 1.38e9), (4.0, 1.44e-3, 6.26e8)), shared_host=((2.0, 1.21), (4.0, 1.31)),
+    op_links=(("all_gather", 7.11e-4, 9.74e8), ("reduce_scatter", 1.27e-3, 5.56e8), ("all_to_all", 6.32e-4, 1.18e9)),
     host_overlaps=False,
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
@@ -124,7 +133,8 @@ def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
     if os.path.exists(device):
         with open(device) as f:
             fields = json.load(f)
-        for curve in ("gemm_curve", "memory_curve", "element_costs", "shared_links", "shared_host", "op_links"):
+        for curve in ("gemm_curve", "memory_curve", "element_costs", "strided_costs", "shared_links", "shared_host",
+                      "op_links"):
             fields[curve] = tuple(tuple(p) for p in fields.get(curve, ()))
         return DeviceProfile(**fields)
     raise ValueError(f"unknown device {device!r}: use one of {sorted(PROFILES) + ['cpu']} or a profile JSON file")
@@ -313,14 +323,22 @@ _ELEMENT_OPS = {
 }
 
 
-def _element_costs(op: float, working_set: int) -> tuple:
-    """((op name, seconds per element of its first input), ...) for `_ELEMENT_OPS`, inputs
-    cycled through memory as in `_cold_call`."""
+# ops also timed on inputs stepping along their last dim (`predict.strided_access`): the
+# element-wise ones above, the common arithmetic, and a stack or cat along a new last dim
+_STRIDED_OPS = dict(_ELEMENT_OPS, **{
+    "aten::mul.Tensor": lambda x: (x, x), "aten::add.Tensor": lambda x: (x, x),
+    "aten::stack": lambda x: ([x, x], -1), "aten::cat": lambda x: ([x.unsqueeze(-1), x.unsqueeze(-1)], -1),
+})
+
+
+def _element_costs(op: float, working_set: int, ops: dict = _ELEMENT_OPS, step: int = 1) -> tuple:
+    """((op name, seconds per element of its first input), ...) for `ops`, inputs (every
+    `step`-th element of a row) cycled through memory as in `_cold_call`."""
     import torch
 
-    xs = [torch.rand(256, 1024) + 0.5 for _ in range(max(2, working_set // (256 * 1024 * 4)))]
+    xs = [(torch.rand(256, 1024 * step) + 0.5)[:, ::step] for _ in range(max(2, working_set // (256 * 1024 * 4 * step)))]
     out = []
-    for name, make_args in _ELEMENT_OPS.items():
+    for name, make_args in ops.items():
         packet, _, overload = name[len("aten::"):].partition(".")
         func = getattr(getattr(torch.ops.aten, packet), overload or "default")
         calls = [make_args(x) for x in xs]
@@ -411,7 +429,7 @@ def _gloo_link(world: int, op: str = "all_reduce") -> tuple[float, float]:
 def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26) -> DeviceProfile:
     """Measure this machine (one thread per rank, as the ranks run): a GEMM FLOP-rate curve
     and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
-    element-wise ops, its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
+    element-wise ops (and of element-wise ops on strided inputs), its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
     from small training steps the per-op, per-autograd-node and per-DistTensor-dispatch host
     costs (`predict.framework_costs`).  Collectives are timed as a step meets them, after
     compute and averaged (`_measure_collective`); all_gather, reduce_scatter and all_to_all
@@ -431,6 +449,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
                       lambda n: max(_cold_call(lambda: (torch.randn(n, n), torch.randn(n, n)), torch.mm,
                                                8 * n * n, working_set // 2) - op, 1e-9))
         elements = _element_costs(op, working_set)
+        strided = _element_costs(op, working_set, _STRIDED_OPS, step=2)
         memory = _curve([1 << k for k in range(10, 25, 2)], lambda n: 3.0 * n * 4,
                         lambda n: _cold_call(lambda: (torch.ones(n), torch.ones(n)), torch.add, 8 * n, working_set) - op)
     finally:
@@ -450,7 +469,8 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         hbm_bandwidth=max(rate for _, rate in memory), intra_bandwidth=bandwidth, intra_latency=latency,
         inter_bandwidth=bandwidth, inter_latency=latency, ranks_per_node=_ONE_MACHINE,
         matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
-        cores=cores, gemm_curve=gemm, memory_curve=memory, element_costs=elements, shared_links=shared,
+        cores=cores, gemm_curve=gemm, memory_curve=memory, element_costs=elements, strided_costs=strided,
+        shared_links=shared,
         shared_host=host, op_links=ops, host_overlaps=False,
     )
     threads = torch.get_num_threads()

@@ -59,12 +59,13 @@ def memory_rate(nbytes: float, profile: DeviceProfile) -> float:
 
 
 def op_time(flops: float, nbytes: float, profile: DeviceProfile, precision: str = "fp32", gemm: float = 0,
-            name: str = "", elements: int = 0) -> float:
+            name: str = "", elements: int = 0, strided: bool = False) -> float:
     """Seconds for one aten op: its compute or its memory traffic, whichever is slower, plus
     the per-op latency (dispatcher, allocation, kernel launch).  `gemm`: the FLOPs of each of
     the op's matrix products where it does many (batched, attention heads): the rate of that
     size applies.  An element-wise op the profile measured (`element_costs`, by aten `name`)
-    also takes its seconds per element times `elements` (its first input's) if that is slower.
+    also takes its seconds per element times `elements` (its first input's) if that is slower;
+    a `strided` one (`strided_access`) its `strided_costs` where the profile measured them.
 
     >>> from autopar.planner.cost import H100
     >>> round(op_time(2 * 4096**3, 3 * 4096**2 * 4, H100) * 1e3, 3)  # a 4096^3 fp32 GEMM: 46.9 TFLOP/s
@@ -72,7 +73,10 @@ def op_time(flops: float, nbytes: float, profile: DeviceProfile, precision: str 
     """
     compute = flops / flop_rate(gemm or flops, profile, precision) if flops else 0.0
     memory = nbytes / memory_rate(nbytes, profile) if nbytes else 0.0
-    per_element = dict(profile.element_costs).get(name, 0.0) * elements if elements else 0.0
+    costs = dict(profile.element_costs)
+    if strided:
+        costs.update(profile.strided_costs)
+    per_element = costs.get(name, 0.0) * elements if elements else 0.0
     return max(compute, memory, per_element) + profile.op_latency
 
 
@@ -223,10 +227,30 @@ def op_bytes(func, args, kwargs, out) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors((args, kwargs.values(), (out,)), []))
 
 
+def strided_access(func, args) -> bool:
+    """Whether an op walks memory element by element: an input stepping along its last dim
+    (a view such as `x[..., ::2]`: element-wise kernels do not vectorize it, several times
+    slower per element), or a cat or stack writing its pieces one element at a time (along
+    a last dim of size 1, or a new last dim).
+
+    >>> x = torch.ones(4, 8)
+    >>> silu = torch.ops.aten.silu.default
+    >>> strided_access(silu, (x[:, ::2],)), strided_access(silu, (x[:2],))
+    (True, False)
+    >>> strided_access(torch.ops.aten.stack.default, ([x, x], -1)), strided_access(torch.ops.aten.stack.default, ([x, x],))
+    (True, False)
+    """
+    if func in (aten.cat.default, aten.stack.default):
+        pieces, dim = args[0], args[1] if len(args) > 1 else 0
+        new = func is aten.stack.default  # the pieces gain a dim
+        return any(t.numel() > 1 and math.prod(t.shape[dim % (t.dim() + new):]) == 1 for t in pieces if t.dim())
+    return any(t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1 for t in _tensors(args, []))
+
+
 @dataclass
 class Recording:
     """One rank's step, in order: ("op", name, flops, bytes, flops of each matrix product,
-    elements of its first input) for an aten op on plain tensors,
+    elements of its first input, `strided_access`) for an aten op on plain tensors,
     ("dist",) for a DistTensor dispatch, ("node",) for an autograd node first seen running,
     ("comm", CommRecord) for a collective or transfer."""
 
@@ -275,7 +299,7 @@ class _Recorder(TorchDispatchMode):
             flops = op_flops(func, args, kwargs, out)
             first = next(iter(_tensors(args, [])), None)
             self._note(("op", func.name(), flops, op_bytes(func, args, kwargs, out), gemm_flops(func, flops, out),
-                        first.numel() if first is not None else 0))
+                        first.numel() if first is not None else 0, strided_access(func, args)))
         return out
 
 
@@ -348,7 +372,7 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
         kind = e[0]
         if kind == "op":
             framework = profile.op_latency
-            run.append(("compute", (op_time(e[2], e[3], profile, gemm=e[4], name=e[1], elements=e[5])
+            run.append(("compute", (op_time(e[2], e[3], profile, gemm=e[4], name=e[1], elements=e[5], strided=e[6])
                                     - framework) * slow))
             run.append(("framework", framework * slow))
         elif kind == "dist":
