@@ -89,31 +89,31 @@ _ONE_MACHINE = 1 << 16  # the cpu profile's ranks all share this machine
 # over loopback, the machine otherwise idle); every rank of a job must plan with the same numbers, so "cpu" is this
 # fixed profile unless $AUTOPAR_CPU_PROFILE names a file measured on yours
 CPU = DeviceProfile(
-    name="cpu", peak_flops_bf16=1.05e11, peak_flops_fp32=1.05e11, memory_bytes=25e9, hbm_bandwidth=5.95e10,
-    intra_bandwidth=1.38e9, intra_latency=7.73e-4, inter_bandwidth=1.38e9, inter_latency=7.73e-4,
-    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.49e-7, reserved_bytes=0.0,
-    op_latency=3.29e-6, dispatch_overhead=1.26e-5, autograd_node=0.0, cores=2,
-    gemm_curve=((1.02e3, 2.75e9), (8.19e3, 1.2e10), (6.55e4, 3.67e10), (5.24e5, 6.34e10), (4.19e6, 8.52e10),
-                (3.36e7, 9.84e10), (2.68e8, 1.05e11)),
-    memory_curve=((1.23e4, 1.52e10), (4.92e4, 2.65e10), (1.97e5, 4.16e10), (7.86e5, 4.87e10), (3.15e6, 5.95e10),
-                  (1.26e7, 5.8e10), (5.03e7, 3.99e10), (2.01e8, 6.72e9)),
-    element_costs=(("aten::exp", 6.36e-10), ("aten::log", 7.89e-10), ("aten::sqrt", 3.93e-10), ("aten::rsqrt", 2.49e-10),
-                   ("aten::sigmoid", 2.69e-10), ("aten::tanh", 2.12e-9), ("aten::silu", 2.76e-10), ("aten::gelu", 4.92e-10),
-                   ("aten::silu_backward", 2.9e-10), ("aten::gelu_backward", 5.54e-10), ("aten::tanh_backward", 1.55e-10),
-                   ("aten::sigmoid_backward", 1.58e-10), ("aten::pow.Tensor_Scalar", 1.77e-10),
-                   ("aten::mean.dim", 1.34e-10), ("aten::sum.dim_IntList", 1.25e-10), ("aten::_softmax", 5.49e-10),
-                   ("aten::_log_softmax", 4.3e-10), ("aten::_softmax_backward_data", 1.77e-10),
-                   ("aten::_log_softmax_backward_data", 2.97e-10)),
-    strided_costs=(("aten::exp", 1.12e-9), ("aten::log", 1.27e-9), ("aten::sqrt", 8.74e-10), ("aten::rsqrt", 5.19e-10),
-                   ("aten::sigmoid", 1.82e-9), ("aten::tanh", 2.56e-9), ("aten::silu", 1.87e-9), ("aten::gelu", 6.26e-9),
-                   ("aten::silu_backward", 2.23e-9), ("aten::gelu_backward", 8e-9), ("aten::tanh_backward", 4.14e-10),
-                   ("aten::sigmoid_backward", 4.17e-10), ("aten::pow.Tensor_Scalar", 3.83e-10),
-                   ("aten::mean.dim", 2.93e-10), ("aten::sum.dim_IntList", 2.82e-10), ("aten::_softmax", 8.08e-10),
-                   ("aten::_log_softmax", 7.72e-10), ("aten::_softmax_backward_data", 7.94e-10),
-                   ("aten::_log_softmax_backward_data", 9.07e-10), ("aten::mul.Tensor", 3.98e-10),
-                   ("aten::add.Tensor", 4.11e-10), ("aten::stack", 7.01e-10), ("aten::cat", 7.1e-10)),
-    shared_links=((2.0, 1.01e-3, 1.38e9), (4.0, 1.44e-3, 6.26e8)), shared_host=((2.0, 1.21), (4.0, 1.31)),
-    op_links=(("all_gather", 7.11e-4, 9.74e8), ("reduce_scatter", 1.27e-3, 5.56e8), ("all_to_all", 6.32e-4, 1.18e9)),
+    name="cpu", peak_flops_bf16=1.07e11, peak_flops_fp32=1.07e11, memory_bytes=25e9, hbm_bandwidth=6.09e10,
+    intra_bandwidth=1.16e9, intra_latency=5.94e-4, inter_bandwidth=1.16e9, inter_latency=5.94e-4,
+    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.17e-7, reserved_bytes=0.0,
+    op_latency=3.4e-6, dispatch_overhead=1.29e-5, autograd_node=0.0, cores=2,
+    gemm_curve=((1.02e3, 3.01e9), (8.19e3, 1.32e10), (6.55e4, 3.73e10), (5.24e5, 6.75e10), (4.19e6, 9.02e10),
+                (3.36e7, 1.01e11), (2.68e8, 1.07e11)),
+    memory_curve=((1.23e4, 1.66e10), (4.92e4, 2.76e10), (1.97e5, 4.01e10), (7.86e5, 4.92e10), (3.15e6, 5.28e10),
+                  (1.26e7, 6.09e10), (5.03e7, 4.65e10), (2.01e8, 7.02e9)),
+    element_costs=(("aten::exp", 6.27e-10), ("aten::log", 7.77e-10), ("aten::sqrt", 3.8e-10), ("aten::rsqrt", 2.45e-10),
+                   ("aten::sigmoid", 2.67e-10), ("aten::tanh", 2.1e-9), ("aten::silu", 2.7e-10), ("aten::gelu", 4.72e-10),
+                   ("aten::silu_backward", 2.86e-10), ("aten::gelu_backward", 6.4e-10), ("aten::tanh_backward", 1.43e-10),
+                   ("aten::sigmoid_backward", 1.52e-10), ("aten::pow.Tensor_Scalar", 1.69e-10),
+                   ("aten::mean.dim", 1.28e-10), ("aten::sum.dim_IntList", 1.19e-10), ("aten::_softmax", 5.4e-10),
+                   ("aten::_log_softmax", 4.16e-10), ("aten::_softmax_backward_data", 1.58e-10),
+                   ("aten::_log_softmax_backward_data", 3.13e-10)),
+    strided_costs=(("aten::exp", 9.59e-10), ("aten::log", 1.11e-9), ("aten::sqrt", 6.94e-10), ("aten::rsqrt", 5.08e-10),
+                   ("aten::sigmoid", 1.8e-9), ("aten::tanh", 2.4e-9), ("aten::silu", 1.84e-9), ("aten::gelu", 6.19e-9),
+                   ("aten::silu_backward", 2.2e-9), ("aten::gelu_backward", 8.02e-9), ("aten::tanh_backward", 3.92e-10),
+                   ("aten::sigmoid_backward", 3.93e-10), ("aten::pow.Tensor_Scalar", 3.5e-10),
+                   ("aten::mean.dim", 2.52e-10), ("aten::sum.dim_IntList", 2.51e-10), ("aten::_softmax", 7.87e-10),
+                   ("aten::_log_softmax", 7.43e-10), ("aten::_softmax_backward_data", 7.85e-10),
+                   ("aten::_log_softmax_backward_data", 8.9e-10), ("aten::mul.Tensor", 3.87e-10),
+                   ("aten::add.Tensor", 4.08e-10), ("aten::stack", 6.74e-10), ("aten::cat", 6.73e-10)),
+    shared_links=((2.0, 1.1e-3, 1.16e9), (4.0, 1.58e-3, 5.72e8)), shared_host=((2.0, 1.21), (4.0, 1.29)),
+    op_links=(("all_gather", 8.3e-4, 1.24e9), ("reduce_scatter", 1.55e-3, 5.29e8), ("all_to_all", 7.77e-4, 2.59e9)),
     host_overlaps=False,
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
@@ -237,7 +237,7 @@ def _gemms(a) -> None:
 
 
 def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, compute: float, out,
-                        samples: int = 48) -> None:
+                        samples: int = 192) -> None:
     """Rank 0 puts, for each size, the mean seconds of a round (`_gemms`, then collective `op`)
     less the round's compute: `compute` seconds on a core of its own, times the ranks per
     core where they share cores (all are busy then).  In a training step a collective
