@@ -4,12 +4,14 @@ calibration command's profile (no timing assertions: the machine is shared)."""
 import dataclasses
 import doctest
 import json
+import time
 
 import pytest
 import torch
 
 import autopar as dist
 from autopar.comm.log import CommRecord
+from autopar.planner import cost
 from autopar.planner import predict as P
 from autopar.planner.cost import CPU, DeviceProfile, calibrate, load_profile, save_profile
 
@@ -177,6 +179,17 @@ def test_calibration_writes_a_profile_that_loads(tmp_path):
     assert [n for n, _ in loaded.gemm_curve] == sorted(n for n, _ in loaded.gemm_curve)
     assert {name for name, _ in loaded.element_costs} >= {"aten::exp", "aten::silu"}
     assert set(json.loads(path.read_text())) == {f.name for f in dataclasses.fields(DeviceProfile)}
+
+
+def _exits(rank, world, port, out):
+    raise SystemExit(3)
+
+
+def test_a_calibration_rank_that_dies_fails_the_calibration_at_once():
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 of 2 exited with code 3"):
+        cost._spawn(_exits, 2)
+    assert time.monotonic() - started < 60  # not the 300 s an answer may take
 
 
 def test_the_predict_step_example_runs_in_a_plain_process():

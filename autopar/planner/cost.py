@@ -350,6 +350,12 @@ def _element_costs(op: float, working_set: int, ops: dict = _ELEMENT_OPS, step: 
     return tuple(out)
 
 
+def _net(seconds: float, op: float) -> float:
+    """A small op's own seconds: less the per-op latency `op`, which noise (or caches warmer
+    than when `op` was measured) can make exceed it; never under half of what was measured."""
+    return max(seconds - op, seconds / 2)
+
+
 def _curve(sizes: list, work, time_of) -> tuple:
     """((size, rate), ...) ascending, the rate being work(size) / time_of(size)."""
     return tuple((float(work(n)), work(n) / time_of(n)) for n in sizes)
@@ -385,8 +391,10 @@ def _measure_host(rank: int, world: int, port: int, out) -> None:
     tdist.destroy_process_group()
 
 
-def _spawn(target, world: int, *args):
-    """Rank 0's answer of `target(rank, world, port, *args, queue)` run on `world` spawned ranks."""
+def _spawn(target, world: int, *args, timeout: float = 300.0):
+    """Rank 0's answer of `target(rank, world, port, *args, queue)` run on `world` spawned ranks;
+    a rank that dies, or no answer in `timeout` seconds, raises at once (the others are
+    stopped) instead of waiting."""
     import socket
 
     import torch.multiprocessing as mp
@@ -399,9 +407,28 @@ def _spawn(target, world: int, *args):
     procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    answer = queue.get(timeout=300)
-    for p in procs:
-        p.join()
+    import queue as queues
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                answer = queue.get(timeout=1.0)
+                break
+            except queues.Empty:
+                failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"calibration: spawned rank {failed[0][0]} of {world} exited with code "
+                                       f"{failed[0][1]} while measuring {target.__name__}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"calibration: {target.__name__} on {world} ranks gave no answer in "
+                                       f"{timeout:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     return answer
 
 
@@ -446,12 +473,12 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         a, b = torch.ones(1), torch.ones(1)
         op = _per_call(lambda: torch.add(a, b))  # provisional: the rates below are net of it
         gemm = _curve([8, 16, 32, 64, 128, 256, 512], lambda n: 2.0 * n**3,
-                      lambda n: max(_cold_call(lambda: (torch.randn(n, n), torch.randn(n, n)), torch.mm,
-                                               8 * n * n, working_set // 2) - op, 1e-9))
+                      lambda n: _net(_cold_call(lambda: (torch.randn(n, n), torch.randn(n, n)), torch.mm,
+                                                8 * n * n, working_set // 2), op))
         elements = _element_costs(op, working_set)
         strided = _element_costs(op, working_set, _STRIDED_OPS, step=2)
         memory = _curve([1 << k for k in range(10, 25, 2)], lambda n: 3.0 * n * 4,
-                        lambda n: _cold_call(lambda: (torch.ones(n), torch.ones(n)), torch.add, 8 * n, working_set) - op)
+                        lambda n: _net(_cold_call(lambda: (torch.ones(n), torch.ones(n)), torch.add, 8 * n, working_set), op))
     finally:
         torch.set_num_threads(threads)
     cores = machine_cores()

@@ -487,7 +487,7 @@ class _Playback:
                     done.append(r)
             elif s[0] == "until":
                 self.spent[r][s[2]] += dt
-                if s[1] <= self.now + 1e-15:
+                if s[1] <= self.now * (1 + 1e-12) + 1e-15:  # rounding of the clock's sums
                     done.append(r)
             elif s[0] != "done":
                 self.spent[r]["wait"] += dt
