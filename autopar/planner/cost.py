@@ -7,6 +7,7 @@ specifications; the "cpu" profile is measured on this machine (`calibrate`, run 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -395,7 +396,9 @@ def _spawn(target, world: int, *args, timeout: float = 300.0):
     """Rank 0's answer of `target(rank, world, port, *args, queue)` run on `world` spawned ranks;
     a rank that dies, or no answer in `timeout` seconds, raises at once (the others are
     stopped) instead of waiting."""
+    import queue as queues
     import socket
+    import time
 
     import torch.multiprocessing as mp
 
@@ -407,9 +410,6 @@ def _spawn(target, world: int, *args, timeout: float = 300.0):
     procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    import queue as queues
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -432,18 +432,27 @@ def _spawn(target, world: int, *args, timeout: float = 300.0):
     return answer
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread inside, as each rank runs (then the caller's setting again)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _gloo_link(world: int, op: str = "all_reduce") -> tuple[float, float]:
     """(latency per ring step, bandwidth) of gloo's `op` on `world` local ranks."""
     import torch
 
     sizes = [1 << k for k in range(8, 24, 2)]
     a = torch.randn(256, 256)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         compute = median_time(lambda: _gemms(a), 21)
-    finally:
-        torch.set_num_threads(threads)
     times = _spawn(_measure_collective, world, op, sizes, compute)
     steps, factor = _RING[op](world)
     per_byte, fixed = _fit_line([factor * s for s in sizes], times)
@@ -467,9 +476,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
 
     from .predict import framework_costs
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         a, b = torch.ones(1), torch.ones(1)
         op = _per_call(lambda: torch.add(a, b))  # provisional: the rates below are net of it
         gemm = _curve([8, 16, 32, 64, 128, 256, 512], lambda n: 2.0 * n**3,
@@ -479,8 +486,6 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         strided = _element_costs(op, working_set, _STRIDED_OPS, step=2)
         memory = _curve([1 << k for k in range(10, 25, 2)], lambda n: 3.0 * n * 4,
                         lambda n: _net(_cold_call(lambda: (torch.ones(n), torch.ones(n)), torch.add, 8 * n, working_set), op))
-    finally:
-        torch.set_num_threads(threads)
     cores = machine_cores()
     latency, bandwidth = _gloo_link(world)
     crowded = sorted(w for w in {cores * k for k in crowding} if w > cores)
@@ -497,15 +502,10 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         inter_bandwidth=bandwidth, inter_latency=latency, ranks_per_node=_ONE_MACHINE,
         matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
         cores=cores, gemm_curve=gemm, memory_curve=memory, element_costs=elements, strided_costs=strided,
-        shared_links=shared,
-        shared_host=host, op_links=ops, host_overlaps=False,
+        shared_links=shared, shared_host=host, op_links=ops, host_overlaps=False,
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         op, node, dispatch = framework_costs(profile)
-    finally:
-        torch.set_num_threads(threads)
     return dataclasses.replace(profile, op_latency=op, dispatch_overhead=dispatch, autograd_node=node)
 
 

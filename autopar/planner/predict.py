@@ -7,7 +7,7 @@ share cores.  Here every rank of the job runs its step in this process under
 `dist.simulate` (real tensors of the rank's shard sizes, no communication) while a dispatch
 mode records, in order, each aten op run on plain tensors (with its FLOPs and bytes), each
 DistTensor dispatch, each autograd node that runs, and each collective the rank sends
-(`comm_log`).  Pricing is pure (`op_time`, `comm_time`, `oversubscription`) and uses a
+(`comm_log`).  Pricing is pure (`op_time`, `comm_time`, `core_share`, `host_factor`) and uses a
 calibrated `DeviceProfile` (`python -m autopar.plan --calibrate`); `job_time` then plays the
 ranks' timelines against each other, so a rank waits for the peers of its collectives and
 for the sender of what it receives (pipeline bubbles included).
@@ -353,10 +353,11 @@ class Prediction:
 
 
 def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list:
-    """The rank's timeline priced: ("busy", category, seconds) and ("comm", record).  Where
-    the host issues ops while the device runs earlier ones (`host_overlaps`, GPUs), the ops
-    between two collectives take the longer of their device time and their host time: the
-    host categories keep only what exceeds the device's."""
+    """The rank's timeline priced: ("busy", {category: seconds on a core of its own}) for the
+    work between two collectives, and ("comm", record).  Host work takes `slow` times its
+    price.  Where the host issues ops while the device runs earlier ones (`host_overlaps`,
+    GPUs), the ops between two collectives take the longer of their device time and their
+    host time: the host categories keep only what exceeds the device's."""
     out, run = [], []
 
     def flush():
@@ -365,7 +366,11 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
             host = sum(t for c, t in run if c != "compute")
             beyond = max(0.0, host - device) / host if host else 0.0
             run[:] = [(c, t if c == "compute" else t * beyond) for c, t in run]
-        out.extend(("busy", c, t) for c, t in run)
+        if run:
+            busy = {}
+            for category, seconds in run:
+                busy[category] = busy.get(category, 0.0) + seconds
+            out.append(("busy", busy))
         run.clear()
 
     for e in recording.events:
@@ -386,20 +391,6 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
     return out
 
 
-def _chunks(recording: Recording, profile: DeviceProfile, factor: float) -> list:
-    """The rank's priced timeline with consecutive host work merged: ("busy", {category:
-    seconds on a core of its own}) and ("comm", record)."""
-    out = []
-    for seg in _segments(recording, profile, factor):
-        if seg[0] != "busy":
-            out.append(seg)
-        elif out and out[-1][0] == "busy":
-            out[-1][1][seg[1]] = out[-1][1].get(seg[1], 0.0) + seg[2]
-        else:
-            out.append(("busy", {seg[1]: seg[2]}))
-    return out
-
-
 class _Playback:
     """The job's timelines played forward in time.  A rank is running (host work, or the
     latency of posting a send), blocked (at a collective its peers have not reached, or on a
@@ -410,15 +401,16 @@ class _Playback:
 
     def __init__(self, recordings: list, profile: DeviceProfile, load: float, roles: dict, world: int):
         self.profile, self.load, self.roles = profile, load, roles
-        crowding = (world + load) / profile.cores if profile.cores else 1.0
-        self.crowding = crowding  # collectives are priced as measured with this many processes per core
-        self.lines = {r.rank: _chunks(r, profile, host_factor(crowding, profile)) for r in recordings}
+        # collectives are priced as measured with this many processes per core
+        self.crowding = (world + load) / profile.cores if profile.cores else 1.0
+        self.lines = {r.rank: _segments(r, profile, host_factor(self.crowding, profile)) for r in recordings}
         self.weight = dict.fromkeys(self.lines, 0)  # ranks each timeline stands for
         for rank in range(world):
             self.weight[roles.get(rank, rank)] += 1
         self.spent = {r: dict.fromkeys(CATEGORIES, 0.0) for r in self.lines}
         self.pos = dict.fromkeys(self.lines, 0)
-        self.state: dict = {}  # rank -> ["run", left, total, {category: seconds}] | ["until", end] | [blocked]
+        # rank -> ["run", left, total, {category: seconds}] | ["until", end] | ["collective"] | ["recv"] | ["done"]
+        self.state: dict = {}
         self.finish: dict = {}
         self.now = 0.0
         self.arrived: dict = {}  # collective key -> ranks arrived
@@ -443,28 +435,25 @@ class _Playback:
         members = tuple(dict.fromkeys(self.roles.get(x, x) for x in rec.ranks))
         base = (rec.op if rec.op not in ("send", "recv") else "p2p", members)
         n = self.count.get((r, base), 0)
-        if rec.op in ("send", "recv") and len(members) == 1:  # within one role: nobody to wait for
-            self.count[(r, base)] = n + 1
-            self.state[r] = ["until", self.now + cost, "comm"]
+        within_role = rec.op in ("send", "recv") and len(members) == 1  # nobody to wait for
+        if rec.op == "recv" and not within_role and (members, n) not in self.sent:
+            self.state[r] = ["recv"]  # taken again once its send has started
+            return
+        self.count[(r, base)] = n + 1
+        if within_role:
+            self.state[r] = ["until", self.now + cost]
         elif rec.op == "send":  # sends do not wait: posting one costs the link's latency
-            self.count[(r, base)] = n + 1
             self.sent[(members, n)] = self.now
             self._run(r, {"comm": shared_link(self.profile, self.crowding)[0]})
         elif rec.op == "recv":
-            start = self.sent.get((members, n))
-            if start is None:
-                self.state[r] = ["recv"]
-                return
-            self.count[(r, base)] = n + 1
-            self.state[r] = ["until", max(self.now, start + cost), "comm"]
+            self.state[r] = ["until", max(self.now, self.sent[(members, n)] + cost)]
         else:
-            self.count[(r, base)] = n + 1
             present = self.arrived.setdefault((base, n), [])
             present.append(r)
             self.state[r] = ["collective"]
             if len(present) == len(members):
                 for m in present:
-                    self.state[m] = ["until", self.now + cost, "comm"]
+                    self.state[m] = ["until", self.now + cost]
 
     def _advance(self) -> None:
         """Move time to the next end of a running segment or a transfer."""
@@ -486,7 +475,7 @@ class _Playback:
                 if s[1] <= 1e-12 * max(s[2], 1.0):
                     done.append(r)
             elif s[0] == "until":
-                self.spent[r][s[2]] += dt
+                self.spent[r]["comm"] += dt
                 if s[1] <= self.now * (1 + 1e-12) + 1e-15:  # rounding of the clock's sums
                     done.append(r)
             elif s[0] != "done":
@@ -578,7 +567,7 @@ def _reference_cost(step, profile: DeviceProfile, steps: int = 30) -> tuple:
     recording = Recording(0)
     with _Recorder(recording):
         step()
-    compute = sum(s[2] for s in _segments(recording, profile, 1.0) if s[0] == "busy" and s[1] == "compute")
+    compute = sum(s[1].get("compute", 0.0) for s in _segments(recording, profile, 1.0) if s[0] == "busy")
     return seconds, recording, compute
 
 
