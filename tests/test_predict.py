@@ -83,6 +83,12 @@ def test_ranks_beyond_the_cores_share_them_and_do_more_host_work():
     assert P.host_factor(2.0, switching) == pytest.approx(1.2)
     assert P.host_factor(3.0, switching) == pytest.approx(1.3)
     assert P.host_factor(4.0, dataclasses.replace(switching, cores=0)) == 1.0
+    # measured with every core busy: a lone rank (half of UNIT's two cores) pays none of it
+    side_by_side = dataclasses.replace(UNIT, shared_host=((1.0, 1.1), (2.0, 1.2)))
+    assert P.host_factor(0.5, side_by_side) == 1.0
+    assert P.host_factor(1.0, side_by_side) == pytest.approx(1.1)
+    assert P.host_factor(0.75, side_by_side) == pytest.approx(1.05)
+    assert P.host_factor(1.5, side_by_side) == pytest.approx(1.15)
     assert 0.0 <= P.machine_load(0.05) <= P.machine_cores()
 
 
@@ -100,6 +106,68 @@ def test_a_rank_in_a_collective_leaves_its_core_to_the_others():
     # busy the whole time, four ranks would take twice their work; other programs count too
     assert P.job_time([_recording(r, op, op) for r in range(4)], UNIT).total == pytest.approx(4e-3)
     assert P.job_time([_recording(r, op, op) for r in range(2)], UNIT, load=2.0).total == pytest.approx(4e-3)
+
+
+def test_a_started_collective_overlaps_the_work_before_its_wait():
+    """Two ranks start an all-reduce (2 ms on UNIT: two ring steps of 1 ms), work, then wait
+    for it.  With a device per rank (no cores counted) 3 ms of work hide the transfer; 1 ms
+    leaves 1 ms of it to wait for; rank 1 starting 1 ms late delays the transfer's start
+    while rank 0 goes on."""
+    op = ("op", "aten::add", 0, 0, 0.0, 0, False)  # 1 ms each on UNIT
+    reduce = CommRecord("all_reduce", (0, 1), 0)
+    start = ("start", "all_reduce", (0, 1))
+    devices = dataclasses.replace(UNIT, cores=0)
+    hidden = P.job_time([_recording(r, start, op, op, op, reduce) for r in (0, 1)], devices)
+    assert hidden.total == pytest.approx(3e-3) and hidden.categories["comm"] == 0.0
+    exposed = P.job_time([_recording(r, start, op, reduce, op) for r in (0, 1)], devices)
+    assert exposed.total == pytest.approx(3e-3) and exposed.categories["comm"] == pytest.approx(1e-3)
+    late = P.job_time([_recording(0, start, op, op, reduce), _recording(1, op, start, op, reduce)], devices)
+    assert late.total == pytest.approx(3e-3) and late.categories["comm"] == pytest.approx(1e-3)
+    assert late.rank == 0 and late.categories["wait"] == 0.0
+    # started and never waited for in the step: not priced (as the log, which counts it at the wait)
+    assert P.job_time([_recording(r, op, start) for r in (0, 1)], devices).total == pytest.approx(1e-3)
+
+
+def test_on_a_host_a_transfer_in_flight_shares_the_cores_with_the_work():
+    """The same overlap on cores: the two transfers (2 ms each) and the two ranks' 3 ms of work
+    share UNIT's two cores (10 ms of work on 2 cores: 5 ms, as if the ranks waited for the
+    all-reduce); with two more cores free the transfers are hidden again."""
+    op = ("op", "aten::add", 0, 0, 0.0, 0, False)
+    reduce = CommRecord("all_reduce", (0, 1), 0)
+    start = ("start", "all_reduce", (0, 1))
+    lines = [_recording(r, start, op, op, op, reduce) for r in (0, 1)]
+    shared = P.job_time(lines, UNIT)
+    # the ranks never stop: their 3 ms of work stretch over the 5 ms, at half a core for 4 ms
+    assert shared.total == pytest.approx(5e-3) and shared.categories["framework"] == pytest.approx(5e-3)
+    assert P.job_time(lines, dataclasses.replace(UNIT, cores=4)).total == pytest.approx(3e-3)
+
+
+def _sharded_parameters_step():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(3)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": 3}})
+    x = torch.randn(8, 16)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def test_a_recorded_prefetch_starts_before_the_work_it_overlaps():
+    """ZeRO-3 starts gathering the next layer's parameters before running this one, and
+    reduce-scatters gradients while backward goes on: each start is paired with its wait."""
+    rec = P.record_step(_sharded_parameters_step, 2, 0)
+    kinds = [e[0] for e in rec.events]
+    first = kinds.index("start")
+    waited = next(i for i, e in enumerate(rec.events) if e[0] == "comm" and e[1].op == rec.events[first][1]
+                  and i > first)
+    assert "start" in kinds and "op" in kinds[first:waited], kinds
+    segments = P._segments(rec, UNIT, 1.0)
+    assert sum(s[0] == "start" for s in segments) == sum(s[0] == "collect" for s in segments) > 0
+    assert {s[1].op for s in segments if s[0] == "start"} == {"all_gather", "reduce_scatter"}
 
 
 def _matmul_then_replicate():
@@ -178,6 +246,8 @@ def test_calibration_writes_a_profile_that_loads(tmp_path):
     assert loaded.cores >= 1 and loaded.op_latency > 0 and loaded.dispatch_overhead >= 0
     assert [n for n, _ in loaded.gemm_curve] == sorted(n for n, _ in loaded.gemm_curve)
     assert {name for name, _ in loaded.element_costs} >= {"aten::exp", "aten::silu"}
+    # host work with every core busy, against one rank alone
+    assert [c for c, _ in loaded.shared_host] == [1.0] and loaded.shared_host[0][1] >= 1.0
     assert set(json.loads(path.read_text())) == {f.name for f in dataclasses.fields(DeviceProfile)}
 
 

@@ -42,6 +42,9 @@ def _enter(op: str, ranks, t: torch.Tensor) -> int:
 
 # A graph capture (autopar.static) listens here: every transfer is one call of `_wire`.
 CAPTURE_HOOKS: list = []
+# The step-time recorder (planner.predict) listens here: each call is told (op, ranks) as a
+# collective starts to overlap with what follows (`*_start`); it is logged at `wait()`.
+START_OBSERVERS: list = []
 
 
 def reading_values(what: str) -> None:
@@ -184,6 +187,8 @@ def _started(op: str, ranks: tuple, post, t: torch.Tensor, out: torch.Tensor, lo
         work = post()
     except RuntimeError as e:
         fail(op, ranks, seq, e)
+    for observe in START_OBSERVERS:
+        observe(op, tuple(ranks))
     return Pending(op, out, work, ranks, log, finish, seq)
 
 

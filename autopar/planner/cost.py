@@ -90,31 +90,35 @@ _ONE_MACHINE = 1 << 16  # the cpu profile's ranks all share this machine
 # over loopback, the machine otherwise idle); every rank of a job must plan with the same numbers, so "cpu" is this
 # fixed profile unless $AUTOPAR_CPU_PROFILE names a file measured on yours
 CPU = DeviceProfile(
-    name="cpu", peak_flops_bf16=1.07e11, peak_flops_fp32=1.07e11, memory_bytes=25e9, hbm_bandwidth=6.09e10,
-    intra_bandwidth=1.16e9, intra_latency=5.94e-4, inter_bandwidth=1.16e9, inter_latency=5.94e-4,
-    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.17e-7, reserved_bytes=0.0,
-    op_latency=3.4e-6, dispatch_overhead=1.29e-5, autograd_node=0.0, cores=2,
-    gemm_curve=((1.02e3, 3.01e9), (8.19e3, 1.32e10), (6.55e4, 3.73e10), (5.24e5, 6.75e10), (4.19e6, 9.02e10),
-                (3.36e7, 1.01e11), (2.68e8, 1.07e11)),
-    memory_curve=((1.23e4, 1.66e10), (4.92e4, 2.76e10), (1.97e5, 4.01e10), (7.86e5, 4.92e10), (3.15e6, 5.28e10),
-                  (1.26e7, 6.09e10), (5.03e7, 4.65e10), (2.01e8, 7.02e9)),
-    element_costs=(("aten::exp", 6.27e-10), ("aten::log", 7.77e-10), ("aten::sqrt", 3.8e-10), ("aten::rsqrt", 2.45e-10),
-                   ("aten::sigmoid", 2.67e-10), ("aten::tanh", 2.1e-9), ("aten::silu", 2.7e-10), ("aten::gelu", 4.72e-10),
-                   ("aten::silu_backward", 2.86e-10), ("aten::gelu_backward", 6.4e-10), ("aten::tanh_backward", 1.43e-10),
-                   ("aten::sigmoid_backward", 1.52e-10), ("aten::pow.Tensor_Scalar", 1.69e-10),
-                   ("aten::mean.dim", 1.28e-10), ("aten::sum.dim_IntList", 1.19e-10), ("aten::_softmax", 5.4e-10),
-                   ("aten::_log_softmax", 4.16e-10), ("aten::_softmax_backward_data", 1.58e-10),
-                   ("aten::_log_softmax_backward_data", 3.13e-10)),
-    strided_costs=(("aten::exp", 9.59e-10), ("aten::log", 1.11e-9), ("aten::sqrt", 6.94e-10), ("aten::rsqrt", 5.08e-10),
-                   ("aten::sigmoid", 1.8e-9), ("aten::tanh", 2.4e-9), ("aten::silu", 1.84e-9), ("aten::gelu", 6.19e-9),
-                   ("aten::silu_backward", 2.2e-9), ("aten::gelu_backward", 8.02e-9), ("aten::tanh_backward", 3.92e-10),
-                   ("aten::sigmoid_backward", 3.93e-10), ("aten::pow.Tensor_Scalar", 3.5e-10),
-                   ("aten::mean.dim", 2.52e-10), ("aten::sum.dim_IntList", 2.51e-10), ("aten::_softmax", 7.87e-10),
-                   ("aten::_log_softmax", 7.43e-10), ("aten::_softmax_backward_data", 7.85e-10),
-                   ("aten::_log_softmax_backward_data", 8.9e-10), ("aten::mul.Tensor", 3.87e-10),
-                   ("aten::add.Tensor", 4.08e-10), ("aten::stack", 6.74e-10), ("aten::cat", 6.73e-10)),
-    shared_links=((2.0, 1.1e-3, 1.16e9), (4.0, 1.58e-3, 5.72e8)), shared_host=((2.0, 1.21), (4.0, 1.29)),
-    op_links=(("all_gather", 8.3e-4, 1.24e9), ("reduce_scatter", 1.55e-3, 5.29e8), ("all_to_all", 7.77e-4, 2.59e9)),
+    name="cpu", peak_flops_bf16=1.07e11, peak_flops_fp32=1.07e11, memory_bytes=25e9, hbm_bandwidth=5.68e10,
+    intra_bandwidth=1.51e9, intra_latency=7.37e-4, inter_bandwidth=1.51e9, inter_latency=7.37e-4,
+    ranks_per_node=_ONE_MACHINE, matmul_efficiency=1.0, kernel_latency=9.48e-7, reserved_bytes=0.0,
+    op_latency=3.01e-6, dispatch_overhead=1.12e-5, autograd_node=0.0, cores=2,
+    gemm_curve=((1.02e3, 1.75e9), (8.19e3, 6.48e9), (6.55e4, 3.32e10), (5.24e5, 6.55e10),
+                (4.19e6, 8.56e10), (3.36e7, 9.99e10), (2.68e8, 1.07e11)),
+    memory_curve=((1.23e4, 1.52e10), (4.92e4, 2.79e10), (1.97e5, 4.29e10), (7.86e5, 5.4e10),
+                  (3.15e6, 5.17e10), (1.26e7, 5.68e10), (5.03e7, 4.46e10), (2.01e8, 6.58e9)),
+    element_costs=(("aten::exp", 6.27e-10), ("aten::log", 7.85e-10), ("aten::sqrt", 3.84e-10), ("aten::rsqrt", 2.49e-10),
+                   ("aten::sigmoid", 2.67e-10), ("aten::tanh", 2.12e-9), ("aten::silu", 2.72e-10),
+                   ("aten::gelu", 4.95e-10), ("aten::silu_backward", 2.94e-10), ("aten::gelu_backward", 5.35e-10),
+                   ("aten::tanh_backward", 1.53e-10), ("aten::sigmoid_backward", 1.54e-10),
+                   ("aten::pow.Tensor_Scalar", 1.72e-10), ("aten::mean.dim", 1.26e-10),
+                   ("aten::sum.dim_IntList", 1.21e-10), ("aten::_softmax", 4.32e-10),
+                   ("aten::_log_softmax", 4.19e-10), ("aten::_softmax_backward_data", 1.51e-10),
+                   ("aten::_log_softmax_backward_data", 2.87e-10)),
+    strided_costs=(("aten::exp", 9.65e-10), ("aten::log", 1.12e-9), ("aten::sqrt", 7.23e-10), ("aten::rsqrt", 5.2e-10),
+                   ("aten::sigmoid", 1.83e-9), ("aten::tanh", 2.46e-9), ("aten::silu", 1.86e-9),
+                   ("aten::gelu", 5.98e-9), ("aten::silu_backward", 2.2e-9), ("aten::gelu_backward", 7.97e-9),
+                   ("aten::tanh_backward", 4.05e-10), ("aten::sigmoid_backward", 3.92e-10),
+                   ("aten::pow.Tensor_Scalar", 3.45e-10), ("aten::mean.dim", 2.53e-10),
+                   ("aten::sum.dim_IntList", 2.58e-10), ("aten::_softmax", 7.77e-10),
+                   ("aten::_log_softmax", 7.35e-10), ("aten::_softmax_backward_data", 7.95e-10),
+                   ("aten::_log_softmax_backward_data", 9.09e-10), ("aten::mul.Tensor", 3.85e-10),
+                   ("aten::add.Tensor", 4.06e-10), ("aten::stack", 6.79e-10), ("aten::cat", 6.71e-10)),
+    shared_links=((2.0, 1.01e-3, 1.35e9), (4.0, 1.48e-3, 5.91e8)),
+    shared_host=((1.0, 1.08), (2.0, 1.2), (4.0, 1.32)),
+    op_links=(("all_gather", 9.25e-4, 1.53e9), ("reduce_scatter", 1.63e-3, 5.94e8),
+              ("all_to_all", 7.28e-4, 1.89e9)),
     host_overlaps=False,
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
@@ -246,7 +250,9 @@ def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, 
     them awake, 3-5x faster).  The mean, not the median: a step pays every call, and one call
     in five or so waits a scheduler slice (milliseconds) for a core, which the median never
     shows.  Rounds, not the call alone: a rank whose turn on a shared core comes late makes
-    the others wait at the collective, which the time of the call counts again."""
+    the others wait at the collective, which the time of the call counts again.  The sizes
+    take turns, round by round: a slow spell of the machine (seconds) then slows them all
+    alike instead of bending the latency-bandwidth line at the size it fell on."""
     import time
 
     import torch
@@ -256,20 +262,21 @@ def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, 
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     a = torch.randn(256, 256)
     busy = compute * max(1.0, world / machine_cores())
-    times = []
-    for n in sizes:
-        call = _collective(op, torch.ones(n // 4), world)
+    calls = [_collective(op, torch.ones(n // 4), world) for n in sizes]
+    for call in calls:
         _gemms(a)
         call()
-        tdist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(samples):
+    tdist.barrier()
+    spent = [0.0] * len(sizes)
+    for _ in range(samples):
+        for i, call in enumerate(calls):
+            t0 = time.perf_counter()
             _gemms(a)
             call()
-        times.append(max((time.perf_counter() - t0) / samples - busy, 1e-7))
+            spent[i] += time.perf_counter() - t0
     tdist.barrier()
     if rank == 0:
-        out.put(times)
+        out.put([max(s / samples - busy, 1e-7) for s in spent])
     tdist.destroy_process_group()
 
 
@@ -462,6 +469,21 @@ def _gloo_link(world: int, op: str = "all_reduce") -> tuple[float, float]:
     return fixed / steps, min(1.0 / per_byte, largest)
 
 
+def _host_factors(worlds: list, cores: int, repeats: int = 3) -> tuple:
+    """((ranks per core, a rank's host seconds among `w` ranks over one rank's alone), ...) for
+    each `w` of `worlds`: ranks busy side by side share caches and memory bandwidth, and
+    beyond a rank per core, switch.  The median of `repeats` alternating runs (one run moves
+    5-10%)."""
+    import statistics
+
+    ratios: dict = {w: [] for w in worlds}
+    for _ in range(repeats):
+        alone = _spawn(_measure_host, 1)
+        for w in worlds:
+            ratios[w].append(_spawn(_measure_host, w) / alone)
+    return tuple((w / cores, max(1.0, statistics.median(r))) for w, r in ratios.items())
+
+
 def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26) -> DeviceProfile:
     """Measure this machine (one thread per rank, as the ranks run): a GEMM FLOP-rate curve
     and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
@@ -470,7 +492,8 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     costs (`predict.framework_costs`).  Collectives are timed as a step meets them, after
     compute and averaged (`_measure_collective`); all_gather, reduce_scatter and all_to_all
     like all_reduce (`op_links`); all_reduce also on `crowding` times as many ranks as cores
-    (`shared_links`), and so is a small step's host time (`shared_host`); element-wise inputs
+    (`shared_links`), and a small step's host time with all cores busy and so crowded, against
+    one rank alone (`shared_host`); element-wise inputs
     cycle through `working_set` bytes."""
     import torch
 
@@ -493,8 +516,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth)) for w in crowded for lat, bw in [_gloo_link(w)])
     # gloo's other collectives against all_reduce (its reduce_scatter and all-to-all are slower)
     ops = tuple((op, *_gloo_link(world, op)) for op in ("all_gather", "reduce_scatter", "all_to_all"))
-    alone = _spawn(_measure_host, cores)
-    host = tuple((w / cores, max(1.0, _spawn(_measure_host, w) / alone)) for w in crowded)
+    host = _host_factors([cores] + crowded, cores)
     peak = max(rate for _, rate in gemm)
     profile = DeviceProfile(
         name="cpu", peak_flops_bf16=peak, peak_flops_fp32=peak, memory_bytes=float(_total_memory()),

@@ -116,19 +116,24 @@ def comm_time(op: str, group_size: int, sent: float, received: float, profile: D
 
 
 def host_factor(crowding: float, profile: DeviceProfile) -> float:
-    """How much more host work each rank does where `crowding` processes share each core
-    (caches refilled, switches paid at every collective: the profile's `shared_host`); 1
-    where every rank has a core of its own, or the profile counts no cores.
+    """How much longer each rank's host work takes where `crowding` processes share each
+    core than one process alone on the machine (caches and memory bandwidth shared, and
+    past a process per core, switches paid at every collective: the profile's measured
+    `shared_host`, linear between its points; a profile without a point at one process per
+    core counts none there); 1 for a lone process, or where the profile counts no cores.
 
     >>> import dataclasses
     >>> from autopar.planner.cost import H100
-    >>> switching = dataclasses.replace(H100, cores=2, shared_host=((2.0, 1.2), (4.0, 1.4)))
-    >>> host_factor(1.0, switching), round(host_factor(3.0, switching), 6)
-    (1.0, 1.3)
+    >>> switching = dataclasses.replace(H100, cores=2, shared_host=((1.0, 1.1), (2.0, 1.2), (4.0, 1.4)))
+    >>> host_factor(0.5, switching), host_factor(1.0, switching), round(host_factor(3.0, switching), 6)
+    (1.0, 1.1, 1.3)
     """
     if not profile.cores:
         return 1.0
-    return _piecewise([(1.0, 1.0)] + list(profile.shared_host), crowding)[0]
+    points = list(profile.shared_host)
+    if not points or points[0][0] > 1.0:
+        points.insert(0, (1.0, 1.0))
+    return _piecewise([(1.0 / profile.cores, 1.0)] + points, crowding)[0]
 
 
 def core_share(runnable: float, profile: DeviceProfile) -> float:
@@ -252,7 +257,9 @@ class Recording:
     """One rank's step, in order: ("op", name, flops, bytes, flops of each matrix product,
     elements of its first input, `strided_access`) for an aten op on plain tensors,
     ("dist",) for a DistTensor dispatch, ("node",) for an autograd node first seen running,
-    ("comm", CommRecord) for a collective or transfer."""
+    ("start", op, ranks) where a collective starts to overlap with what follows, and
+    ("comm", CommRecord) for a collective or transfer (an overlapped one where it is waited
+    for)."""
 
     rank: int
     events: list = field(default_factory=list)
@@ -282,6 +289,10 @@ class _Recorder(TorchDispatchMode):
         if event is not None:
             events.append(event)
 
+    def started(self, op: str, ranks: tuple) -> None:
+        """A collective starts here and is waited for later (`collectives.START_OBSERVERS`)."""
+        self._note(("start", op, ranks))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from ..dtensor import DistTensor
 
@@ -309,6 +320,7 @@ def record_step(make_step: Callable[[], Callable[[], object]], world_size: int, 
     model and returns the step; the step runs at least `warmup` times and until two steps in
     a row send the same collectives (caches, local-region checks and buckets settle; at most
     `settle` steps), then once more recorded."""
+    from ..comm import collectives
     from ..comm.log import comm_log
     from ..comm.simulate import simulate
 
@@ -325,8 +337,12 @@ def record_step(make_step: Callable[[], Callable[[], object]], world_size: int, 
             previous = sent
         with comm_log() as log:
             recorder = _Recorder(recording, log)
-            with recorder:
-                step()
+            collectives.START_OBSERVERS.append(recorder.started)
+            try:
+                with recorder:
+                    step()
+            finally:
+                collectives.START_OBSERVERS.remove(recorder.started)
             recorder._note(None)
     return recording
 
@@ -354,11 +370,14 @@ class Prediction:
 
 def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list:
     """The rank's timeline priced: ("busy", {category: seconds on a core of its own}) for the
-    work between two collectives, and ("comm", record).  Host work takes `slow` times its
+    work between two collectives, ("comm", record) for one run to its end where it stands, and
+    for one that overlaps what follows, ("start", record, link) where it starts and
+    ("collect", record, link) where it is waited for.  Host work takes `slow` times its
     price.  Where the host issues ops while the device runs earlier ones (`host_overlaps`,
     GPUs), the ops between two collectives take the longer of their device time and their
     host time: the host categories keep only what exceeds the device's."""
     out, run = [], []
+    started: dict = {}  # (op, ranks) -> positions in `out` of those started, not yet waited for
 
     def flush():
         if profile.host_overlaps:
@@ -384,11 +403,22 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
             run.append(("dispatch", profile.dispatch_overhead * slow))
         elif kind == "node":
             run.append(("autograd", profile.autograd_node * slow))
+        elif kind == "start":
+            flush()
+            started.setdefault((e[1], e[2]), []).append(len(out))
+            out.append(("start", None, len(out)))
         else:
             flush()
-            out.append(("comm", e[1]))
+            rec = e[1]
+            waiting = started.get((rec.op, tuple(rec.ranks)))
+            if waiting:  # the oldest started of its kind is the one waited for
+                link = waiting.pop(0)
+                out[link] = ("start", rec, link)
+                out.append(("collect", rec, link))
+            else:
+                out.append(("comm", rec))
     flush()
-    return out
+    return [s for s in out if s[1] is not None or s[0] == "busy"]  # one never waited for is not priced
 
 
 class _Playback:
@@ -409,11 +439,15 @@ class _Playback:
             self.weight[roles.get(rank, rank)] += 1
         self.spent = {r: dict.fromkeys(CATEGORIES, 0.0) for r in self.lines}
         self.pos = dict.fromkeys(self.lines, 0)
-        # rank -> ["run", left, total, {category: seconds}] | ["until", end] | ["collective"] | ["recv"] | ["done"]
+        # rank -> ["run", left, total, {category: seconds}] | ["until", end] | ["collective", key]
+        #         | ["flight", key] | ["recv"] | ["done"]
         self.state: dict = {}
         self.finish: dict = {}
         self.now = 0.0
         self.arrived: dict = {}  # collective key -> ranks arrived
+        self.ends: dict = {}  # collective key -> when its transfer ends (all members arrived)
+        self.flights: dict = {}  # key of a started collective in flight -> [seconds left on a core, ranks]
+        self.links: dict = {}  # (rank, link of a started collective) -> its key
         self.sent: dict = {}  # transfer key -> send start
         self.count: dict = {}  # (rank, key without index) -> how many seen
 
@@ -430,12 +464,20 @@ class _Playback:
         seg = line[self.pos[r]]
         if seg[0] == "busy":
             return self._run(r, dict(seg[1]))
+        if seg[0] == "start":  # the rank goes on while the bytes move
+            self.links[(r, seg[2])] = self._arrive(r, seg[1], started=True)
+            self.pos[r] += 1
+            return self._take(r)
+        if seg[0] == "collect":
+            return self._collect(r, self.links.pop((r, seg[2])))
         rec = seg[1]
+        if rec.op not in ("send", "recv"):
+            return self._collect(r, self._arrive(r, rec))
         cost = comm_time(rec.op, len(rec.ranks), rec.bytes, rec.recv_bytes, self.profile, self.crowding)
         members = tuple(dict.fromkeys(self.roles.get(x, x) for x in rec.ranks))
-        base = (rec.op if rec.op not in ("send", "recv") else "p2p", members)
+        base = ("p2p", members)
         n = self.count.get((r, base), 0)
-        within_role = rec.op in ("send", "recv") and len(members) == 1  # nobody to wait for
+        within_role = len(members) == 1  # nobody to wait for
         if rec.op == "recv" and not within_role and (members, n) not in self.sent:
             self.state[r] = ["recv"]  # taken again once its send has started
             return
@@ -445,21 +487,55 @@ class _Playback:
         elif rec.op == "send":  # sends do not wait: posting one costs the link's latency
             self.sent[(members, n)] = self.now
             self._run(r, {"comm": shared_link(self.profile, self.crowding)[0]})
-        elif rec.op == "recv":
-            self.state[r] = ["until", max(self.now, self.sent[(members, n)] + cost)]
         else:
-            present = self.arrived.setdefault((base, n), [])
-            present.append(r)
-            self.state[r] = ["collective"]
-            if len(present) == len(members):
-                for m in present:
-                    self.state[m] = ["until", self.now + cost]
+            self.state[r] = ["until", max(self.now, self.sent[(members, n)] + cost)]
+
+    def _arrive(self, r, rec, started: bool = False) -> tuple:
+        """Rank `r` reaches collective `rec`; the last of its members starts the transfer:
+        one its members wait in ends at a fixed time (priced as calibrated, the ranks'
+        cores left to it); one `started` to overlap their work is in flight, sharing the
+        cores with the running ranks (gloo's threads move the bytes on the host's cores;
+        a profile without cores counts a device per rank, which moves them alongside).
+        Returns the collective's key."""
+        members = tuple(dict.fromkeys(self.roles.get(x, x) for x in rec.ranks))
+        base = (rec.op, members)
+        key = (base, self.count.get((r, base), 0))
+        self.count[(r, base)] = key[1] + 1
+        present = self.arrived.setdefault(key, [])
+        present.append(r)
+        if len(present) == len(members):
+            cost = comm_time(rec.op, len(rec.ranks), rec.bytes, rec.recv_bytes, self.profile, self.crowding)
+            if started:
+                self.flights[key] = [cost, sum(self.weight[m] for m in members)]
+            else:
+                self.ends[key] = self.now + cost
+            for m in present:
+                if self.state.get(m) == ["collective", key]:
+                    self.state[m] = ["flight", key] if started else ["until", self.ends[key]]
+        return key
+
+    def _collect(self, r, key) -> None:
+        """Rank `r` needs collective `key` done: it waits for its peers, then for the transfer."""
+        end = self.ends.get(key)
+        if key in self.flights:
+            self.state[r] = ["flight", key]
+        elif end is None:
+            self.state[r] = ["collective", key]
+        elif not self._ended(end):
+            self.state[r] = ["until", end]
+        else:
+            self.pos[r] += 1
+            self._take(r)
+
+    def _ended(self, end: float) -> bool:
+        return end <= self.now * (1 + 1e-12) + 1e-15  # rounding of the clock's sums
 
     def _advance(self) -> None:
         """Move time to the next end of a running segment or a transfer."""
         running = [r for r, s in self.state.items() if s[0] == "run"]
-        share = core_share(self.load + sum(self.weight[r] for r in running), self.profile)
-        ends = [self.state[r][1] / share for r in running]
+        runnable = sum(self.weight[r] for r in running) + sum(f[1] for f in self.flights.values())
+        share = core_share(self.load + runnable, self.profile)
+        ends = [self.state[r][1] / share for r in running] + [f[0] / share for f in self.flights.values()]
         ends += [s[1] - self.now for s in self.state.values() if s[0] == "until"]
         if not ends:
             stuck = {r: self.lines[r][self.pos[r]][1] for r, s in self.state.items() if s[0] != "done"}
@@ -476,10 +552,18 @@ class _Playback:
                     done.append(r)
             elif s[0] == "until":
                 self.spent[r]["comm"] += dt
-                if s[1] <= self.now * (1 + 1e-12) + 1e-15:  # rounding of the clock's sums
+                if self._ended(s[1]):
                     done.append(r)
+            elif s[0] == "flight":
+                self.spent[r]["comm"] += dt
             elif s[0] != "done":
                 self.spent[r]["wait"] += dt
+        for key, flight in list(self.flights.items()):
+            flight[0] -= dt * share
+            if flight[0] <= 1e-12:
+                del self.flights[key]
+                self.ends[key] = self.now
+                done += [r for r, s in self.state.items() if s == ["flight", key]]
         for r in done:
             self.pos[r] += 1
             self._take(r)
