@@ -418,7 +418,7 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
             else:
                 out.append(("comm", rec))
     flush()
-    return [s for s in out if s[1] is not None or s[0] == "busy"]  # one never waited for is not priced
+    return [s for s in out if s[1] is not None]  # one started and never waited for is not priced
 
 
 class _Playback:
@@ -427,7 +427,10 @@ class _Playback:
     receive whose send has not started), or in a transfer (a collective all its members
     reached, or a receive after its send started), which ends at a fixed time.  Running
     ranks share the cores (`core_share`, other programs' `load` counted among them); a
-    blocked rank or one in a transfer leaves its core to the others."""
+    blocked rank or one in a transfer leaves its core to the others.  A collective started
+    to overlap later work is in flight from its last member's start, sharing the cores with
+    the running ranks, until it has had its price's worth of them; a rank that reaches its
+    wait first waits for it."""
 
     def __init__(self, recordings: list, profile: DeviceProfile, load: float, roles: dict, world: int):
         self.profile, self.load, self.roles = profile, load, roles
