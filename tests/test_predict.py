@@ -170,6 +170,46 @@ def test_a_recorded_prefetch_starts_before_the_work_it_overlaps():
     assert {s[1].op for s in segments if s[0] == "start"} == {"all_gather", "reduce_scatter"}
 
 
+class _Block(torch.nn.Module):
+    """A residual MLP block: eight ops, enough to run as a local region under data parallel."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + 0.5 * self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _blocks_step():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": 0}})
+    x = torch.randn(8, 16)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    step.model = model
+    return step
+
+
+def test_a_simulated_rank_receiving_the_initial_weights_holds_zeros_and_runs_as_rank_0():
+    """`parallelize` broadcasts rank 0's initial weights.  A simulated receiver holds zeros
+    there, not the memory it allocated (NaNs in it made a local region's trial run disagree
+    on some runs and not others: that rank then went op by op, slower and differently each
+    run), so every rank's recorded step has the same DistTensor dispatches."""
+    with dist.simulate(2, 1):
+        step = _blocks_step()
+        weights = [p._local for p in step.model.parameters()]
+        assert weights and all(bool((w == 0).all()) for w in weights)
+    recordings = [P.record_step(_blocks_step, 2, r) for r in (0, 1)]
+    assert recordings[0].count("dist") == recordings[1].count("dist")
+
+
 def _matmul_then_replicate():
     mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
     a = dist.shard_tensor(torch.ones(4, 8), mesh, [dist.Replicate()])

@@ -242,13 +242,18 @@ def plausible(op: str, tensors: tuple, logs: tuple) -> None:
     """Give a simulated transfer's outputs values a program can go on with (the fake group
     leaves them as allocated): gathered pieces are copies of this rank's own (shapes a rank
     gathers from its peers agree in an SPMD program), received data is zeros (ids index
-    tables), reductions keep this rank's terms."""
+    tables), and so is a broadcast's on its receivers (the source's values are not here; left
+    as allocated they could hold NaNs, which a local region's trial run never matches, or
+    not, from one run to the next), reductions keep this rank's terms."""
     if op == "all_gather":
         out, t = tensors
         out.view((-1,) + tuple(t.shape)).copy_(t.unsqueeze(0).expand((out.numel() // max(t.numel(), 1),) + tuple(t.shape)))
     elif op in ("reduce_scatter", "all_to_all"):
         out, t = tensors
         out.copy_(t.reshape(-1)[: out.numel()].view(out.shape)) if out.numel() <= t.numel() else out.zero_()
+    elif op == "broadcast":
+        if logs[0][3]:  # this rank received it
+            tensors[0].zero_()
     elif op == "send/recv":
         for buf in tensors[len(tensors) - sum(log[0] == "recv" for log in logs):]:
             buf.zero_()
