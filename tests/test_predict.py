@@ -210,6 +210,21 @@ def test_a_simulated_rank_receiving_the_initial_weights_holds_zeros_and_runs_as_
     assert recordings[0].count("dist") == recordings[1].count("dist")
 
 
+def _gather_rows():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    a = dist.shard_tensor(torch.ones(8, 4), mesh, [dist.Shard(0)])
+    return lambda: dist.reshard(a, mesh, [dist.Replicate()])
+
+
+def test_simulate_filling_a_transfers_output_is_not_recorded_as_the_ranks_work():
+    """Under `simulate` an all-gather's output is filled with copies of this rank's piece (in
+    the real job the transfer writes it, priced with the transfer): only the reshard's own
+    ops are the rank's."""
+    rec = P.record_step(_gather_rows, 2, 1)
+    assert [e[1] if e[0] == "op" else e[1].op for e in rec.events] == ["aten::view", "aten::empty.memory_format",
+                                                                        "all_gather"]
+
+
 def _matmul_then_replicate():
     mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
     a = dist.shard_tensor(torch.ones(4, 8), mesh, [dist.Replicate()])

@@ -238,6 +238,24 @@ def simulate(world_size: int, rank: int):
                 os.environ[k] = v
 
 
+_FILLING = [False]  # inside `plausible` or `received`: ops the real rank's transfer does not run
+
+
+def filling() -> bool:
+    """Whether the ops running now fill a simulated transfer's outputs (a step's recorder
+    leaves them out: in the real job the transfer writes those bytes, priced as its own)."""
+    return _FILLING[0]
+
+
+@contextlib.contextmanager
+def _filling():
+    _FILLING[0] = True
+    try:
+        yield
+    finally:
+        _FILLING[0] = False
+
+
 def plausible(op: str, tensors: tuple, logs: tuple) -> None:
     """Give a simulated transfer's outputs values a program can go on with (the fake group
     leaves them as allocated): gathered pieces are copies of this rank's own (shapes a rank
@@ -245,6 +263,11 @@ def plausible(op: str, tensors: tuple, logs: tuple) -> None:
     tables), and so is a broadcast's on its receivers (the source's values are not here; left
     as allocated they could hold NaNs, which a local region's trial run never matches, or
     not, from one run to the next), reductions keep this rank's terms."""
+    with _filling():
+        _fill(op, tensors, logs)
+
+
+def _fill(op: str, tensors: tuple, logs: tuple) -> None:
     if op == "all_gather":
         out, t = tensors
         out.view((-1,) + tuple(t.shape)).copy_(t.unsqueeze(0).expand((out.numel() // max(t.numel(), 1),) + tuple(t.shape)))
@@ -274,7 +297,8 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def received(buf: torch.Tensor) -> torch.Tensor:
     """A simulated receive's buffer, zeroed (see `plausible`)."""
-    return buf.zero_()
+    with _filling():
+        return buf.zero_()
 
 
 def _forget_job() -> None:
