@@ -142,18 +142,24 @@ def test_on_a_host_a_transfer_in_flight_shares_the_cores_with_the_work():
     assert P.job_time(lines, dataclasses.replace(UNIT, cores=4)).total == pytest.approx(3e-3)
 
 
-def _sharded_parameters_step():
+def _data_parallel_step(model: torch.nn.Module, sharding_level: int, x: torch.Tensor):
+    """One SGD step of `model` on batch `x`, parallelized over a 2-rank dp mesh at
+    `sharding_level`; the step's `.model` is the parallelized model."""
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(3)])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": 3}})
-    x = torch.randn(8, 16)
+    model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": sharding_level}})
 
     def step():
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
+    step.model = model
     return step
+
+
+def _sharded_parameters_step():
+    layers = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(3)]
+    return _data_parallel_step(torch.nn.Sequential(*layers), 3, torch.randn(8, 16))
 
 
 def test_a_recorded_prefetch_starts_before_the_work_it_overlaps():
@@ -182,19 +188,8 @@ class _Block(torch.nn.Module):
 
 
 def _blocks_step():
-    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     torch.manual_seed(0)
-    model = torch.nn.Sequential(_Block(), _Block())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": 0}})
-    x = torch.randn(8, 16)
-
-    def step():
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    step.model = model
-    return step
+    return _data_parallel_step(torch.nn.Sequential(_Block(), _Block()), 0, torch.randn(8, 16))
 
 
 def test_a_simulated_rank_receiving_the_initial_weights_holds_zeros_and_runs_as_rank_0():
@@ -250,17 +245,7 @@ def test_a_recorded_two_rank_program_has_its_ops_flops_and_collectives():
 
 def test_a_training_step_records_its_autograd_nodes_and_gradient_reduction():
     def make_step():
-        mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
-        model = torch.nn.Linear(8, 8)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": 0}})
-        x = torch.randn(4, 8)
-
-        def step():
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        return step
+        return _data_parallel_step(torch.nn.Linear(8, 8), 0, torch.randn(4, 8))
 
     recordings = [P.record_step(make_step, 2, r) for r in (0, 1)]
     for rec in recordings:

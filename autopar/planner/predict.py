@@ -480,7 +480,7 @@ class _Playback:
         if rec.op not in ("send", "recv"):
             return self._collect(r, self._arrive(r, rec))
         cost = comm_time(rec.op, len(rec.ranks), rec.bytes, rec.recv_bytes, self.profile, self.crowding)
-        members = tuple(dict.fromkeys(self.roles.get(x, x) for x in rec.ranks))
+        members = self._members(rec)
         base = ("p2p", members)
         n = self.count.get((r, base), 0)
         within_role = len(members) == 1  # nobody to wait for
@@ -496,14 +496,18 @@ class _Playback:
         else:
             self.state[r] = ["until", max(self.now, self.sent[(members, n)] + cost)]
 
+    def _members(self, rec) -> tuple:
+        """The timelines (roles) among the ranks of `rec`, in order."""
+        return tuple(dict.fromkeys(self.roles.get(x, x) for x in rec.ranks))
+
     def _arrive(self, r, rec, started: bool = False) -> tuple:
-        """Rank `r` reaches collective `rec`; the last of its members starts the transfer:
-        one its members wait in ends at a fixed time (priced as calibrated, the ranks'
-        cores left to it); one `started` to overlap their work is in flight, sharing the
-        cores with the running ranks (gloo's threads move the bytes on the host's cores;
-        a profile without cores counts a device per rank, which moves them alongside).
-        Returns the collective's key."""
-        members = tuple(dict.fromkeys(self.roles.get(x, x) for x in rec.ranks))
+        """Rank `r` reaches collective `rec`; the last of its members starts the transfer.
+        One the members wait at ends at a fixed time (priced as calibrated, their cores left
+        to it); one `started` to overlap their work is in flight, sharing the cores with the
+        running ranks (gloo's threads move the bytes on the host's cores; a profile without
+        cores counts a device per rank, which moves them alongside).  Returns the
+        collective's key."""
+        members = self._members(rec)
         base = (rec.op, members)
         key = (base, self.count.get((r, base), 0))
         self.count[(r, base)] = key[1] + 1
@@ -522,7 +526,7 @@ class _Playback:
 
     def _collect(self, r, key) -> None:
         """Rank `r` needs collective `key` done: it waits for its peers, then for the transfer."""
-        end = self.ends.get(key)
+        end = self.ends.get(key)  # None until its last member arrives (or while it is in flight)
         if key in self.flights:
             self.state[r] = ["flight", key]
         elif end is None:
