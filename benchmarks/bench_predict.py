@@ -5,13 +5,16 @@
 For each case (the examples' Llama trained with one `parallelize` config) this process
 predicts the step (every rank run here under `simulate`, priced on the "cpu" profile or
 `--profile`), then measures it on real ranks (`python -m autopar.launch`, this file with
-`--measure CASE`: the median over timed steps after warm-up of the slowest rank's step).
+`--measure CASE`: the median over timed steps after warm-up of the slowest rank's step), in
+`--launches` separate jobs, and takes the median of their medians: on this machine one
+launch's median moves 5-10% from the next (the same ranks' CPU time per step moves as
+much), more than the steps within a launch do.
 The machine may be shared: `machine_load` measures other programs' work (busy cores) for
 2 s just before and after the run, and the prediction counts their average as competing for the
 cores (`predicted_quiet_ms`: the same prediction on an otherwise idle machine);
 and prints one JSON line per case, also appended to benchmarks/results/predict.<commit>.jsonl:
     {"bench": "predict", "case": ..., "ranks": N, "predicted_ms": ..., "measured_ms": ..., "ratio": ...,
-     "categories_ms": {...}}
+     "measured_launches_ms": [...], "categories_ms": {...}}
 The profile's constants come from `python -m autopar.plan --calibrate` only; nothing here is
 fitted to these measurements.
 """
@@ -130,6 +133,7 @@ def main() -> None:
     p.add_argument("--profile", default="cpu", help="device profile: cpu (the shipped one) or a calibrated JSON")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--launches", type=int, default=3, help="separate measured jobs per case")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
@@ -141,17 +145,24 @@ def main() -> None:
         ranks = _ranks(CASES[case][0])
         profile = load_profile(args.profile)
         recorded = predict_step(lambda: make_step(case), ranks, device=profile)
-        before = machine_load(2.0)  # other programs' work around the real run
-        times, cpu = _measured(case, args.warmup, args.reps)
-        load = (before + machine_load(2.0)) / 2
+        loads, medians, times, cpu = [], [], [], []
+        for _ in range(args.launches):
+            before = machine_load(2.0)  # other programs' work around each real run
+            launch_times, launch_cpu = _measured(case, args.warmup, args.reps)
+            loads.append((before + machine_load(2.0)) / 2)
+            medians.append(statistics.median(launch_times))
+            times += launch_times
+            cpu.append(statistics.median(launch_cpu))
+        load = statistics.mean(loads)
         pred = job_time(recorded.recordings, profile, load)
-        measured = statistics.median(times)
+        measured = statistics.median(medians)
         record = {
             "bench": "predict", "case": case, "ranks": ranks, "predicted_ms": round(pred.total * 1e3, 3),
             "measured_ms": round(measured * 1e3, 3), "ratio": round(pred.total / measured, 3),
+            "measured_launches_ms": [round(m * 1e3, 3) for m in medians],
             "measured_min_ms": round(min(times) * 1e3, 3), "measured_max_ms": round(max(times) * 1e3, 3),
             "predicted_quiet_ms": round(recorded.total * 1e3, 3), "other_load": round(load, 2),
-            "measured_cpu_ms": round(statistics.median(cpu) * 1e3, 3),
+            "measured_cpu_ms": round(statistics.median(cpu) * 1e3, 3),  # median of the launches' medians
             "categories_ms": {k: round(v * 1e3, 3) for k, v in pred.categories.items()},
             "profile": args.profile, "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
             "autopar_commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
