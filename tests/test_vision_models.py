@@ -103,6 +103,21 @@ def test_batch_norm_uses_the_global_batch_and_other_norms_stay_local():
             assert found[name] == [], (name, found[name])
 
 
+def _batch_norm_over_an_empty_piece():
+    """Three rows over four ranks: the last rank holds none (its sums are zeros; torch's own
+    kernels divide by a piece's count)."""
+    torch.manual_seed(0)
+    x, g, b = torch.randn(3, 4) * 2 + 1, torch.randn(4), torch.randn(4)
+    _, log = check(lambda x, g, b: F.batch_norm(x, None, None, g, b, training=True), [x, g, b],
+                   [[S0], [R], [R]], [0, 1, 2, 3])
+    return _ops(log)
+
+
+def test_batch_norm_over_an_empty_piece():
+    for ops in run_dist(_batch_norm_over_an_empty_piece, 4):
+        assert ops == [("all_reduce", (2, 4))]
+
+
 def _batch_norm_backward_log():
     """The input needs no gradient (BatchNorm on the data): only the weight's and bias's."""
     mesh = dist.ProcessMesh(MESH)
@@ -121,7 +136,7 @@ def _batch_norm_backward_log():
 
 def test_batch_norm_backward_reduces_once_and_is_no_local_region():
     for ops, grad_placements, forward, regions in run_dist(_batch_norm_backward_log, 2):
-        assert ops == [("all_reduce", (2, 4))]  # (sum dy, sum dy * (x - mean)) together
+        assert ops == [("all_reduce", (2, 4))]  # (sum dy, sum dy * xhat) together
         assert grad_placements == [R]  # already the global sums: nothing left to reduce
         assert forward == "RegionForward" and regions == [None]  # it communicates: never a local region
 

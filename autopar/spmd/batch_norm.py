@@ -9,8 +9,10 @@ batch, as SyncBatchNorm does, with ONE all-reduce per layer of 2 x channels valu
             E[(x-K)^2] - E[x-K]^2 stays small once K tracks the mean); the ranks holding the
             other pieces all-reduce them, normalize their own piece, and update the running
             statistics (unbiased variance over the global count) identically;
-  backward  one all-reduce of (sum dy, sum dy*(x-mean)); the weight and bias gradients come out
-            whole (Replicate): they are those sums already.
+  backward  one all-reduce of (sum dy, sum dy*xhat), each piece's summed in one fused pass (the
+            native backward's weight and bias gradients); the weight and bias gradients come out
+            whole (Replicate): they are those sums already.  The normalization and its gradient
+            are per-channel affine maps of x and dy given the global statistics: fused passes.
 Channels split instead (input Shard(1), per-channel tensors Shard(0)) every statistic is local:
 the plain op.  In eval mode (running statistics) the op is per-channel affine: a split batch is
 local too, and the weight and bias gradients are Partial(sum).  The backward is linear in
@@ -195,11 +197,10 @@ def batch_norm_stats_kernel(func, args, kwargs, in_specs, out_specs, coord):
     group, count = _group_and_count(in_specs[0], coord)
     mean, var = _global_stats(x, running_mean, group, count)
     invstd = (var + eps).rsqrt()
-    scale = invstd if weight is None else invstd * weight
-    out = (x - _per_channel(mean, x.dim())) * _per_channel(scale, x.dim())
-    if bias is not None:
-        out = out + _per_channel(bias, x.dim())
-    out = out.to(x.dtype)
+    # normalizing by given statistics is the eval-mode kernel: one fused pass (x * scale + shift),
+    # its parameters in the statistics' precision (a low-precision input takes float ones)
+    affine = [None if p is None else p.to(mean.dtype) for p in (weight, bias)]
+    out = torch.batch_norm(x, *affine, mean, var, False, 0.0, eps, False)
     stat_dtype = out_specs[1].meta.dtype
     results = [out, mean.to(stat_dtype), invstd.to(stat_dtype)]
     if form.reserve:
@@ -222,21 +223,29 @@ def batch_norm_backward_stats_kernel(func, args, kwargs, in_specs, out_specs, co
     dy, x, weight, save_mean, save_invstd = args[form.grad_out], args[form.input], args[2], args[5], args[6]
     mask = args[form.mask] if form.mask is not None else (True, True, True)
     group, count = _group_and_count(in_specs[form.input], coord)
-    dims = [d for d in range(x.dim()) if d != 1]
     acc = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
-    dy_acc = dy.to(acc)
     mean, invstd = save_mean.to(acc), save_invstd.to(acc)
-    xmu = x.to(acc) - _per_channel(mean, x.dim())
-    sums = comm.all_reduce(torch.stack([dy_acc.sum(dims), (dy_acc * xmu).sum(dims)]), group)
-    sum_dy, sum_dy_xmu = sums[0], sums[1]
+    if x.numel():  # this piece's sums of dy and dy * xhat in one fused pass: the native
+        # backward's weight and bias gradients
+        _, local_dy_xhat, local_dy = aten.native_batch_norm_backward(
+            dy, x, None, None, None, mean, invstd, True, 0.0, [False, True, True])
+    else:  # an empty piece (more ranks than rows; the native kernel divides by its count)
+        local_dy = local_dy_xhat = mean.new_zeros(x.shape[1])
+    sums = comm.all_reduce(torch.stack([local_dy, local_dy_xhat]), group)
+    sum_dy, sum_dy_xhat = sums[0], sums[1]
     grads = [None, None, None]
     if mask[0]:
-        w = invstd if weight is None else invstd * weight.to(acc)
-        proj = _per_channel(sum_dy_xmu * invstd * invstd / count, x.dim())
-        grads[0] = ((dy_acc - _per_channel(sum_dy / count, x.dim()) - xmu * proj) * _per_channel(w, x.dim())).to(x.dtype)
+        # w * invstd * (dy - sum_dy / count - xhat * sum_dy_xhat / count) is per channel
+        # a * dy + b * x + c: two fused passes
+        a = invstd if weight is None else invstd * weight.to(acc)
+        b = -a * invstd * sum_dy_xhat / count
+        c = -a * sum_dy / count - b * mean
+        n = x.dim()
+        dx = torch.addcmul(_per_channel(c, n), _per_channel(b, n), x).addcmul_(_per_channel(a, n), dy)
+        grads[0] = dx.to(x.dtype)
     param_dtype = weight.dtype if weight is not None else x.dtype
     if mask[1]:
-        grads[1] = (sum_dy_xmu * invstd).to(param_dtype)
+        grads[1] = sum_dy_xhat.to(param_dtype)
     if mask[2]:
         grads[2] = sum_dy.to(param_dtype)
     return tuple(grads)
