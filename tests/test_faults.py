@@ -54,6 +54,9 @@ def _stuck_in_different_collectives():
     if me < 2:
         comm.all_reduce(torch.ones(3), (0, 1))
         msg = _caught(lambda: comm.all_reduce(torch.ones(3), (0, 1) if me == 0 else (1, 2)))
+    # rank 2 keeps its side of [1, 2] until the others have timed out: torn down at once, it
+    # could close the group while rank 1 is still connecting to it
+    torch.distributed.barrier()
     comm.reset_groups()  # every rank: drop the broken groups
     return msg
 

@@ -75,6 +75,17 @@ def test_a_collective_costs_a_latency_per_ring_step_plus_its_bytes_over_the_link
     assert P.comm_time("all_gather", 4, 1e6, 0, slow_scatter) == P.comm_time("all_gather", 4, 1e6, 0, UNIT)
 
 
+def test_a_pairs_small_all_reduce_on_a_host_is_priced_as_the_all_gather_it_runs():
+    from autopar.comm.collectives import GATHERED_ALL_REDUCE_BYTES as LIMIT
+
+    host = dataclasses.replace(UNIT, op_links=(("all_gather", 5e-4, 1e9),))
+    assert P.comm_time("all_reduce", 2, 1e4, 1e4, host) == pytest.approx(5e-4 + 1e-5)  # one exchange
+    assert P.comm_time("all_reduce", 2, 2 * LIMIT, 2 * LIMIT, host) == pytest.approx(2e-3 + 2 * LIMIT / 1e9)
+    assert P.comm_time("all_reduce", 4, 1e4, 1e4, host) == pytest.approx(6e-3 + 1e-5)  # more bytes: gloo's ring
+    device = dataclasses.replace(host, host_overlaps=True)
+    assert P.comm_time("all_reduce", 2, 1e4, 1e4, device) == pytest.approx(2e-3 + 1e-5)
+
+
 def test_ranks_beyond_the_cores_share_them_and_do_more_host_work():
     assert P.core_share(2, UNIT) == 1.0 and P.core_share(8, UNIT) == 0.25
     assert P.core_share(64, dataclasses.replace(UNIT, cores=0)) == 1.0  # a rank per device
@@ -109,13 +120,13 @@ def test_a_rank_in_a_collective_leaves_its_core_to_the_others():
 
 
 def test_a_started_collective_overlaps_the_work_before_its_wait():
-    """Two ranks start an all-reduce (2 ms on UNIT: two ring steps of 1 ms), work, then wait
-    for it.  With a device per rank (no cores counted) 3 ms of work hide the transfer; 1 ms
+    """Two ranks start an all-gather (2 ms on UNIT: a ring step of 1 ms and 1 MB at 1 GB/s),
+    work, then wait for it.  With a device per rank (no cores counted) 3 ms of work hide the transfer; 1 ms
     leaves 1 ms of it to wait for; rank 1 starting 1 ms late delays the transfer's start
     while rank 0 goes on."""
     op = ("op", "aten::add", 0, 0, 0.0, 0, False)  # 1 ms each on UNIT
-    reduce = CommRecord("all_reduce", (0, 1), 0)
-    start = ("start", "all_reduce", (0, 1))
+    reduce = CommRecord("all_gather", (0, 1), 10**6)
+    start = ("start", "all_gather", (0, 1))
     devices = dataclasses.replace(UNIT, cores=0)
     hidden = P.job_time([_recording(r, start, op, op, op, reduce) for r in (0, 1)], devices)
     assert hidden.total == pytest.approx(3e-3) and hidden.categories["comm"] == 0.0
@@ -131,10 +142,10 @@ def test_a_started_collective_overlaps_the_work_before_its_wait():
 def test_on_a_host_a_transfer_in_flight_shares_the_cores_with_the_work():
     """The same overlap on cores: the two transfers (2 ms each) and the two ranks' 3 ms of work
     share UNIT's two cores (10 ms of work on 2 cores: 5 ms, as if the ranks waited for the
-    all-reduce); with two more cores free the transfers are hidden again."""
+    all-gather); with two more cores free the transfers are hidden again."""
     op = ("op", "aten::add", 0, 0, 0.0, 0, False)
-    reduce = CommRecord("all_reduce", (0, 1), 0)
-    start = ("start", "all_reduce", (0, 1))
+    reduce = CommRecord("all_gather", (0, 1), 10**6)
+    start = ("start", "all_gather", (0, 1))
     lines = [_recording(r, start, op, op, op, reduce) for r in (0, 1)]
     shared = P.job_time(lines, UNIT)
     # the ranks never stop: their 3 ms of work stretch over the 5 ms, at half a core for 4 ms
@@ -270,8 +281,9 @@ def test_timelines_wait_for_the_sender_and_for_every_member_of_a_collective():
     reduce = CommRecord("all_reduce", (0, 1), 0)
     p = P.job_time([_recording(0, op, op, op, send, reduce), _recording(1, recv, op, reduce)], UNIT)
     # rank 1 receives at 3 ms (+1 ms link), works 1 ms, and meets rank 0 at the all-reduce at 5 ms
-    assert p.total == pytest.approx(5e-3 + 2e-3)
-    # both finish at 7 ms; rank 0 (reported) waited 1 ms at the all-reduce for rank 1
+    # (a pair's small one on a host: one 1 ms exchange, `collectives.gathered_all_reduce`)
+    assert p.total == pytest.approx(5e-3 + 1e-3)
+    # both finish at 6 ms; rank 0 (reported) waited 1 ms at the all-reduce for rank 1
     assert p.rank == 0 and p.categories["wait"] == pytest.approx(1e-3)
     with pytest.raises(RuntimeError, match="all_reduce"):
         P.job_time([_recording(0, reduce), _recording(1, op)], UNIT)

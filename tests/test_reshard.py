@@ -173,3 +173,41 @@ def test_an_expanded_tensor_resharded_keeps_its_last_dim_innermost():
         assert stride[-1] == 1, stride
         torch.testing.assert_close(piece, full[rank:rank + 1])
         torch.testing.assert_close(whole, full)
+
+
+def _pair_all_reduces():
+    """A pair's all-reduces below and above GATHERED_ALL_REDUCE_BYTES (gathered and reduced
+    here, or gloo's own) against the terms gathered by hand: exact, and the same bits on both."""
+    import torch.distributed as tdist
+
+    from autopar.comm import collectives
+    from autopar.placement import ReduceType
+
+    dist.ProcessMesh([0, 1])
+    local = {ReduceType.SUM: torch.add, ReduceType.AVG: lambda a, b: (a + b) / 2,
+             ReduceType.MAX: torch.maximum, ReduceType.MIN: torch.minimum}
+    sizes = (1, 1000, collectives.GATHERED_ALL_REDUCE_BYTES // 4 + 1)  # the last: gloo's all_reduce
+    for n in sizes:
+        torch.manual_seed(dist.get_rank())
+        t = torch.randn(n)
+        terms = [torch.empty(n) for _ in range(2)]
+        tdist.all_gather(terms, t)
+        for reduce_type, want in local.items():
+            with dist.comm_log() as log:
+                got = collectives.all_reduce(t, (0, 1), reduce_type)
+            assert [(r.op, r.bytes) for r in log] == [("all_reduce", 4 * n)]
+            if n < sizes[-1]:  # gloo's own ring sums in its order: equal to a + b up to rounding
+                assert torch.equal(got, want(*terms)), (n, reduce_type)
+            else:
+                torch.testing.assert_close(got, want(*terms), rtol=1e-6, atol=1e-6)
+            seen = [torch.empty(n) for _ in range(2)]
+            tdist.all_gather(seen, got)
+            assert torch.equal(seen[0], seen[1]), (n, reduce_type)
+    return collectives.gathered_all_reduce(4, 2, True), collectives.gathered_all_reduce(4, 4, True)
+
+
+def test_a_pairs_small_all_reduce_is_exact_and_the_same_on_both_ranks():
+    """Between two ranks a small all-reduce gathers the two terms (one exchange where gloo's
+    ring makes two, the same bytes) and reduces them in mesh order on each."""
+    for pair, four in run_dist(_pair_all_reduces, 2):
+        assert pair and not four

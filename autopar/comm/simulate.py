@@ -262,13 +262,15 @@ def plausible(op: str, tensors: tuple, logs: tuple) -> None:
     gathers from its peers agree in an SPMD program), received data is zeros (ids index
     tables), and so is a broadcast's on its receivers (the source's values are not here; left
     as allocated they could hold NaNs, which a local region's trial run never matches, or
-    not, from one run to the next), reductions keep this rank's terms."""
+    not, from one run to the next), reductions keep this rank's terms (a pair's small all-reduce,
+    gathered and reduced locally, reduces copies of them)."""
     with _filling():
         _fill(op, tensors, logs)
 
 
 def _fill(op: str, tensors: tuple, logs: tuple) -> None:
-    if op == "all_gather":
+    # a pair's small all-reduce gathers its terms (collectives.gathered_all_reduce): copies too
+    if op == "all_gather" or (op == "all_reduce" and len(tensors) == 2):
         out, t = tensors
         out.view((-1,) + tuple(t.shape)).copy_(t.unsqueeze(0).expand((out.numel() // max(t.numel(), 1),) + tuple(t.shape)))
     elif op in ("reduce_scatter", "all_to_all"):

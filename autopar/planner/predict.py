@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from ..comm.collectives import gathered_all_reduce
 from .cost import _RING, DeviceProfile, load_profile, machine_cores, median_time, op_link
 
 aten = torch.ops.aten
@@ -110,7 +111,9 @@ def comm_time(op: str, group_size: int, sent: float, received: float, profile: D
     """Seconds for one logged collective or transfer (`comm_log` gives the bytes this rank
     sent and received, the ring's factor included): one link latency per ring step plus the
     larger direction over the link's bandwidth (`shared_link` where ranks share cores), both
-    scaled as the profile measured this collective against all_reduce (`op_links`).
+    scaled as the profile measured this collective against all_reduce (`op_links`).  A
+    pair's small all-reduce on a host profile is priced as the all-gather autopar runs for it
+    (`collectives.gathered_all_reduce`).
 
     >>> from autopar.planner.cost import H100
     >>> comm_time("all_reduce", 8, 2 * 7 / 8 * 1e9, 0, H100)  # as cost.collective_time
@@ -118,6 +121,8 @@ def comm_time(op: str, group_size: int, sent: float, received: float, profile: D
     """
     if group_size <= 1:
         return 0.0
+    if op == "all_reduce" and gathered_all_reduce(int(max(sent, received)), group_size, not profile.host_overlaps):
+        op = "all_gather"  # what a pair's small all-reduce runs on a host (its bytes: the tensor's)
     latency, bandwidth = op_link(profile, op, *shared_link(profile, crowding))
     steps = _RING[op](group_size)[0] if op in _RING else 1
     return steps * latency + max(sent, received) / bandwidth
