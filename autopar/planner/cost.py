@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -68,6 +69,13 @@ class DeviceProfile:
 
     def peak_flops(self, precision: str) -> float:
         return {"bf16": self.peak_flops_bf16, "fp32": self.peak_flops_fp32}[precision]
+
+    @functools.cached_property
+    def per_element_tables(self) -> tuple[dict, dict]:
+        """(aten op name -> seconds per element, the same for a strided input: `strided_costs`
+        over `element_costs`), built once per profile: every op priced looks one up."""
+        plain = dict(self.element_costs)
+        return plain, {**plain, **dict(self.strided_costs)}
 
 
 # NVIDIA datasheets: H100 SXM5 989 TFLOP/s dense BF16, 67 TFLOP/s FP32, 80 GB HBM3 at

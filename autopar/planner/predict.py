@@ -15,7 +15,6 @@ for the sender of what it receives (pipeline bubbles included).
 from __future__ import annotations
 
 import bisect
-import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -75,18 +74,8 @@ def op_time(flops: float, nbytes: float, profile: DeviceProfile, precision: str 
     """
     compute = flops / flop_rate(gemm or flops, profile, precision) if flops else 0.0
     memory = nbytes / memory_rate(nbytes, profile) if nbytes else 0.0
-    per_element = _element_costs(profile, strided).get(name, 0.0) * elements if elements else 0.0
+    per_element = profile.per_element_tables[strided].get(name, 0.0) * elements if elements else 0.0
     return max(compute, memory, per_element) + profile.op_latency
-
-
-@functools.lru_cache(maxsize=16)
-def _element_costs(profile: DeviceProfile, strided: bool) -> dict:
-    """aten op name -> seconds per element: the profile's `element_costs`, its `strided_costs`
-    over them for a strided op (built once per profile, not per op priced)."""
-    costs = dict(profile.element_costs)
-    if strided:
-        costs.update(profile.strided_costs)
-    return costs
 
 
 def _piecewise(points: list, x: float) -> tuple:
