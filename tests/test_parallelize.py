@@ -163,6 +163,11 @@ NO_DP = (r"dp_config needs a mesh dim named 'dp', "
     (PP_MP, {"dp_config": {}}, NO_DP),
     (DP, {"dp_config": {"sharding_level": 4}}, "dp_config must be a dict like"),
     (PP_MP, {"sp_config": {}}, r"unknown keys \['sp_config'\]"),
+    (DP, {"dp_config": {"sharding_levle": 3}},
+     r"dp_config: unknown keys \['sharding_levle'\] \(known: \['sharding_level'\]\); "
+     r"did you mean 'sharding_level' for 'sharding_levle'\?"),
+    (PP_MP, {"mp_config": {"parallelize_plan": {}, "sequence_parallel": True}},
+     r"mp_config: unknown keys \['sequence_parallel'\] \(known: \['parallelize_plan'\]\)$"),
     (PP_MP, {"mp_config": {"plan": {}}}, "with a 'parallelize_plan'"),
     (PP_MP, {"mp_config": {"parallelize_plan": {}}, "pp_config": {"split_spec": "layers"}}, "state for"),
 ])

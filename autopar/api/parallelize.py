@@ -14,6 +14,7 @@ One config turns a single-device model and optimizer into a distributed pair, in
 """
 from __future__ import annotations
 
+import difflib
 import re
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -463,9 +464,7 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     config = {} if config is None else config
     if not isinstance(config, dict):
         raise TypeError(f"parallelize config must be a dict, got {type(config).__name__}")
-    unknown = sorted(set(config) - set(_CONFIG_DIMS))
-    if unknown:
-        raise ValueError(f"parallelize config: unknown keys {unknown} (known: {list(_CONFIG_DIMS)})")
+    _refuse_unknown_keys("parallelize config", config, tuple(_CONFIG_DIMS))
     if mesh is None:
         return config
     if not isinstance(mesh, ProcessMesh):
@@ -478,15 +477,30 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     dp_config = config.get("dp_config", {})
     if not isinstance(dp_config, dict) or dp_config.get("sharding_level", 0) not in (0, 1, 2, 3):
         raise ValueError(f"dp_config must be a dict like {{'sharding_level': 0|1|2|3}}, got {dp_config!r}")
+    _refuse_unknown_keys("dp_config", dp_config, DP_CONFIG_KEYS)
     mp_config = config.get("mp_config", {"parallelize_plan": {}})
     if not isinstance(mp_config, dict) or "parallelize_plan" not in mp_config:
         raise ValueError(f"mp_config must be a dict with a 'parallelize_plan', got {mp_config!r}")
+    _refuse_unknown_keys("mp_config", mp_config, MP_CONFIG_KEYS)
     if "pp_config" in config:
         pipeline_settings(config["pp_config"])
     return config
 
 
+DP_CONFIG_KEYS = ("sharding_level",)
+MP_CONFIG_KEYS = ("parallelize_plan",)
 PP_CONFIG_KEYS = ("split_spec", "global_spec", "schedule_mode", "accumulate_steps", "vpp_degree")
+
+
+def _refuse_unknown_keys(where: str, given: dict, known: tuple) -> None:
+    """A misspelt key would otherwise be ignored and the job train with the default
+    (`sharding_levle: 3` training at level 0): name it, and the known key it is closest to."""
+    unknown = sorted(set(given) - set(known), key=str)
+    if not unknown:
+        return
+    close = {k: difflib.get_close_matches(str(k), known, n=1) for k in unknown}
+    hints = "".join(f"; did you mean {m[0]!r} for {k!r}?" for k, m in close.items() if m)
+    raise ValueError(f"{where}: unknown keys {unknown} (known: {list(known)}){hints}")
 SCHEDULE_MODES = ("FThenB", "1F1B", "VPP", "ZBH1")
 
 
@@ -499,9 +513,7 @@ def pipeline_settings(pp_config: Any) -> dict:
     """
     if not isinstance(pp_config, dict) or "split_spec" not in pp_config:
         raise ValueError(f"pp_config must be a dict with a 'split_spec', got {pp_config!r}")
-    unknown = sorted(set(pp_config) - set(PP_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"pp_config: unknown keys {unknown} (known: {list(PP_CONFIG_KEYS)})")
+    _refuse_unknown_keys("pp_config", pp_config, PP_CONFIG_KEYS)
     mode = pp_config.get("schedule_mode", "1F1B")
     if mode not in SCHEDULE_MODES:
         raise ValueError(f"pp_config schedule_mode must be one of {list(SCHEDULE_MODES)}, got {mode!r}")
