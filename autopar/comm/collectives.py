@@ -2,9 +2,12 @@
 
 Inputs are this rank's local tensors; dim 0 is the exchange dim (callers move the dim
 they exchange to the front).  Uneven pieces are the caller's job (pad or use all_to_all).
+Every value arrives as torch computes it in one process: a complex tensor moves as its
+(re, im) pairs, and a NaN survives a max/min (`_KeepNaN`).
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -27,6 +30,28 @@ _TORCH_OP = {
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the backend moves it: a complex tensor as a real view of its (re, im) pairs (gloo
+    and NCCL know no complex dtype; torch.distributed's own API views them the same way)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its values in its memory, as the backend reads them: contiguous, and a lazy
+    conjugate or negation (a bit only torch's kernels honour) applied.  `t` itself when it is."""
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
+def _check_ordered(op: str, t: torch.Tensor, reduce_type: ReduceType, ranks) -> None:
+    """A max/min of complex numbers is refused on every rank before anything moves, as
+    torch.amax refuses it: they have no order."""
+    if reduce_type in _WINNER and t.is_complex():
+        raise TypeError(
+            f"{op} with reduce op {reduce_type.value} over ranks {list(ranks)}: a {t.dtype} tensor of shape "
+            f"{list(t.shape)} has no order (torch.amax/amin refuse complex tensors too); reduce its .abs() or .real"
+        )
 
 
 def _enter(op: str, ranks, t: torch.Tensor) -> int:
@@ -56,13 +81,14 @@ def reading_values(what: str) -> None:
 
 class Wire:
     """One blocking transfer: `run(*tensors)` moves the bytes (writing its outputs in place),
-    then `logs` (op, ranks, sent, received, shape) go to comm_log.  Kept whole so that a
-    captured program can replay it."""
+    then `logs` (op, ranks, sent, received, shape) go to comm_log, then `after(*tensors)`, if
+    any, reads what arrived (a max/min's NaN check, which may move a few bytes more and logs
+    them).  Kept whole so that a captured program can replay it."""
 
-    __slots__ = ("op", "ranks", "run", "logs")
+    __slots__ = ("op", "ranks", "run", "logs", "after")
 
-    def __init__(self, op: str, ranks, run, logs: tuple):
-        self.op, self.ranks, self.run, self.logs = op, tuple(ranks), run, logs
+    def __init__(self, op: str, ranks, run, logs: tuple, after=None):
+        self.op, self.ranks, self.run, self.logs, self.after = op, tuple(ranks), run, logs, after
 
     def __call__(self, *tensors) -> None:
         seq = _enter(self.op, self.ranks, tensors[-1])
@@ -74,11 +100,16 @@ class Wire:
             plausible(self.op, tensors, self.logs)
         for log in self.logs:
             record(*log)
+        if self.after is not None:
+            try:
+                self.after(*tensors)
+            except RuntimeError as e:
+                fail(self.op, self.ranks, seq, e)
 
 
 def _wire(op: str, ranks, run, tensors: tuple, sent: int = 0, received: int = 0, shape: tuple = (),
-          logs: tuple | None = None) -> None:
-    wire = Wire(op, ranks, run, ((op, tuple(ranks), sent, received, shape),) if logs is None else logs)
+          logs: tuple | None = None, after=None) -> None:
+    wire = Wire(op, ranks, run, ((op, tuple(ranks), sent, received, shape),) if logs is None else logs, after)
     if not CAPTURE_HOOKS:
         wire(*tensors)
         return
@@ -98,14 +129,14 @@ def all_gather_into(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
     if len(ranks) == 1:
         return t
     t, out, n = _all_gather_buffers(t, len(ranks))
-    _wire("all_gather", ranks, lambda o, i: group_for(ranks)._allgather_base(o, i).wait(), (out, t), n, n,
-          tuple(t.shape))
+    _wire("all_gather", ranks, lambda o, i: group_for(ranks)._allgather_base(_real(o), _real(i)).wait(), (out, t),
+          n, n, tuple(t.shape))
     return out
 
 
 def _all_gather_buffers(t: torch.Tensor, k: int) -> tuple:
     """(`t` as sent, the output, the bytes each member sends)."""
-    t = t.contiguous().reshape(t.shape if t.dim() else (1,))
+    t = _sendable(t).reshape(t.shape if t.dim() else (1,))
     out = torch.empty((k * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     return t, out, _nbytes(t) * (k - 1)
 
@@ -158,11 +189,11 @@ def all_reduce(
     """Reduce `t` over the members; returns the reduced tensor (a new contiguous tensor, or
     `t` itself with `inplace=True` when it is contiguous and the caller owns it).  Every
     member gets the same bits."""
+    _check_ordered("all_reduce", t, reduce_type, ranks)
     k = len(ranks)
-    if inplace and t.is_contiguous():
-        out = t
-    else:
-        out = t.contiguous().clone() if t.is_contiguous() else t.contiguous()
+    out = _sendable(t)
+    if out is t and not inplace:
+        out = t.clone()
     if k == 1:
         return out
     moved = _all_reduce_bytes(out, k)
@@ -172,9 +203,69 @@ def all_reduce(
               tuple(out.shape))
         return _reduce_terms(terms, out, reduce_type, k)
     opts = _all_reduce_options(reduce_type)
-    _wire("all_reduce", ranks, lambda o: group_for(ranks).allreduce([o], opts).wait(), (out,), moved, moved,
-          tuple(out.shape))
+    keep = _KeepNaN.needed(out, reduce_type, ranks)
+    _wire("all_reduce", ranks, lambda o: _post_all_reduce(ranks, o, opts, keep).wait(), (out,), moved, moved,
+          tuple(out.shape), after=None if keep is None else keep.restore)
     return _all_reduced(out, reduce_type, k)
+
+
+def _post_all_reduce(ranks: tuple, t: torch.Tensor, opts: AllreduceOptions, keep):
+    """Post the backend's all-reduce of `t` in place, its NaNs first hidden from a max/min."""
+    group = group_for(ranks)
+    if keep is not None:
+        keep.hide(t, group)
+    return group.allreduce([_real(t)], opts)
+
+
+# A backend's max/min meets the terms pairwise in its algorithm's order and keeps a NaN or
+# drops it depending on that order (gloo: std::max, `a < b ? b : a`): on 3 ranks a NaN on
+# rank 1 came out as a number.  torch.amax/amin always keep it.  So each rank's NaNs go in
+# as the value that wins the reduction, and where the result comes out as that value (the
+# same places on every member: the same bits) one all-reduce of a byte per place says which
+# were NaN.  A result without that value, the usual case, moves nothing more: the check is a
+# sum over the input and an amax/amin over the result, both local.
+_WINNER = {ReduceType.MAX: math.inf, ReduceType.MIN: -math.inf}
+
+
+class _KeepNaN:
+    """The NaNs of one max/min all-reduce through the backend: `hide` them in the input before
+    it is posted, `restore` them in the result."""
+
+    __slots__ = ("reduce_type", "ranks", "nan", "group")
+
+    def __init__(self, reduce_type: ReduceType, ranks: tuple):
+        self.reduce_type, self.ranks, self.nan, self.group = reduce_type, ranks, None, None
+
+    @staticmethod
+    def needed(t: torch.Tensor, reduce_type: ReduceType, ranks: tuple):
+        """A keeper where a NaN could be lost: a max/min of floats with values to read (a
+        simulated rank moves none)."""
+        if reduce_type in _WINNER and t.is_floating_point() and t.numel() and not SIMULATING[0]:
+            return _KeepNaN(reduce_type, ranks)
+        return None
+
+    def hide(self, t: torch.Tensor, group) -> None:
+        """This rank's NaNs in `t` become the winning value (in place); where they were is kept."""
+        self.group, self.nan = group, None
+        if torch.isnan(t.sum()):  # a NaN (or +inf and -inf) somewhere: one pass tells
+            self.nan = t.isnan()
+            t.masked_fill_(self.nan, _WINNER[self.reduce_type])
+
+    def restore(self, out: torch.Tensor) -> torch.Tensor:
+        """NaN back where a member had one, in the reduced `out` (in place)."""
+        winner = _WINNER[self.reduce_type]
+        if _LOCAL_REDUCE[self.reduce_type](out) != winner:
+            return out
+        places = (out.view(-1) == winner).nonzero().squeeze(1)
+        if self.nan is None:
+            flags = torch.zeros(places.shape, dtype=torch.uint8, device=out.device)
+        else:
+            flags = self.nan.view(-1)[places].to(torch.uint8)
+        self.group.allreduce([flags], _all_reduce_options(ReduceType.MAX)).wait()
+        out.view(-1)[places[flags.bool()]] = math.nan
+        moved = _all_reduce_bytes(flags, len(self.ranks))
+        record("all_reduce", self.ranks, moved, moved, tuple(flags.shape))
+        return out
 
 
 def _gathered_terms(t: torch.Tensor, k: int):
@@ -188,7 +279,7 @@ def _gathered_terms(t: torch.Tensor, k: int):
 
 
 def _gather_terms(ranks: tuple, terms: torch.Tensor, t: torch.Tensor):
-    return group_for(ranks)._allgather_base(terms.view(-1), t.view(-1))
+    return group_for(ranks)._allgather_base(_real(terms.view(-1)), _real(t.view(-1)))
 
 
 def _reduce_terms(terms: torch.Tensor, out: torch.Tensor, reduce_type: ReduceType, k: int) -> torch.Tensor:
@@ -220,7 +311,10 @@ class Pending:
                 plausible(self.op, self.moved, ())
             record(self.op, self.ranks, *self.log)
             if self.finish is not None:
-                self.out = self.finish(self.out)
+                try:
+                    self.out = self.finish(self.out)
+                except RuntimeError as e:  # a max/min's NaN check moves bytes too
+                    fail(self.op, self.ranks, self.seq, e)
         return self.out
 
 
@@ -251,7 +345,8 @@ def _synchronous(ranks) -> bool:
 def all_reduce_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> Pending:
     """Start reducing `t` (contiguous and the caller's: reduced in place) over the members and
     return at once, so that computation goes on while the bytes move."""
-    if _synchronous(ranks) or not t.is_contiguous():
+    _check_ordered("all_reduce", t, reduce_type, ranks)
+    if _synchronous(ranks) or _sendable(t) is not t:
         return _done("all_reduce", all_reduce(t, ranks, reduce_type, inplace=True), ranks)
     k = len(ranks)
     moved = _all_reduce_bytes(t, k)
@@ -261,21 +356,25 @@ def all_reduce_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Re
                         (moved, moved, tuple(t.shape)), lambda out: _reduce_terms(terms, out, reduce_type, k),
                         (terms, t))
     opts = _all_reduce_options(reduce_type)
-    return _started("all_reduce", ranks, lambda: group_for(ranks).allreduce([t], opts), t, t,
-                    (moved, moved, tuple(t.shape)), lambda out: _all_reduced(out, reduce_type, k), (t,))
+    keep = _KeepNaN.needed(t, reduce_type, ranks)
+    return _started("all_reduce", ranks, lambda: _post_all_reduce(ranks, t, opts, keep), t, t,
+                    (moved, moved, tuple(t.shape)),
+                    keep.restore if keep is not None else lambda out: _all_reduced(out, reduce_type, k), (t,))
 
 
 def reduce_scatter_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> Pending:
     """`reduce_scatter`, started: `wait()` returns this member's piece."""
+    _check_ordered("reduce_scatter", t, reduce_type, ranks)
     k = len(ranks)
     if _synchronous(ranks) or reduce_type not in (ReduceType.SUM, ReduceType.AVG):
         return _done("reduce_scatter", reduce_scatter(t, ranks, reduce_type), ranks)
     out = _reduce_scatter_out(t, k)
-    t = t.contiguous()
+    t = _sendable(t)
     opts = _reduce_scatter_options(reduce_type)
     moved = (k - 1) * _nbytes(out)
     finish = (lambda o: o.div_(k)) if reduce_type is ReduceType.AVG else None
-    return _started("reduce_scatter", ranks, lambda: group_for(ranks)._reduce_scatter_base(out, t, opts), t, out,
+    return _started("reduce_scatter", ranks,
+                    lambda: group_for(ranks)._reduce_scatter_base(_real(out), _real(t), opts), t, out,
                     (moved, moved, tuple(t.shape)), finish)
 
 
@@ -284,7 +383,7 @@ def all_gather_start(t: torch.Tensor, ranks: tuple) -> Pending:
     if _synchronous(ranks):
         return _done("all_gather", all_gather_into(t, ranks), ranks)
     t, out, n = _all_gather_buffers(t, len(ranks))
-    return _started("all_gather", ranks, lambda: group_for(ranks)._allgather_base(out, t), t, out,
+    return _started("all_gather", ranks, lambda: group_for(ranks)._allgather_base(_real(out), _real(t)), t, out,
                     (n, n, tuple(t.shape)))
 
 
@@ -302,21 +401,23 @@ def _reduce_scatter_out(t: torch.Tensor, k: int) -> torch.Tensor:
 
 def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> torch.Tensor:
     """Reduce `t` over the members and return piece i (dim 0 cut in k equal pieces) to member i."""
+    _check_ordered("reduce_scatter", t, reduce_type, ranks)
     k = len(ranks)
     if k == 1:
         return t.clone()
     out = _reduce_scatter_out(t, k)
-    t = t.contiguous()
+    t = _sendable(t)
     moved = (k - 1) * _nbytes(out)
     if reduce_type in (ReduceType.SUM, ReduceType.AVG):
         opts = _reduce_scatter_options(reduce_type)
-        _wire("reduce_scatter", ranks, lambda o, i: group_for(ranks)._reduce_scatter_base(o, i, opts).wait(),
+        _wire("reduce_scatter", ranks,
+              lambda o, i: group_for(ranks)._reduce_scatter_base(_real(o), _real(i), opts).wait(),
               (out, t), moved, moved, tuple(t.shape))
         if reduce_type is ReduceType.AVG:
             out.div_(k)
     else:
         # gloo's reduce_scatter only sums: max/min go as all-to-all of pieces + local reduce,
-        # which moves the same bytes.
+        # which moves the same bytes (and keeps a NaN, as torch.amax does).
         pieces = torch.empty_like(t)
         _wire("reduce_scatter", ranks,
               lambda o, i: group_for(ranks).alltoall_base(o, i, [], [], AllToAllOptions()).wait(),
@@ -331,12 +432,13 @@ def all_to_all(t: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[in
     if len(ranks) == 1:
         return t
     me = ranks.index(get_rank())
-    t = t.contiguous()
+    t = _sendable(t)
     out = torch.empty((sum(recv_rows),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     recv, send = list(recv_rows), list(send_rows)
     row = _row_bytes(t)
     _wire("all_to_all", ranks,
-          lambda o, i: group_for(ranks).alltoall_base(o, i, recv, send, AllToAllOptions()).wait(), (out, t),
+          lambda o, i: group_for(ranks).alltoall_base(_real(o), _real(i), recv, send, AllToAllOptions()).wait(),
+          (out, t),
           row * (sum(send_rows) - send_rows[me]), row * (sum(recv_rows) - recv_rows[me]), tuple(t.shape))
     return out
 
@@ -352,11 +454,11 @@ def broadcast(t: torch.Tensor, src: int, ranks: tuple) -> torch.Tensor:
     """`t` from global rank `src` to every member (in place on the receivers)."""
     if len(ranks) == 1:
         return t
-    t = t.contiguous()
+    t = _sendable(t)
     opts = BroadcastOptions()
     opts.rootRank = ranks.index(src)
     me = get_rank()
-    _wire("broadcast", ranks, lambda x: group_for(ranks).broadcast([x], opts).wait(), (t,),
+    _wire("broadcast", ranks, lambda x: group_for(ranks).broadcast([_real(x)], opts).wait(), (t,),
           _nbytes(t) * (len(ranks) - 1) if me == src else 0, 0 if me == src else _nbytes(t), tuple(t.shape))
     return t
 
@@ -365,12 +467,12 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
     """Post all sends (tensor, dst) and receives (buffer, src) at once and wait for them."""
     if not sends and not recvs:
         return
-    tensors = tuple(t.contiguous() for t, _ in sends) + tuple(buf for buf, _ in recvs)
+    tensors = tuple(_sendable(t) for t, _ in sends) + tuple(buf for buf, _ in recvs)
     dsts, srcs = [p for _, p in sends], [p for _, p in recvs]
 
     def run(*ts):
-        ops = [tdist.P2POp(tdist.isend, t, p) for t, p in zip(ts, dsts)]
-        ops += [tdist.P2POp(tdist.irecv, b, p) for b, p in zip(ts[len(dsts):], srcs)]
+        ops = [tdist.P2POp(tdist.isend, _real(t), p) for t, p in zip(ts, dsts)]
+        ops += [tdist.P2POp(tdist.irecv, _real(b), p) for b, p in zip(ts[len(dsts):], srcs)]
         for work in tdist.batch_isend_irecv(ops):
             work.wait()
 

@@ -20,13 +20,9 @@ import torch
 import torch.distributed as tdist
 
 from .backend import SIMULATING, CommError, channel_group, get_rank
-from .collectives import CAPTURE_HOOKS, send_recv
+from .collectives import CAPTURE_HOOKS, _nbytes, _real, _sendable, send_recv
 from .log import record
 from .simulate import received
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class P2PWork:
@@ -64,7 +60,7 @@ def isend(t: torch.Tensor, dst: int, channel: str) -> P2PWork:
     """Start sending `t` (contiguous; keep it unchanged until `wait`) to global rank `dst`."""
     me = get_rank()
     ranks = _pair(me, dst)
-    work = channel_group(ranks, channel).send([t], ranks.index(dst), 0)
+    work = channel_group(ranks, channel).send([_real(t)], ranks.index(dst), 0)
     record("send", (me, dst), _nbytes(t), 0, tuple(t.shape))
     return P2PWork(work, "send", dst, t, channel)
 
@@ -73,7 +69,7 @@ def irecv(buf: torch.Tensor, src: int, channel: str) -> P2PWork:
     """Start receiving into `buf` (contiguous) from global rank `src`."""
     me = get_rank()
     ranks = _pair(me, src)
-    work = channel_group(ranks, channel).recv([buf], ranks.index(src), 0)
+    work = channel_group(ranks, channel).recv([_real(buf)], ranks.index(src), 0)
     record("recv", (src, me), 0, _nbytes(buf), tuple(buf.shape))
     return P2PWork(work, "recv", src, buf, channel)
 
@@ -122,13 +118,13 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
     window, me = _DEFERRED[-1], get_rank()
     t0 = time.perf_counter()
     for t, dst in sends:
-        t = t.contiguous()
-        window.pending.append((tdist.isend(t, dst), dst, t))
+        t = _sendable(t)
+        window.pending.append((tdist.isend(_real(t), dst), dst, t))
         record("send", (me, dst), _nbytes(t), 0, tuple(t.shape))
     t1 = time.perf_counter()
     window.send_seconds += t1 - t0
     if recvs:
-        ops = [tdist.P2POp(tdist.irecv, buf, src) for buf, src in recvs]
+        ops = [tdist.P2POp(tdist.irecv, _real(buf), src) for buf, src in recvs]
         for buf, src in recvs:
             record("recv", (src, me), 0, _nbytes(buf), tuple(buf.shape))
         try:
