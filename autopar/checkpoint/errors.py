@@ -11,7 +11,10 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """There is no checkpoint at the path (no directory, or no metadata file in it)."""
+    """There is no checkpoint at the path (no directory, or no metadata file in it), for any
+    rank.  A damaged checkpoint (a data file missing or cut short, metadata unreadable) or one
+    only some ranks see is a plain CheckpointError, so `except FileNotFoundError: start over`
+    never silently throws a run away."""
 
     def __init__(self, message: str):
         # OSError's (errno, strerror) convention would swallow a single message: keep it plain.
@@ -58,13 +61,19 @@ def raise_agreed(per_rank: list[list[dict]], what: str, consequence: str) -> Non
             kinds.add(item["kind"])
     if not seen:
         return
-    lines = []
-    for msg, ranks in seen.items():
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        if len(ranks) == len(per_rank) and len(per_rank) > 1:
-            who = "all ranks"
-        lines.append(f"  [{who}] {msg}")
+    lines = [f"  [{_who(ranks, len(per_rank))}] {msg}" for msg, ranks in seen.items()]
     text = f"{what} failed; {consequence}:\n" + "\n".join(lines)
     if kinds == {"not_found"}:
-        raise CheckpointNotFoundError(text)
+        found = [r for r, items in enumerate(per_rank) if not items]
+        if not found:
+            raise CheckpointNotFoundError(text)
+        # some ranks see a checkpoint the others do not: not a missing one to start over without
+        text += (f"\n  {_who(found, len(per_rank))} found it: the path must be on a filesystem shared by "
+                 f"all ranks")
     raise CheckpointError(text)
+
+
+def _who(ranks: list[int], world: int) -> str:
+    if len(ranks) == world and world > 1:
+        return "all ranks"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -59,14 +59,14 @@ def load_state_dict(state_dict, path) -> None:
     is no checkpoint) on every rank, with nothing changed, if anything does not check out.
     """
     rank, world = sync.world()
-    path = os.path.abspath(os.fspath(path))
+    given = os.fspath(path)
     problems = Problems()
     plan = None
     try:
-        plan = _Loader(state_dict, path, rank, world, problems).plan()
+        plan = _Loader(state_dict, os.path.realpath(given), rank, world, problems).plan()
     except Exception as e:
         problems.add(f"rank {rank}: {type(e).__name__}: {e}")
-    sync.agree(problems, f"load_state_dict({path!r})", "nothing in the state dict was changed")
+    sync.agree(problems, f"load_state_dict({given!r})", "nothing in the state dict was changed")
     plan.commit(state_dict)
 
 
@@ -118,8 +118,11 @@ class _Loader:
         except MetadataError as e:
             self.problems.add(str(e))
             return None
-        except OSError as e:
-            self.problems.not_found(f"cannot read checkpoint metadata in {root}: {e}")
+        except FileNotFoundError as e:  # gone since _resolve saw it
+            self.problems.not_found(f"no checkpoint at {root}: {e}")
+            return None
+        except OSError as e:  # there, but unreadable: not a checkpoint to start over without
+            self.problems.add(f"cannot read checkpoint metadata in {root}: {e}")
             return None
         saved_t, saved_v = meta["tensors"], meta["values"]
         jobs, assigns, asked = [], [], set()
@@ -166,6 +169,9 @@ class _Loader:
                 warnings.warn(f"no checkpoint at {path}; loading {old}, left there by an interrupted save")
                 return old
             self.problems.not_found(f"no checkpoint at {path}: the path does not exist")
+        elif os.path.isdir(path) and glob.glob(os.path.join(glob.escape(path), "rank*.safetensors")):
+            # a save puts metadata.json in before the directory: this one was damaged since
+            self.problems.add(f"the checkpoint at {path} has data files but no {METADATA_FILE}: it is damaged")
         elif os.path.isdir(path):
             self.problems.not_found(f"no checkpoint at {path}: the directory has no {METADATA_FILE}")
         else:

@@ -4,22 +4,28 @@ finished checkpoint into place.
 Steps (each `agree` is one small all-gather that also acts as a barrier, and raises the same
 error on every rank when any rank had one):
 
-1. flatten the state dict; agree that every rank has the same entries (names, shapes,
-   dtypes, meshes, placements) and on rank 0's name for the temporary directory
-   `.<name>.tmp-<token>` next to `path` (same filesystem, so renames are atomic);
-2. reduce Partial tensors (the checkpoint holds global values), write this rank's pieces -
+1. flatten the state dict; rank 0 claims this save's names next to `path` (same filesystem,
+   so renames are atomic; see claim.py): its lock file `.<name>.lock-<token>`, flock-ed for
+   the whole save, then the temporary directory `.<name>.tmp-<token>`; agree on the token;
+2. agree that every rank has the same entries (names, shapes, dtypes, meshes, placements)
+   and sees rank 0's lock file and directory (a path on a disk of each node's own is caught
+   here, before anything is written);
+3. reduce Partial tensors (the checkpoint holds global values), write this rank's pieces -
    for each distinct box only the lowest rank holding it writes - into
    `rankNNNNN.safetensors`, fsync it, checksum every piece; agree (on failure the temporary
    directory is removed and `path` was never touched);
-3. rank 0 writes metadata.json, fsyncs, and swaps the directory in: an atomic exchange
-   (renameat2 RENAME_EXCHANGE) where the OS has one, else rename old away / rename new in /
-   delete old (a crash between those two renames leaves the old checkpoint at
-   `.<name>.old-<token>`, which load_state_dict falls back to); agree once more so no
-   rank returns before the checkpoint is in place.
+4. rank 0 checks every file the ranks reported is there with its size, writes metadata.json,
+   fsyncs, and swaps the directory in, one swap of `path` at a time: an atomic exchange
+   (renameat2 RENAME_EXCHANGE) where the OS has one, else rename old away / rename new in
+   (a crash between those two renames leaves the old checkpoint at `.<name>.old-<token>`,
+   which load_state_dict falls back to); then it removes the replaced checkpoint and the
+   leftovers of other saves that are provably over; agree once more so no rank returns
+   before the checkpoint is in place.
+
+`path` is resolved (symlinks followed) first: saving to `latest -> step_10` replaces step_10.
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -34,7 +40,7 @@ import torch
 from ..dtensor import DistTensor
 from ..placement import Partial, Replicate
 from ..reshard import redistribute_local
-from . import sync
+from . import claim, sync
 from .errors import CheckpointError, Problems
 from .flatten import Leaf, flatten
 from .metadata import (
@@ -58,7 +64,9 @@ def save_state_dict(state_dict, path) -> None:
 
     Each rank writes only its own pieces (a replicated piece once, by its lowest holder;
     Partial tensors reduced first); plain tensors count as replicated on every rank.  The
-    previous checkpoint at `path` stays intact until the new one is complete.
+    previous checkpoint at `path` stays intact until the new one is complete.  `path` must be
+    on a filesystem all ranks share; a symlink is followed (the directory it points to is
+    replaced, the link kept).
 
     >>> import torch, tempfile, os, autopar as dist
     >>> from autopar.checkpoint import save_state_dict, load_state_dict
@@ -69,77 +77,123 @@ def save_state_dict(state_dict, path) -> None:
     {'w': tensor([0., 1., 2., 3.]), 'step': 3}
     """
     rank, world = sync.world()
-    path = os.path.abspath(os.fspath(path))
+    given = os.fspath(path)
+    path = os.path.realpath(given)
     parent, base = os.path.split(path)
-    what = f"save_state_dict({path!r})"
-    untouched = f"the checkpoint at {path} is unchanged"
-
-    # 1. entries, agreement on them and on the temporary directory -------------------------
-    problems = Problems()
-    leaves: list[Leaf] = []
-    values: dict = {}
-    mine = {"digest": None, "entries": 0, "token": None}
+    what = f"save_state_dict({given!r})"
+    untouched = f"the checkpoint at {given} is unchanged"
+    nothing = "nothing was written; " + untouched
+    mine_claim: claim.Claim | None = None
     try:
-        leaves = flatten(state_dict)
-        mine["digest"], mine["entries"] = _digest(leaves)
-        if rank == 0:
-            values = {
-                l.name: {"path": list(l.path), "value": encode_value(l.value, l.name)}
-                for l in leaves if not l.is_tensor
-            }
-            _check_replaceable(path)
-            mine["token"] = f"{uuid.uuid4().hex[:12]}"
-    except Exception as e:
-        problems.add(f"rank {rank}: {_err(e)}")
-    first = sync.agree(problems, what, "nothing was written; " + untouched, mine)
-    digests = {d["digest"] for d in first}
-    if len(digests) > 1:
-        groups: dict = {}
-        for r, d in enumerate(first):
-            groups.setdefault((d["digest"], d["entries"]), []).append(r)
-        desc = "; ".join(f"ranks {rs} have {n} entries (digest {dg[:8]})" for (dg, n), rs in groups.items())
-        raise CheckpointError(
-            f"{what} failed; nothing was written: the state dicts differ across ranks ({desc}). "
-            f"Every rank must pass the same keys, shapes, dtypes, meshes and placements."
-        )
-    token = first[0]["token"]
-    tmp = os.path.join(parent, f".{base}.tmp-{token}")
-    tensors = [l for l in leaves if l.is_tensor]
-
-    # 2. this rank's pieces ------------------------------------------------------------------
-    problems = Problems()
-    records, file_info = [], None
-    try:
-        pieces = _my_pieces(tensors, rank)  # collective for Partial tensors: same order everywhere
-        os.makedirs(tmp, exist_ok=True)
-        if pieces:
-            fname = rank_file(rank)
-            payload = {}
-            for name, box, data in pieces:
-                payload[name] = data
-                records.append({"name": name, "key": name, "box": box, "checksum": checksum(data)})
-            _write_rank_file(payload, os.path.join(tmp, fname))
-            file_info = {"name": fname, "size": os.path.getsize(os.path.join(tmp, fname))}
-        _crash_point("files_written")
-    except Exception as e:
-        problems.add(f"rank {rank} writing its pieces into {tmp}: {_err(e)}")
-    cleanup = (lambda: shutil.rmtree(tmp, ignore_errors=True)) if rank == 0 else (lambda: None)
-    gathered = sync.agree(problems, what, untouched, {"file": file_info, "pieces": records}, on_failure=cleanup)
-
-    # 3. metadata and the swap (rank 0) ------------------------------------------------------
-    problems = Problems()
-    if rank == 0:
+        # 1. entries; rank 0 claims the temporary names ---------------------------------------
+        problems = Problems()
+        leaves: list[Leaf] = []
+        values: dict = {}
+        mine = {"digest": None, "entries": 0, "token": None}
         try:
-            meta = _build_metadata(tensors, values, gathered, world)
-            write_metadata(tmp, meta)
-            _fsync_dir(tmp)
-            _crash_point("metadata_written")
-            _swap_into_place(tmp, path, token)
-            _remove_leftovers(parent, base)
+            leaves = flatten(state_dict)
+            mine["digest"], mine["entries"] = _digest(leaves)
+            if rank == 0:
+                values = {
+                    l.name: {"path": list(l.path), "value": encode_value(l.value, l.name)}
+                    for l in leaves if not l.is_tensor
+                }
+                _check_replaceable(path, given)
+                mine["token"] = uuid.uuid4().hex[:12]
+                mine_claim = claim.Claim(parent, base, mine["token"])
         except Exception as e:
-            problems.add(f"rank 0 putting the checkpoint in place: {_err(e)}")
-            shutil.rmtree(tmp, ignore_errors=True)
-    sync.agree(problems, what, untouched)
+            problems.add(f"rank {rank}: {_err(e)}")
+        abandon = mine_claim.abandon if mine_claim is not None else (lambda: None)
+        first = sync.agree(problems, what, nothing, mine, on_failure=abandon)
+        token = first[0]["token"]
+        _, tmp, _ = claim.names(parent, base, token)
+
+        # 2. the same entries everywhere, and every rank sees rank 0's directory -------------------
+        problems = Problems()
+        if len({d["digest"] for d in first}) > 1:
+            if rank == 0:
+                problems.add(_differ(first))
+        elif rank != 0:
+            blind = claim.unseen(parent, base, token)
+            if blind:
+                problems.add(blind)
+        sync.agree(problems, what, nothing, on_failure=abandon)
+        tensors = [l for l in leaves if l.is_tensor]
+
+        # 3. this rank's pieces --------------------------------------------------------------------
+        problems = Problems()
+        records, file_info = [], None
+        try:
+            pieces = _my_pieces(tensors, rank)  # collective for Partial tensors: same order everywhere
+            if pieces:
+                fname = rank_file(rank)
+                payload = {}
+                for name, box, data in pieces:
+                    payload[name] = data
+                    records.append({"name": name, "key": name, "box": box, "checksum": checksum(data)})
+                _write_rank_file(payload, os.path.join(tmp, fname))
+                file_info = {"name": fname, "size": os.path.getsize(os.path.join(tmp, fname))}
+            _crash_point("files_written")
+        except Exception as e:
+            problems.add(f"rank {rank} writing its pieces into {tmp}: {_err_in(e, tmp)}")
+        gathered = sync.agree(problems, what, untouched, {"file": file_info, "pieces": records}, on_failure=abandon)
+
+        # 4. rank 0: every file there, metadata, the swap --------------------------------------------
+        problems = Problems()
+        if rank == 0:
+            try:
+                _check_files(tmp, gathered)
+                write_metadata(tmp, _build_metadata(tensors, values, gathered, world))
+                _fsync_dir(tmp)
+                _crash_point("metadata_written")
+                with claim.swap_lock(parent, base):
+                    _swap_into_place(mine_claim, path)
+            except Exception as e:
+                problems.add(f"rank 0 putting the checkpoint in place: {_err_in(e, tmp)}")
+                mine_claim.abandon()
+            else:  # the new checkpoint is in place: what follows is tidying up
+                shutil.rmtree(mine_claim.tmp, ignore_errors=True)
+                shutil.rmtree(mine_claim.old, ignore_errors=True)
+                claim.remove_leftovers(parent, base, token)
+                mine_claim.finish()
+        sync.agree(problems, what, untouched)
+    finally:
+        if mine_claim is not None:
+            mine_claim.release()
+
+
+def _differ(first: list) -> str:
+    groups: dict = {}
+    for r, d in enumerate(first):
+        groups.setdefault((d["digest"], d["entries"]), []).append(r)
+    desc = "; ".join(f"ranks {rs} have {n} entries (digest {dg[:8]})" for (dg, n), rs in groups.items())
+    return (f"the state dicts differ across ranks ({desc}). Every rank must pass the same keys, shapes, "
+            f"dtypes, meshes and placements")
+
+
+def _err_in(e: Exception, tmp: str) -> str:
+    """The error, or that another process removed the temporary directory (the reason when it is gone)."""
+    if not os.path.isdir(tmp):
+        return f"{tmp} was removed by another process while this save was writing it"
+    return _err(e)
+
+
+def _check_files(tmp: str, gathered: list) -> None:
+    """Every data file a rank reported is in `tmp`, with the size it had when written."""
+    wrong = []
+    for r, got in enumerate(gathered):
+        if got["file"] is None:
+            continue
+        name, size = got["file"]["name"], got["file"]["size"]
+        try:
+            now = os.stat(os.path.join(tmp, name)).st_size
+        except FileNotFoundError:
+            wrong.append(f"{name}, which rank {r} wrote, is missing")
+            continue
+        if now != size:
+            wrong.append(f"{name}, which rank {r} wrote with {size} bytes, has {now} bytes")
+    if wrong:
+        raise CheckpointError(f"in {tmp}: " + "; ".join(wrong) + ": another process changed it after it was written")
 
 
 # -- pieces --------------------------------------------------------------------------------------
@@ -244,40 +298,40 @@ def _build_metadata(tensors: list[Leaf], values: dict, gathered: list, world: in
 
 
 # -- atomic replacement ----------------------------------------------------------------------------
-def _check_replaceable(path: str) -> None:
+def _check_replaceable(path: str, given: str) -> None:
     if not os.path.lexists(path):
         return
-    if os.path.isdir(path) and not os.path.islink(path):
+    if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, METADATA_FILE)) or not os.listdir(path):
             return
+    link = f" ({given} links to it)" if os.path.abspath(given) != path else ""
     raise CheckpointError(
-        f"refusing to replace {path}: it exists and is not an autopar checkpoint "
+        f"refusing to replace {path}{link}: it exists and is not an autopar checkpoint "
         f"(no {METADATA_FILE} in it); remove it or pick another path"
     )
 
 
-def _swap_into_place(tmp: str, final: str, token: str) -> None:
-    parent, base = os.path.split(final)
+def _swap_into_place(claimed: claim.Claim, final: str) -> None:
+    """Put the claimed temporary directory at `final`, with the swap lock held.  The replaced
+    checkpoint ends at the claim's tmp (exchange) or old name, for the caller to remove."""
+    parent = os.path.dirname(final)
     if not os.path.lexists(final):
-        os.rename(tmp, final)
+        os.rename(claimed.tmp, final)
         _fsync_dir(parent)
         return
-    if _exchange(tmp, final):  # atomic: `final` is the new checkpoint, `tmp` the old one
+    if _exchange(claimed.tmp, final):  # atomic: `final` is the new checkpoint, tmp the old one
         _fsync_dir(parent)
         _crash_point("swapped")
-        shutil.rmtree(tmp)
         return
-    old = os.path.join(parent, f".{base}.old-{token}")
-    os.rename(final, old)
+    os.rename(final, claimed.old)
     try:
         _crash_point("old_moved_away")
-        os.rename(tmp, final)
+        os.rename(claimed.tmp, final)
     except Exception:
-        os.rename(old, final)  # never leave `final` without a checkpoint
+        os.rename(claimed.old, final)  # never leave `final` without a checkpoint
         raise
     _fsync_dir(parent)
     _crash_point("new_in_place")
-    shutil.rmtree(old)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -293,13 +347,6 @@ def _exchange(a: str, b: str) -> bool:
         return False
     at_fdcwd, rename_exchange = -100, 2
     return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
-def _remove_leftovers(parent: str, base: str) -> None:
-    """Temporary and old directories that crashed saves of this path left behind."""
-    stem = os.path.join(parent, "." + glob.escape(base))
-    for leftover in glob.glob(stem + ".tmp-*") + glob.glob(stem + ".old-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _fsync_file(filename: str) -> None:
