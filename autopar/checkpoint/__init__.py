@@ -4,8 +4,9 @@ and JSON-like values, one safetensors file per rank plus metadata.json, resharde
 >>> import autopar as dist
 >>> from autopar.checkpoint import save_state_dict, load_state_dict   # also dist.save_state_dict
 
-See `save.py` (what each rank writes, the atomic swap), `load.py` (resharding reads, checks)
-and `metadata.py` (the directory layout).
+See `save.py` (what each rank writes, the atomic swap), `claim.py` (the names a running save
+owns, so concurrent saves leave each other's alone), `load.py` (resharding reads, checks) and
+`metadata.py` (the directory layout).
 """
 from .errors import CheckpointError, CheckpointNotFoundError
 from .load import load_state_dict

@@ -55,8 +55,10 @@ def load_state_dict(state_dict, path) -> None:
     lacks are added where the nearest existing dict is empty or keyed by ints - a fresh
     optimizer's `state` - under the saved mesh/placements when that mesh fits this job, else
     as plain tensors; so `sd = opt.state_dict(); load_state_dict(sd, p); opt.load_state_dict(sd)`
-    works.  Raises CheckpointError (CheckpointNotFoundError, a FileNotFoundError, when there
-    is no checkpoint) on every rank, with nothing changed, if anything does not check out.
+    works.  A symlinked `path` is followed.  Raises CheckpointError on every rank, with
+    nothing changed, if anything does not check out; CheckpointNotFoundError (a
+    FileNotFoundError) only when no rank finds a directory with metadata at `path` - a damaged
+    checkpoint, or one only some ranks see, is never mistaken for a missing one.
     """
     rank, world = sync.world()
     given = os.fspath(path)
