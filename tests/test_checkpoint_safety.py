@@ -2,8 +2,11 @@
 own disk, a damaged checkpoint that must not pass for a missing one, and saves and loads through
 a symlink.  The concurrent saves are real: a second job (a separate process) saves into the path
 while the 2-rank gloo job is paused at a chosen point of its own save."""
+import fcntl
+import glob
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -95,8 +98,11 @@ class _OtherJob:
 
     def finish(self) -> int:
         """Wait for it; the value it loaded right after its own save."""
-        self.proc.wait(timeout=300)
-        self.log.close()
+        try:
+            self.proc.wait(timeout=300)
+        finally:
+            self.proc.kill()  # a no-op once it ended; a failed test must not leave it waiting
+            self.log.close()
         output = open(self.log.name).read()
         assert self.proc.returncode == 0, output[-3000:]
         return int(open(os.path.join(self.signals, "done")).read())
@@ -146,7 +152,6 @@ def _paused_save(path, signals, stage):
 
 
 def _wait_for_glob(pattern, timeout=60.0):
-    import glob
     deadline = time.monotonic() + timeout
     while not glob.glob(pattern):
         assert time.monotonic() < deadline, f"timed out waiting for {pattern}"
@@ -165,8 +170,12 @@ def _load_2(path):
 def test_two_jobs_saving_into_one_path_both_complete_later_swap_wins(tmp_path, stage, later):
     path = str(tmp_path / "ckpt")
     other = _OtherJob(tmp_path, path, 9, no_exchange=stage == "old_moved_away")
-    assert run_dist(_paused_save, 2, path, other.signals, stage) == ["saved"] * 2
-    assert other.finish() == 9  # the other job's checkpoint was complete when it was in place
+    try:
+        assert run_dist(_paused_save, 2, path, other.signals, stage) == ["saved"] * 2
+    finally:
+        open(os.path.join(other.signals, "go"), "w").close()
+        loaded = other.finish()
+    assert loaded == 9  # the other job's checkpoint was complete when it was in place
     assert run_dist(_load_2, 2, path) == [later] * 2
     files = sorted(os.listdir(path))
     if later == 2:
@@ -186,7 +195,6 @@ def _lock_file(parent, base, token, host):
 
 
 def test_leftovers_removed_only_when_their_save_is_provably_over(tmp_path):
-    import fcntl
     path = str(tmp_path / "ckpt")
     save_state_dict(_sd(1), path)
     live = _lock_file(str(tmp_path), "ckpt", "aaaaaaaaaaaa", socket.gethostname())
@@ -220,7 +228,6 @@ def _lose_a_file(path, how):
     def point(at):
         if at != "files_written" or dist.get_rank() != 1:
             return
-        import glob
         tmp, = glob.glob(os.path.join(parent, f".{base}.tmp-*"))
         if how == "temp_dir_removed":  # at once, whatever rank 0 is doing
             os.rename(tmp, gone)
@@ -236,7 +243,6 @@ def _lose_a_file(path, how):
     finally:
         save_mod._crash_point = original
     if dist.get_rank() == 1:
-        import shutil
         shutil.rmtree(gone, ignore_errors=True)
     return failure, _value(path, mesh), sorted(os.listdir(parent))  # the load: a barrier
 
