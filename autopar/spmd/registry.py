@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+from .strategy import out_variant
+
 RULES: dict = {}
 LOCAL_ARGS: dict = {}
 KERNELS: dict = {}
@@ -34,7 +36,7 @@ def register(ops: Iterable | object, local_args: Callable | None = None, writes:
     def deco(fn):
         for op in ops:
             for overload in _overloads(op):
-                RULES[overload] = fn
+                RULES[overload] = out_variant(fn) if any(a.is_out for a in overload._schema.arguments) else fn
                 if local_args is not None:
                     LOCAL_ARGS[overload] = local_args
                 if writes is not None:

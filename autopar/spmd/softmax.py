@@ -45,7 +45,12 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 
 # -- softmax / log_softmax ---------------------------------------------------------------------
-def _softmax_strategies(ndim: int, dim: int, n_in: int, kernel: str) -> list[Strategy]:
+def _softmax_strategies(call: OpCall, ndim: int, dim: int, n_in: int, kernel: str) -> list[Strategy]:
+    """A dtype aten's kernels refuse (integers, bool, complex) is refused on an empty piece
+    too, but not by the meta kernel: such a tensor runs whole on every rank, so every rank
+    raises torch's error (a piece with no rows would return instead)."""
+    if not call.inputs[-1].dtype.is_floating_point:
+        return []
     strategies = [Strategy((Shard(d),), (Shard(d),) * n_in) for d in range(ndim) if d != dim]
     if ndim:
         strategies.append(Strategy((Shard(dim),), (Shard(dim),) * n_in, kernel=kernel))
@@ -55,14 +60,14 @@ def _softmax_strategies(ndim: int, dim: int, n_in: int, kernel: str) -> list[Str
 @register([aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default])
 def softmax_rule(call: OpCall) -> list[Strategy]:
     nd = len(call.inputs[0].shape)
-    return _softmax_strategies(nd, _norm_dim(call.arg(1, "dim"), nd), 1, "softmax_split_dim")
+    return _softmax_strategies(call, nd, _norm_dim(call.arg(1, "dim"), nd), 1, "softmax_split_dim")
 
 
 @register([aten._softmax_backward_data.default, aten._log_softmax_backward_data.default])
 def softmax_backward_rule(call: OpCall) -> list[Strategy]:
     """Also linear in grad_output: a Partial gradient with the output whole stays Partial."""
     nd = len(call.inputs[1].shape)
-    strategies = _softmax_strategies(nd, _norm_dim(call.arg(2, "dim"), nd), 2, "softmax_backward_split_dim")
+    strategies = _softmax_strategies(call, nd, _norm_dim(call.arg(2, "dim"), nd), 2, "softmax_backward_split_dim")
     return strategies + [Strategy((p,), (p, Replicate())) for p in _SUM_AVG]
 
 

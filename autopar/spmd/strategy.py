@@ -57,3 +57,21 @@ class OpCall:
     @property
     def out_ndim(self) -> int:
         return len(self.outputs[0].shape)
+
+
+def out_variant(rule):
+    """The rule of an out= overload (mm.out, add.out...): the functional rule on the operands,
+    each out tensor placed as the output it receives.  Kernels compute a new tensor rather
+    than writing the out tensor, so their strategies are left out."""
+
+    def with_out(call: OpCall) -> list:
+        outs = [call.kwargs.get(a.name) for a in call.func._schema.arguments if a.is_out]
+        n = sum(len(v) if isinstance(v, (list, tuple)) else 1 for v in outs if v is not None)
+        if not call.outputs or n != len(call.outputs) or any(
+            o.shape != m.shape for o, m in zip(call.inputs[-n:], call.outputs)
+        ):
+            return []  # an out tensor torch resizes: whole on every rank
+        inner = OpCall(call.func, call.args, call.kwargs, call.inputs[:-n], call.outputs)
+        return [Strategy(s.outputs, s.inputs + s.outputs, even=s.even) for s in rule(inner) if s.kernel is None]
+
+    return with_out

@@ -134,8 +134,11 @@ def select_backward_rule(call: OpCall) -> list[Strategy]:
 
 # -- picking along a dim by an index tensor ----------------------------------------------------------
 def _same_size_dims(call: OpCall, dim: int, operands: tuple) -> list[int]:
-    """Dims other than `dim` where the given inputs all have the output's size."""
+    """Dims other than `dim` where the given inputs all have the output's size (an empty index
+    may have another rank than self: no dim lines up then)."""
     out = call.outputs[0].shape
+    if any(len(call.inputs[i].shape) != len(out) for i in operands):
+        return []
     return [d for d in range(len(out)) if d != dim and all(call.inputs[i].shape[d] == out[d] for i in operands)]
 
 

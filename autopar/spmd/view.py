@@ -9,12 +9,13 @@ splitting such a dim back at its block size gives the Shard again.
 """
 from __future__ import annotations
 
-import torch
-
+import itertools
 import math
 
+import torch
+
 from ..placement import Partial, Shard, StridedShard
-from .registry import register
+from .registry import register, register_kernel
 from .strategy import OpCall, Strategy
 
 aten = torch.ops.aten
@@ -31,6 +32,9 @@ def reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
     i = j = 0
     src_dims = [d for d, s in enumerate(src) if s != 1]
     dst_dims = [d for d, s in enumerate(dst) if s != 1]
+    if 0 in src or 0 in dst:  # no elements: products say nothing; pair the leading equal dims
+        pairs = zip(src_dims, dst_dims)
+        return [([a], [b]) for a, b in itertools.takewhile(lambda p: src[p[0]] == dst[p[1]], pairs)]
     while i < len(src_dims) and j < len(dst_dims):
         gi, gj = [src_dims[i]], [dst_dims[j]]
         a, b = src[src_dims[i]], dst[dst_dims[j]]
@@ -106,10 +110,30 @@ def transpose_rule(call: OpCall) -> list[Strategy]:
     return _permuted(call, perm)
 
 
+_SQUEEZE_ALL = (aten.squeeze.default, aten.squeeze_.default)
+
+
 @register([aten.unsqueeze, aten.squeeze, aten.unsqueeze_, aten.squeeze_])
 def squeeze_rule(call: OpCall) -> list[Strategy]:
-    """(Un)squeeze only adds/drops size-1 dims: the other dims keep their shards."""
+    """(Un)squeeze only adds/drops size-1 dims: the other dims keep their shards.  A squeeze of
+    every size-1 dim squeezes the global ones only (a piece of 1 row is no size-1 dim)."""
+    kernel = "squeeze_global" if call.func in _SQUEEZE_ALL else None
     return [
-        Strategy((Shard(gj[0]),), (Shard(gi[0]),))
+        Strategy((Shard(gj[0]),), (Shard(gi[0]),), kernel=kernel)
         for gi, gj in reshape_groups(call.inputs[0].shape, call.outputs[0].shape)
     ] + _partials()
+
+
+def _global_ones(spec) -> list[int]:
+    return [d for d, n in enumerate(spec.shape) if n == 1]
+
+
+def _no_local_ones(func, in_specs, coord) -> bool:
+    """Where no piece has a size-1 dim the global tensor lacks, squeeze() is the plain op."""
+    return [d for d, n in enumerate(in_specs[0].local_shape(coord)) if n == 1] == _global_ones(in_specs[0])
+
+
+@register_kernel("squeeze_global", plain_when=_no_local_ones)
+def squeeze_global_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    op = aten.squeeze_.dims if func is aten.squeeze_.default else aten.squeeze.dims
+    return op(args[0], _global_ones(in_specs[0]))
