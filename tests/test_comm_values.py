@@ -296,3 +296,46 @@ def test_fft_of_a_split_input(k, dim):
     """Along the split dim the input is gathered first; along the other the pieces transform
     where they are; the complex result's value read gathers complex pieces."""
     assert run_dist(_fft, k, dim) == [True] * k
+
+
+def _refused_complex_partial_max():
+    mesh = _mesh()
+    full = _complex_full(2 * dist.get_world_size(), 2)
+    try:
+        dist.reshard(dist.shard_tensor(full, mesh, [dist.Shard(0)]), mesh, [dist.Partial("max")])
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def test_complex_partial_max_is_refused_naming_the_placement():
+    for message in run_dist(_refused_complex_partial_max, 2):
+        assert message is not None and "Partial('max')" in message and "complex64" in message
+        assert "ProcessMesh([0, 1]" in message, message
+
+
+def _captured_max(nan_ranks):
+    """A captured step whose loss reduces a Partial(max) over 3 ranks replays the NaN check:
+    captured on clean data, replayed with a NaN on each rank in turn."""
+    k, me, mesh = dist.get_world_size(), dist.get_rank(), _mesh()
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 2)
+    ref = torch.nn.Linear(4, 2)
+    ref.load_state_dict(layer.state_dict())
+    layer = dist.shard_layer(layer, mesh)
+    opt = dist.shard_optimizer(torch.optim.SGD(layer.parameters(), lr=0.0))
+    model = dist.to_static(layer, None, lambda out: out.amax(0).sum(), opt)
+    model.eval()
+    got, want = [], []
+    for nan_rank in nan_ranks:
+        x = torch.randn(2 * k, 4, generator=torch.Generator().manual_seed(1))
+        if nan_rank is not None:
+            x[2 * nan_rank + 1, 3] = NAN
+        got.append(float(model(dist.shard_tensor(x, mesh, [dist.Shard(0)]))))
+        want.append(float(ref(x).amax(0).sum()))
+    return got, want
+
+
+def test_a_captured_max_keeps_a_nan_when_replayed():
+    for got, want in run_dist(_captured_max, 3, [None, 0, 1, 2, None]):
+        assert all(g == w or (math.isnan(g) and math.isnan(w)) for g, w in zip(got, want)), (got, want)

@@ -11,7 +11,10 @@ class CommRecord:
     `bytes` is the payload this rank sent with the bandwidth-optimal algorithm for the op
     (ring all-gather: its shard to each peer; all-reduce: 2(k-1)/k of the tensor;
     reduce-scatter: (k-1)/k of its input; all-to-all: what it sends to the others).
-    `recv_bytes` is what it received.
+    `recv_bytes` is what it received.  A complex tensor counts the bytes of its (re, im)
+    pairs.  A max/min all-reduce whose result holds the winning +inf/-inf is followed by a
+    second, of one byte per such place, that tells which were NaN: it is logged as its own
+    `all_reduce`.
     """
 
     op: str

@@ -50,6 +50,8 @@ def redistribute_local(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> tor
     of the global tensor expects: a reshard never changes what a view may do."""
     if src.shape != dst.shape or src.meta.dtype != dst.meta.dtype:
         raise ValueError(f"reshard cannot change shape or dtype: {src} -> {dst}")
+    if src.meta.dtype.is_complex:
+        _refuse_unordered(src, dst)
     rank = get_rank()
     if src.strided_dims() or dst.strided_dims():
         return _via_whole_blocks(local, src, dst, rank)
@@ -63,6 +65,18 @@ def redistribute_local(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> tor
         return torch.empty(0, dtype=src.meta.dtype, device=local.device)
     out = cross_mesh(local, src, dst, rank, _same_mesh)
     return _laid_out(out, dst) if rank in dst.mesh else out
+
+
+def _refuse_unordered(src: DistSpec, dst: DistSpec) -> None:
+    """A complex tensor has no Partial(max/min) value (torch.amax refuses complex numbers): say
+    so naming the placement, before any rank moves anything."""
+    for spec in (src, dst):
+        for p in spec.placements:
+            if isinstance(p, Partial) and p.reduce_type in (ReduceType.MAX, ReduceType.MIN):
+                raise TypeError(
+                    f"reshard {src} -> {dst}: {p} of a {src.meta.dtype} tensor has no value, complex numbers have "
+                    f"no order (torch.amax/amin refuse them); use Partial('sum')/Partial('avg'), or reduce .abs()"
+                )
 
 
 def _via_whole_blocks(local: torch.Tensor, src: DistSpec, dst: DistSpec, rank: int) -> torch.Tensor:
