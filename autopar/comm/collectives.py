@@ -187,8 +187,8 @@ def all_reduce(
     t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM, inplace: bool = False
 ) -> torch.Tensor:
     """Reduce `t` over the members; returns the reduced tensor (a new contiguous tensor, or
-    `t` itself with `inplace=True` when it is contiguous and the caller owns it).  Every
-    member gets the same bits."""
+    `t` itself with `inplace=True` when it is contiguous, without a lazy conjugate, and the
+    caller owns it).  Every member gets the same bits."""
     _check_ordered("all_reduce", t, reduce_type, ranks)
     k = len(ranks)
     out = _sendable(t)
@@ -218,8 +218,8 @@ def _post_all_reduce(ranks: tuple, t: torch.Tensor, opts: AllreduceOptions, keep
 
 
 # A backend's max/min meets the terms pairwise in its algorithm's order and keeps a NaN or
-# drops it depending on that order (gloo: std::max, `a < b ? b : a`): on 3 ranks a NaN on
-# rank 1 came out as a number.  torch.amax/amin always keep it.  So each rank's NaNs go in
+# drops it depending on that order (a comparison with NaN is false either way round): on 3
+# ranks of gloo a NaN on rank 1 came out as a number.  torch.amax/amin always keep it.  So each rank's NaNs go in
 # as the value that wins the reduction, and where the result comes out as that value (the
 # same places on every member: the same bits) one all-reduce of a byte per place says which
 # were NaN.  A result without that value, the usual case, moves nothing more: the check is a
@@ -253,14 +253,14 @@ class _KeepNaN:
 
     def restore(self, out: torch.Tensor) -> torch.Tensor:
         """NaN back where a member had one, in the reduced `out` (in place)."""
-        winner = _WINNER[self.reduce_type]
+        winner, nan, self.nan = _WINNER[self.reduce_type], self.nan, None
         if _LOCAL_REDUCE[self.reduce_type](out) != winner:
             return out
         places = (out.view(-1) == winner).nonzero().squeeze(1)
-        if self.nan is None:
+        if nan is None:
             flags = torch.zeros(places.shape, dtype=torch.uint8, device=out.device)
         else:
-            flags = self.nan.view(-1)[places].to(torch.uint8)
+            flags = nan.view(-1)[places].to(torch.uint8)
         self.group.allreduce([flags], _all_reduce_options(ReduceType.MAX)).wait()
         out.view(-1)[places[flags.bool()]] = math.nan
         moved = _all_reduce_bytes(flags, len(self.ranks))
