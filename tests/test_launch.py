@@ -124,7 +124,7 @@ def test_two_nodes_c10d_rendezvous():
     endpoint = f"127.0.0.1:{free_port()}"
     argv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
             "--rdzv_endpoint", endpoint, "--rdzv_id", "test-two-nodes", str(SCRIPTS / "allreduce.py")]
-    nodes = [subprocess.Popen([*LAUNCHER, *argv], cwd=REPO, env=launcher_env(),
+    nodes = [subprocess.Popen([*LAUNCHER, *argv], cwd=REPO, env=launcher_env(AUTOPAR_RDZV_TOKEN="two-nodes-secret"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     try:
@@ -147,11 +147,16 @@ def test_two_nodes_c10d_rendezvous():
     (["--nnodes", "2:1", "SCRIPT"], "need 0 < MIN <= MAX"),
     (["--nnodes", "1:2", "SCRIPT"], "needs a dynamic backend"),
     (["--rdzv_backend", "c10d", "SCRIPT"], "needs --rdzv_endpoint"),
+    (["--rdzv_backend", "etcd-v2", "--rdzv_endpoint", "h:1", "SCRIPT"], "etcd-v2 unpickles"),
+    (["--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:1", "SCRIPT"], "set AUTOPAR_RDZV_TOKEN"),
+    (["--join_timeout", "0", "SCRIPT"], "expected a positive number of seconds, got '0'"),
+    (["--rdzv_conf", "join_timeout=5", "SCRIPT"], "unknown key 'join_timeout'"),
     (["--nproc_per_node", "2", "no_such_script.py"], "training script not found: no_such_script.py"),
     (["--log-ranks", "0,one", "SCRIPT"], "expected comma-separated ranks, got '0,one'"),
     (["--local-ranks-filter", "-1", "SCRIPT"], "ranks must be >= 0, got '-1'"),
 ])
-def test_usage_errors(capsys, argv, message):
+def test_usage_errors(capsys, monkeypatch, argv, message):
+    monkeypatch.delenv("AUTOPAR_RDZV_TOKEN", raising=False)
     argv = [str(SCRIPTS / "allreduce.py") if a == "SCRIPT" else a for a in argv]
     with pytest.raises(SystemExit) as exc:
         main(argv)

@@ -9,8 +9,12 @@ command lines carry over.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
+
+TOKEN_ENV = "AUTOPAR_RDZV_TOKEN"
+BACKENDS = ("static", "c10d")
 
 
 def _node_range(value: str) -> tuple[int, int]:
@@ -49,6 +53,32 @@ def _rank_set(value: str) -> set[int]:
     return ranks
 
 
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+    return seconds
+
+
+RDZV_CONF_KEYS = ("last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+                  "keep_alive_max_attempt")
+
+
+def _rdzv_conf(value: str) -> dict[str, float]:
+    """``"last_call_timeout=5,keep_alive_interval=2"`` -> ``{...: 5.0, ...: 2.0}`` (c10d's timing knobs)."""
+    conf = {}
+    for item in filter(None, value.split(",")):
+        key, _, number = item.partition("=")
+        if key not in RDZV_CONF_KEYS:
+            raise argparse.ArgumentTypeError(f"unknown key {key!r}; known: {', '.join(RDZV_CONF_KEYS)} "
+                                             f"(the join timeout is --join_timeout)")
+        conf[key] = _positive_seconds(number)
+    return conf
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argument parser (no validation across options; see :func:`parse_args`)."""
     p = argparse.ArgumentParser(
@@ -64,15 +94,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node_rank", "--node-rank", type=int, default=0,
                    help="rank of this node (static rendezvous only)")
     p.add_argument("--master_addr", "--master-addr", default="127.0.0.1",
-                   help="address of node 0 (static rendezvous only)")
+                   help="address of node 0, where its store listens (static rendezvous with several "
+                        "nodes; a single node listens on 127.0.0.1 only)")
     p.add_argument("--master_port", "--master-port", type=int, default=None,
                    help="port on node 0; unset or 0 on a single node picks a free port")
     p.add_argument("--rdzv_backend", "--rdzv-backend", default="static",
-                   help="rendezvous backend: static (default), c10d, etcd, ...")
+                   help="rendezvous backend: static (default: fixed node ranks) or c10d (elastic "
+                        "--nnodes MIN:MAX, its state signed with --rdzv_token)")
     p.add_argument("--rdzv_endpoint", "--rdzv-endpoint", default="",
-                   help="rendezvous HOST:PORT (required for non-static backends)")
+                   help="rendezvous HOST:PORT (required for c10d; the node whose address it is hosts it)")
     p.add_argument("--rdzv_id", "--rdzv-id", default="none",
                    help="job id shared by all nodes of one job")
+    p.add_argument("--rdzv_token", "--rdzv-token", default=os.environ.get(TOKEN_ENV) or None,
+                   help=f"secret shared by every node of a c10d job, the key the rendezvous state is "
+                        f"signed with (default: ${TOKEN_ENV}; prefer the variable, a command line is "
+                        f"visible to other users of the machine)")
+    p.add_argument("--rdzv_conf", "--rdzv-conf", type=_rdzv_conf, default={},
+                   help=f"c10d timings, KEY=SECONDS,...: {', '.join(RDZV_CONF_KEYS)}")
+    p.add_argument("--local_addr", "--local-addr", default=None,
+                   help="address the other nodes reach this one at (c10d; default: this machine's "
+                        "address on the route to --rdzv_endpoint); the workers' store listens there")
+    p.add_argument("--join_timeout", "--join-timeout", type=_positive_seconds, default=300.0,
+                   help="seconds to wait for every node to join (each attempt) before failing with "
+                        "the missing nodes named (default: 300)")
     p.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
                    help="times to restart all workers after a failure (default: 0)")
     p.add_argument("--log_dir", "--log-dir", default=None,
@@ -118,6 +162,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.master_port is not None and not 0 <= args.master_port < 65536:
         parser.error(f"--master_port must be in [0, 65536), got {args.master_port}")
 
+    if args.rdzv_backend not in BACKENDS:
+        parser.error(f"--rdzv_backend {args.rdzv_backend}: only static and c10d are offered (the etcd "
+                     f"backends need an etcd server, and etcd-v2 unpickles what it reads from it)")
     if args.rdzv_backend == "static":
         if args.min_nodes != args.max_nodes:
             parser.error("an elastic --nnodes MIN:MAX range needs a dynamic backend, e.g. --rdzv_backend c10d")
@@ -125,6 +172,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error("a multi-node static rendezvous needs a fixed --master_port on node 0")
     elif not args.rdzv_endpoint:
         parser.error(f"--rdzv_backend {args.rdzv_backend} needs --rdzv_endpoint HOST:PORT")
+    elif args.max_nodes > 1 and not args.rdzv_token:
+        parser.error(f"a multi-node c10d rendezvous needs a secret shared by every node, the key its state "
+                     f"is signed with: set {TOKEN_ENV} (or --rdzv_token) to the same value on every node")
 
     if not args.module and not os.path.isfile(args.script):
         parser.error(f"training script not found: {args.script}")

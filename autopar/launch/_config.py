@@ -3,10 +3,12 @@
 Process spawning, rendezvous, restarts and teardown are torch elastic's job;
 this module only decides how to ask for them:
 
-* the rendezvous: a single node with no fixed port gets a private c10d store on
-  a free port (what ``torchrun --standalone`` does), so concurrent jobs on one
-  machine never collide on 29500; otherwise the options pass through as
-  torchrun would pass them;
+* the rendezvous (:mod:`._rendezvous`): a single node hosts its store on
+  127.0.0.1 only, on a free port unless ``--master_port`` names one (so concurrent
+  jobs on one machine never collide on 29500); several nodes use a static
+  rendezvous hosted by node 0 on ``--master_addr``, or a c10d one whose state is
+  signed with the job's ``--rdzv_token``; every wait for nodes is bounded by
+  ``--join_timeout``;
 * worker output: every rank's stdout/stderr goes to per-rank log files, which
   :mod:`._output` forwards onto the launcher's own streams, each line tagged
   ``[rank<N>]: `` once (``--log-ranks`` picks whose). That is what puts a failing
@@ -19,25 +21,38 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 import uuid
 
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
+from . import _rendezvous as rdzv
 from ._output import FollowedLogsSpecs, RankOutput
 
 DEFAULT_MASTER_PORT = 29500
 DEVICES_ENV = "AUTOPAR_DEVICES"
 
 
-def _rendezvous(args: argparse.Namespace) -> tuple[str, str, str, dict]:
-    """``(backend, endpoint, run_id, backend_configs)`` for the elastic agent."""
-    if args.rdzv_backend != "static":
-        return args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, {}
-    if args.max_nodes == 1 and not args.rdzv_endpoint and not args.master_port:
-        return "c10d", "localhost:0", f"standalone-{uuid.uuid4().hex}", {}
+def _rendezvous_options(args: argparse.Namespace) -> tuple[str, str, str, dict, str | None]:
+    """``(backend, endpoint, run_id, backend_configs, local_addr)`` for the elastic agent."""
+    configs: dict = {"join_timeout": args.join_timeout}
+    if args.rdzv_backend == "c10d":
+        # A single node's secret need not be shared: a random one still refuses foreign writes.
+        token = args.rdzv_token.encode() if args.rdzv_token else secrets.token_bytes(32)
+        configs.update(args.rdzv_conf, secret=rdzv.Secret(token))
+        local_addr = args.local_addr or rdzv.address_towards(args.rdzv_endpoint)
+        return rdzv.C10D, args.rdzv_endpoint, args.rdzv_id, configs, local_addr
+    configs["rank"] = args.node_rank
+    if args.max_nodes == 1:  # nobody else needs to reach it: loopback only
+        port = args.master_port or 0
+        if args.rdzv_endpoint:
+            port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=0)[1]
+        run_id = f"standalone-{uuid.uuid4().hex}" if not port else args.rdzv_id
+        return rdzv.STATIC, f"127.0.0.1:{port}", run_id, configs, None
     endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or DEFAULT_MASTER_PORT}"
-    return "static", endpoint, args.rdzv_id, {"rank": args.node_rank}
+    return rdzv.STATIC, endpoint, args.rdzv_id, configs, None
 
 
 def shown(args: argparse.Namespace):
@@ -52,7 +67,8 @@ def shown(args: argparse.Namespace):
 def launch_config(args: argparse.Namespace, log_dir: str, output: RankOutput) -> LaunchConfig:
     """The elastic ``LaunchConfig`` for parsed options, with per-rank logs under ``log_dir``
     forwarded by ``output``."""
-    backend, endpoint, run_id, rdzv_configs = _rendezvous(args)
+    backend, endpoint, run_id, rdzv_configs, local_addr = _rendezvous_options(args)
+    rdzv.register()
     return LaunchConfig(
         min_nodes=args.min_nodes,
         max_nodes=args.max_nodes,
@@ -61,6 +77,7 @@ def launch_config(args: argparse.Namespace, log_dir: str, output: RankOutput) ->
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
+        local_addr=local_addr,
         max_restarts=args.max_restarts,
         logs_specs=FollowedLogsSpecs(log_dir, output, shown(args)),
     )

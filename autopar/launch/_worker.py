@@ -1,7 +1,9 @@
 """What each rank of ``python -m autopar.launch`` runs: the script, then a quick, certain exit.
 
 The script runs as ``__main__`` (``python script.py`` semantics: ``sys.argv``, ``sys.path[0]``).
-The rank then waits for the script's non-daemon threads, runs the atexit handlers (autopar's tears its process groups down), flushes its
+A failure (an exception, a non-zero status) is time-stamped for the launcher's summary
+(see :mod:`._exits`) before anything else.  The rank then waits for the script's non-daemon
+threads, runs the atexit handlers (autopar's tears its process groups down), flushes its
 streams and leaves through ``os._exit`` with the script's exit status, as torch's
 multiprocessing workers do.  The interpreter's own teardown would destroy gloo's objects and
 threads in no defined order (now and then aborting a correct job with "terminate called
@@ -16,6 +18,7 @@ import sys
 import threading
 
 from ..comm.faults import leaving_with
+from ._exits import stamp_failure
 
 
 def _status(exit: SystemExit) -> int:
@@ -81,4 +84,7 @@ def leave(status: int) -> None:
 if __name__ == "__main__":
     module = sys.argv[1] == "-m"
     rest = sys.argv[2:] if module else sys.argv[1:]
-    leave(run(rest[0], rest[1:], module))
+    status = run(rest[0], rest[1:], module)
+    if status:
+        stamp_failure(status)  # before leaving: its peers fail only once it has left
+    leave(status)
