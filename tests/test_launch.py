@@ -5,9 +5,13 @@ test instead of hanging the suite.
 """
 from __future__ import annotations
 
+import base64
+import datetime
 import io
+import ipaddress
 import json
 import os
+import pickle
 import re
 import socket
 import subprocess
@@ -309,3 +313,161 @@ def test_a_correct_job_whose_ranks_leave_seconds_apart_exits_zero():
     r = launch("--nproc_per_node", "2", str(SCRIPTS / "clean_exit.py"), "5", timeout=120)
     assert r.returncode == 0, r.stderr
     assert rank_lines(r.stdout, "sum ") == {0: "12.0", 1: "12.0"}
+
+
+# -- network exposure ------------------------------------------------------------------------
+def _listening(pid: int) -> list[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket process `pid` listens on, read from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    address, port = fields[1].split(":")
+                    raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+                    found.append((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+def _other_addresses() -> set[str]:
+    """This machine's addresses that are not loopback (its hostname's, and its routes' out)."""
+    found = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    for family, probe in ((socket.AF_INET, "192.0.2.123"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                found.add(s.getsockname()[0])
+        except OSError:  # no route of that family
+            pass
+    return {a for a in found if not ipaddress.ip_address(a.split("%")[0]).is_loopback}
+
+
+def _wait_for(paths, timeout: float, procs=()) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"not written within {timeout} s: {[str(p) for p in paths]}"
+        for proc in procs:
+            assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+
+
+class _Evil:
+    """Unpickling this touches a file."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _attack(port: int, pick, marker: Path) -> list[str]:
+    """Connect to the store on `port` as any local process can, and write a pickle that runs
+    code into every key `pick` chooses (as elastic's c10d backend stores state, and raw)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    payload = pickle.dumps(_Evil(marker))
+    keys = [k for k in store.list_keys() if pick(k)]
+    for i, key in enumerate(keys):
+        store.set(key, base64.b64encode(payload) if i % 2 == 0 else payload)
+    return keys
+
+
+def test_a_single_node_job_listens_on_loopback_only(tmp_path):
+    """The launcher's stores listen on 127.0.0.1 only: no other address of this machine
+    connects, and what a local process writes into the rendezvous keys is never loaded."""
+    marker = tmp_path / "code_ran"
+    proc = subprocess.Popen([*LAUNCHER, "--nproc_per_node", "2", str(SCRIPTS / "wait_for_go.py"), str(tmp_path)],
+                            cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for([tmp_path / "ready0", tmp_path / "ready1"], 60, [proc])
+        listening = _listening(proc.pid)
+        assert listening and all(address == "127.0.0.1" for address, _ in listening), listening
+        for address in _other_addresses():
+            for _, port in listening:
+                with pytest.raises(ConnectionRefusedError):
+                    socket.create_connection((address, port), timeout=5).close()
+        assert _attack(listening[0][1], lambda key: "rendezvous" in key, marker)
+        time.sleep(1)
+    finally:
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert sorted(rank_lines(out, "sum=").values()) == ["1", "1"]
+    assert not marker.exists()
+
+
+def test_an_unsigned_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path):
+    """A two-node c10d job: while it runs, a client of its rendezvous store overwrites the
+    rendezvous state with a pickle that would run code. The launchers never unpickle it
+    (its HMAC does not verify), say so, and the job finishes."""
+    marker = tmp_path / "code_ran"
+    port = free_port()
+    argv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+            f"127.0.0.1:{port}", "--rdzv_id", "attacked", str(SCRIPTS / "wait_for_go.py"), str(tmp_path)]
+    nodes = [subprocess.Popen([*LAUNCHER, *argv], cwd=REPO, env=launcher_env(AUTOPAR_RDZV_TOKEN="s3cret"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        _wait_for([tmp_path / "ready0", tmp_path / "ready1"], 90, nodes)
+        assert _attack(port, lambda key: key == "torch.rendezvous.attacked", marker)
+        time.sleep(3)  # the agents read the state every second while the job runs
+        (tmp_path / "go").touch()
+        outs = [node.communicate(timeout=60) for node in nodes]
+    finally:
+        (tmp_path / "go").touch()
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    assert not marker.exists()
+    assert any("refused a rendezvous state in the store at 127.0.0.1:" in err for _, err in outs), outs
+    assert sorted(line for out, _ in outs for line in out.splitlines()) == ["[rank0]: sum=1", "[rank1]: sum=1"]
+
+
+# -- nodes that never join -------------------------------------------------------------------
+@pytest.mark.parametrize("backend, node_rank, message", [
+    ("static", 0, "expected 2 nodes (--nnodes 2); node(s) 1 did not join within 3 s (--join_timeout); joined: node(s) 0"),
+    ("static", 1, "node 0's store at 127.0.0.1:{port} did not answer within 3 s (--join_timeout)"),
+    ("c10d", 0, "did not complete within 3 s (--join_timeout): expected 2 nodes, 1 joined: "),
+])
+def test_a_node_that_never_joins_is_named_within_the_join_timeout(backend, node_rank, message):
+    """Only one node of two starts: the launcher fails within --join_timeout (plus its own
+    start), naming what is missing (static used to wait silently for good, c10d 600 s)."""
+    port = free_port()
+    nodes = ["--nnodes", "2", "--node_rank", str(node_rank), "--master_port", str(port)] if backend == "static" else [
+        "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}"]
+    start = time.monotonic()
+    r = launch(*nodes, "--join_timeout", "3", str(SCRIPTS / "allreduce.py"), env={"AUTOPAR_RDZV_TOKEN": "t"})
+    elapsed = time.monotonic() - start
+    assert r.returncode == 1
+    assert message.format(port=port) in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert elapsed < 3 + 20, f"the launcher took {elapsed:.1f} s"
+
+
+# -- the root cause of a failure -------------------------------------------------------------
+@pytest.mark.parametrize("how", ["sys_exit", "os_exit", "linger"])
+def test_the_rank_that_failed_first_is_the_root_cause(how):
+    """On 4 ranks rank 2 leaves with status 3 while the others wait in a collective with it.
+    The summary's root cause is rank 2, and every other rank is listed as stopped after it.
+    "linger": rank 2 stays alive (a thread) after its sys.exit until the others have timed
+    out and failed (AUTOPAR_TIMEOUT=1): they end first, yet rank 2 failed first."""
+    r = launch("--nproc_per_node", "4", str(SCRIPTS / "one_rank_exits.py"), "2", "3", how,
+               env={"AUTOPAR_TIMEOUT": "1"}, timeout=180)
+    assert r.returncode == 1
+    others, root = r.stderr.split("Failures:")[1].split("Root Cause (first observed failure):")
+    assert "rank      : 2 (local_rank: 2)" in root, r.stderr[-3000:]
+    stopped = "(and was stopped by signal SIGTERM while leaving)" if how == "linger" else ""
+    assert f"rank 2 exited with code 3{' ' + stopped if stopped else ''}; the other ranks were stopped" in root, root
+    listed = re.findall(r"rank      : (\d) ", others)
+    assert set(listed) <= {"0", "1", "3"} and listed, others
+    assert others.count("stopped after rank 2 failed") == len(listed), others

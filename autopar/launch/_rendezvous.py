@@ -267,12 +267,14 @@ class C10dRendezvous(DynamicRendezvousHandler):
             return super().next_rendezvous()
         except RendezvousTimeoutError as e:
             s, state = self._settings, self._state_holder.state
-            nodes = sorted(str(n) for n in (*state.participants, *state.wait_list))
+            # Timing out, this node took itself out of the state: it is counted all the same.
+            nodes = sorted({str(n) for n in (*state.participants, *state.wait_list)} - {str(self._this_node)})
+            nodes.append(f"{self._this_node} (this node)")
             raise RendezvousTimeoutError(
                 f"the rendezvous {s.run_id!r} did not complete within {s.timeout.join.total_seconds():g} s "
                 f"(--join_timeout): expected {s.min_nodes}"
-                f"{'' if s.min_nodes == s.max_nodes else f' to {s.max_nodes}'} nodes, {len(nodes)} joined"
-                f"{': ' + ', '.join(nodes) if nodes else ''}. Start the missing node(s) with the same "
+                f"{'' if s.min_nodes == s.max_nodes else f' to {s.max_nodes}'} nodes, {len(nodes)} joined: "
+                f"{', '.join(nodes)}. Start the missing node(s) with the same "
                 f"--rdzv_endpoint, --rdzv_id and token") from e
 
     def _create_tcp_store_server(self, master_addr, master_port) -> tdist.TCPStore:

@@ -1,14 +1,17 @@
 """Data-parallel training that saves every step and resumes from its checkpoint after a restart.
 
-argv: CKPT_DIR LOSS_FILE STEPS [KILL_RANK KILL_STEP]. A tiny MLP with dropout, AdamW, every rank
+argv: CKPT_DIR LOSS_FILE STEPS [KILL_STEP WHO]. A tiny MLP with dropout, AdamW, every rank
 taking its slice of each batch (shard_tensor over "dp"). After step s, the model, the optimizer, the
 random number generator and the step counter are saved to CKPT_DIR (save_state_dict swaps a
 complete checkpoint into that path atomically, so it existing means it is complete). A start
 finds it and resumes at the saved step. Rank 0 appends "attempt step world loss" to LOSS_FILE
-(repr of the float, compared bit for bit). On the first attempt only, rank KILL_RANK kills
-itself (os._exit) when it reaches step KILL_STEP.
+(repr of the float, compared bit for bit). On the first attempt only, at step KILL_STEP (once
+its loss is known: every rank has logged the step before), WHO dies by SIGKILL: a rank number,
+or "node": every rank whose launcher's environment has TRAIN_LOSE_THIS_NODE=1 kills that
+launcher and then itself (a node lost for good).
 """
 import os
+import signal
 import sys
 
 import torch
@@ -16,8 +19,15 @@ import torch
 import autopar as dist
 
 ckpt, loss_file, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-kill_rank, kill_step = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (-1, -1)
+kill_step, who = (int(sys.argv[4]), sys.argv[5]) if len(sys.argv) > 5 else (-1, "")
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def doomed() -> bool:
+    if who == "node":
+        return os.environ.get("TRAIN_LOSE_THIS_NODE") == "1"
+    return dist.get_rank() == int(who)
+
 
 world = dist.get_world_size()
 mesh = dist.ProcessMesh(list(range(world)), dim_names=["dp"])
@@ -44,8 +54,6 @@ if os.path.exists(ckpt):
     start = saved["step"]
 
 for step in range(start, steps):
-    if attempt == 0 and step == kill_step and dist.get_rank() == kill_rank:
-        os._exit(9)
     x = dist.shard_tensor(data[step % 16], mesh, [dist.Shard(0)])
     y = dist.shard_tensor(targets[step % 16], mesh, [dist.Shard(0)])
     loss = torch.nn.functional.mse_loss(model(x), y)
@@ -53,6 +61,10 @@ for step in range(start, steps):
     opt.step()
     opt.zero_grad()
     value = loss.item()
+    if attempt == 0 and step == kill_step and doomed():
+        if who == "node":
+            os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     dist.save_state_dict(state(step + 1), ckpt)
     if dist.get_rank() == 0:
         with open(loss_file, "a") as f:
