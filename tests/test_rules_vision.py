@@ -51,8 +51,10 @@ def _conv(x, w, bias=True, stride=(1, 1), padding=(1, 1), transposed=False, grou
 def test_convolution_letters():
     call = _conv(_m(4, 3, 8, 8), _m(6, 3, 3, 3))
     assert _choose(call, S0, R, R) == ([S0, R, R], [S0], None)  # batch: data parallel
-    assert _choose(call, R, S0, S0) == ([R, S0, S0], [S1], None)  # output channels: column
-    assert _choose(call, S1, S1, R) == ([S1, S1, P], [P], None)  # input channels: row (bias as one term)
+    # output channels: column; input channels: row (bias as one term); their kernel gives a rank
+    # holding no channels its term
+    assert _choose(call, R, S0, S0) == ([R, S0, S0], [S1], "convolution")
+    assert _choose(call, S1, S1, R) == ([S1, S1, P], [P], "convolution")
     assert _choose(call, P, R, R) == ([P, R, P], [P], None)  # linear in the input
     call = _conv(_m(4, 3, 8, 8), _m(3, 6, 3, 3), transposed=True, stride=(2, 2))  # weight (in, out, k)
     assert _choose(call, R, S1, S0)[1] == [S1]
@@ -66,7 +68,7 @@ def test_convolution_letters():
 def test_grouped_convolution_splits_whole_groups_only():
     depthwise = _conv(_m(4, 8, 6, 6), _m(16, 1, 3, 3), groups=8)
     assert _choose(depthwise, S1, S0, S0) == ([S1, S0, S0], [S1], None)
-    assert _choose(depthwise, S1, S0, S0, mesh=ProcessMesh([0, 1, 2]))[1] == [R]  # 8 channels on 3: not whole
+    assert _choose(depthwise, S1, S0, S0, mesh=ProcessMesh([0, 1, 2]))[1] == [S0]  # 8 on 3: not whole: batch
     grouped = _conv(_m(4, 8, 6, 6), _m(8, 4, 3, 3), groups=2)  # groups neither the in nor the out channels
     assert S1 not in _choose(grouped, R, S0, S0)[1] and P not in _choose(grouped, S1, S1, R)[1]
     args = [torch.empty(4, 4, 6, 6), torch.empty(8, 1, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8]
@@ -92,15 +94,18 @@ def test_convolution_backward_reads_the_forward_backwards():
     assert local[9] == 3 and local[3] == [3]  # half the groups; this rank's bias size
 
 
-def test_spatial_splits_stay_local_or_are_refused():
+def test_spatial_splits_stay_split():
     call = _conv(_m(4, 3, 8, 8), _m(6, 3, 1, 1), padding=(0, 0))  # 1x1: each position alone
-    assert _choose(call, S2, R, R) == ([S2, R, R], [S2], None)
-    call = _conv(_m(4, 3, 8, 8), _m(6, 3, 3, 3))
-    assert _choose(call, S2, R, R)[2] == "needs_halo"
-    spec = DistSpec(MESH, (S3,), TensorMeta.contiguous((4, 3, 8, 8), torch.float32))
-    with pytest.raises(ValueError, match=r"halo .*\[4, 3, 8, 8\].*Shard\(3\)"):
-        KERNELS["needs_halo"](aten.convolution.default, [], {}, [spec], [], (0,))
-    assert "needs_halo" not in KERNEL_PLAIN_WHEN
+    assert _choose(call, S2, R, R) == ([S2, R, R], [S2], "convolution")
+    call = _conv(_m(4, 3, 8, 8), _m(6, 3, 3, 3))  # 3x3: through a halo
+    assert _choose(call, S2, R, R) == ([S2, R, R], [S2], "convolution")
+    assert _choose(call, S3, R, R) == ([S3, R, R], [S3], "convolution")
+    assert _choose(call, R, R, R) == ([R, R, R], [R], None)  # nothing is cut without a reason
+    x, w, g = _m(4, 3, 8, 8), _m(6, 3, 3, 3), _m(4, 6, 8, 8)
+    call = _call(aten.convolution_backward.default, g, x, w, [6], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                 [True, True, True])
+    assert _choose(call, S2, S2, R) == ([S2, S2, R], [S2, P, P], "convolution_backward")
+    assert "convolution" in KERNEL_PLAIN_WHEN and "needs_halo" not in KERNELS
 
 
 # -- batch norm --------------------------------------------------------------------------------
@@ -176,12 +181,14 @@ def test_pooling():
     x = _m(4, 6, 8, 8)
     call = _call(aten.max_pool2d_with_indices.default, x, [3, 3], [2, 2], [1, 1])
     assert _choose(call, S0)[1] == [S0, S0] and _choose(call, S1)[1] == [S1, S1]
-    assert _choose(call, S2)[2] == "needs_halo"  # the indices count positions of the whole plane
+    assert _choose(call, S2) == ([S2], [S2, S2], "pool")  # a halo; the indices rebased to the whole plane
     call = _call(aten.avg_pool2d.default, x, [2, 2])
     assert _choose(call, S2) == ([S2], [S2], None)  # windows tile the rows: each piece pools its own
     assert _choose(call, P)[1] == [P]
-    assert _choose(_call(aten.avg_pool2d.default, _m(4, 6, 12, 8), [4, 4]), S2)[1] != [S2]  # 3 windows on 2 ranks
-    assert _choose(_call(aten.avg_pool2d.default, x, [3, 3], [2, 2], [1, 1]), S2)[2] == "needs_halo"
+    assert _choose(_call(aten.avg_pool2d.default, _m(4, 6, 12, 8), [4, 4]), S2)[2] == "pool"  # 3 windows on 2
+    assert _choose(_call(aten.avg_pool2d.default, x, [3, 3], [2, 2], [1, 1]), S2)[2] == "pool"
+    call = _call(aten._adaptive_avg_pool2d.default, x, [3, 3])  # windows of uneven overlap: gathered
+    assert _choose(call, S2) == ([S2], [R], "gather_spatial")
     call = _call(aten._adaptive_avg_pool2d.default, x, [4, 2])
     assert _choose(call, S3) == ([S3], [S3], None)
     args, _ = LOCAL_ARGS[aten._adaptive_avg_pool2d.default]([torch.empty(4, 6, 8, 4), [4, 2]], {}, [(4, 6, 4, 1)])
@@ -197,9 +204,12 @@ def test_resampling():
     assert _choose(call, S0)[1] == [S0] and _choose(call, S2) == ([S2], [S2], None)
     args, _ = LOCAL_ARGS[aten.upsample_nearest2d.default]([torch.empty(4, 6, 4, 8), [16, 16]], {}, [(4, 6, 8, 16)])
     assert args[1] == [8, 16]
-    assert _choose(_call(aten.upsample_nearest2d.default, x, [24, 24]), S2)[2] == "needs_halo"  # factor 3
+    assert _choose(_call(aten.upsample_nearest2d.default, x, [24, 24]), S2)[2] == "interpolate"  # factor 3
     call = _call(aten.upsample_bilinear2d.default, x, [16, 16], False)
-    assert _choose(call, S1)[1] == [S1] and _choose(call, S2)[2] == "needs_halo"
+    assert _choose(call, S1)[1] == [S1] and _choose(call, S2) == ([S2], [S2], "interpolate")
+    call = _call(aten.upsample_bilinear2d_backward.default, _m(4, 6, 16, 16), [16, 16], [4, 6, 8, 8], False)
+    assert _choose(call, S3) == ([S3], [S3], "interpolate_backward")
+    assert _choose(_call(aten._upsample_bilinear2d_aa.default, x, [5, 5], False), S2)[2] == "gather_spatial"
     call = _call(aten.upsample_nearest2d_backward.default, _m(4, 6, 16, 16), [16, 16], [4, 6, 8, 8])
     assert _choose(call, S2)[1] == [S2] and _choose(call, P)[1] == [P]
     args, _ = LOCAL_ARGS[aten.upsample_nearest2d_backward.default](
@@ -210,9 +220,11 @@ def test_resampling():
     assert _choose(_call(aten.pixel_shuffle.default, _m(4, 12, 5, 5), 2), S1)[1] != [S1]  # 3 channels on 2 ranks
     assert _choose(_call(aten.pixel_shuffle.default, _m(4, 8, 5, 5), 2), S2)[1] != [S2]  # 5 rows on 2 ranks
     call = _call(aten.im2col.default, x, [3, 3], [1, 1], [1, 1], [1, 1])
-    assert _choose(call, S1)[1] == [S1] and _choose(call, S2)[2] == "needs_halo"
+    assert _choose(call, S1)[1] == [S1] and _choose(call, S2)[2] == "gather_spatial"
     call = _call(aten.constant_pad_nd.default, x, [1, 1], 0.0)
-    assert _choose(call, S2)[1] == [S2] and _choose(call, S3)[1] != [S3]
+    assert _choose(call, S2) == ([S2], [S2], None) and _choose(call, S3) == ([S3], [S3], "pad")
+    call = _call(aten.reflection_pad2d.default, x, [1, 1, 0, 0])
+    assert _choose(call, S2) == ([S2], [S2], None) and _choose(call, S3) == ([S3], [S3], "pad")
 
 
 def test_grid_sample_and_fourier_transforms():

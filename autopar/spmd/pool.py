@@ -5,16 +5,20 @@ communication, on every operand alike (grad_output, input, indices).  Average po
 a Partial input (or grad_output) passes.  A spatial dim is local for average pooling whose windows
 tile it exactly (kernel = stride, no padding, the dim a multiple of the stride, and even pieces
 of the output, so each piece holds whole windows); adaptive average pooling is that when the
-output size divides the input's.  Max pooling's indices count positions in the whole plane, so a
-split plane would need them rebased: refused, like every other spatial split (`needs_halo`).
+output size divides the input's.  Every other split of a spatial dim stays split through a halo
+(`spmd.halo`): each rank receives the rows its windows read and pools its piece of the output
+(max pooling's indices are rebased to the whole plane); the backward sends the gradient of those
+rows back.  Adaptive pooling whose output size does not divide the input's has windows of
+uneven overlap, which no halo serves: its input is gathered (`spatial.gathered`).
 """
 from __future__ import annotations
 
 import torch
 
 from ..placement import Shard
-from .registry import register
-from .spatial import halo_refusals, leading_strategies, per_dim, spatial_dims
+from .halo import Window, keep, local_grid, narrow_back, pad_back, split_dims, widen
+from .registry import register, register_kernel
+from .spatial import gathered, leading_strategies, per_dim, schema_args, spatial_dims, split_alike
 from .strategy import OpCall, Strategy
 
 aten = torch.ops.aten
@@ -40,16 +44,22 @@ def _tiled(dims, n_in: int, pooled: int) -> list[Strategy]:
     return [Strategy((Shard(d),), (Shard(d),) * n_in, even=((pooled, d),)) for d in dims]
 
 
+def _adaptive_dims(x, out, n: int) -> tuple[list[int], list[int]]:
+    """(dims whose adaptive windows tile the input, dims whose windows overlap unevenly)."""
+    tiling = [d for d in spatial_dims(x, n) if out[d] and x[d] % out[d] == 0]
+    return tiling, [d for d in spatial_dims(x, n) if d not in tiling]
+
+
 # -- forward -----------------------------------------------------------------------------------
 _MAX = [aten.max_pool1d_with_indices, aten.max_pool2d_with_indices, aten.max_pool3d_with_indices,
-        aten.max_pool1d, aten.max_pool2d, aten.max_pool3d, aten.adaptive_max_pool1d, aten.adaptive_max_pool2d,
-        aten.adaptive_max_pool3d]
+        aten.max_pool1d, aten.max_pool2d, aten.max_pool3d]
+_ADAPTIVE_MAX = [aten.adaptive_max_pool1d, aten.adaptive_max_pool2d, aten.adaptive_max_pool3d]
 
 
 @register(_MAX)
 def max_pool_rule(call: OpCall) -> list[Strategy]:
     n = _n(call.func._schema.name)
-    return leading_strategies(call, n) + halo_refusals(call, spatial_dims(call.inputs[0].shape, n))
+    return leading_strategies(call, n) + split_alike(call, spatial_dims(call.inputs[0].shape, n), "pool")
 
 
 @register([aten.avg_pool1d, aten.avg_pool2d, aten.avg_pool3d])
@@ -58,8 +68,8 @@ def avg_pool_rule(call: OpCall) -> list[Strategy]:
     shape = call.inputs[0].shape
     kernel = call.arg(1, "kernel_size")
     tiling = _tiling_dims(shape, n, kernel, call.arg(2, "stride", []), call.arg(3, "padding", 0))
-    halo = [d for d in spatial_dims(shape, n) if d not in tiling]
-    return leading_strategies(call, n, linear=True) + _tiled(tiling, 1, -1) + halo_refusals(call, halo)
+    return (leading_strategies(call, n, linear=True) + _tiled(tiling, 1, -1)
+            + split_alike(call, spatial_dims(shape, n), "pool"))
 
 
 def _adaptive_local_args(args, kwargs, out_shapes):
@@ -72,37 +82,122 @@ def _adaptive_local_args(args, kwargs, out_shapes):
           local_args=_adaptive_local_args)
 def adaptive_avg_pool_rule(call: OpCall) -> list[Strategy]:
     n = _n(call.func._schema.name)
-    x, out = call.inputs[0].shape, call.outputs[0].shape
-    tiling = [d for d in spatial_dims(x, n) if out[d] and x[d] % out[d] == 0]
-    halo = [d for d in spatial_dims(x, n) if d not in tiling]
-    return leading_strategies(call, n, linear=True) + _tiled(tiling, 1, -1) + halo_refusals(call, halo)
+    tiling, uneven = _adaptive_dims(call.inputs[0].shape, call.outputs[0].shape, n)
+    return (leading_strategies(call, n, linear=True) + _tiled(tiling, 1, -1) + split_alike(call, tiling, "pool")
+            + gathered(call, uneven))
+
+
+@register(_ADAPTIVE_MAX, local_args=_adaptive_local_args)
+def adaptive_max_pool_rule(call: OpCall) -> list[Strategy]:
+    n = _n(call.func._schema.name)
+    tiling, uneven = _adaptive_dims(call.inputs[0].shape, call.outputs[0].shape, n)
+    return leading_strategies(call, n) + split_alike(call, tiling, "pool") + gathered(call, uneven)
 
 
 # -- backward ----------------------------------------------------------------------------------
-@register([aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward,
-           aten.adaptive_max_pool2d_backward, aten.adaptive_max_pool3d_backward])
+@register([aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward])
 def max_pool_backward_rule(call: OpCall) -> list[Strategy]:
     """(grad_output, input, indices): linear in grad_output (the indices fixed)."""
-    return leading_strategies(call, _n(call.func._schema.name), linear=True)
+    n = _n(call.func._schema.name)
+    return (leading_strategies(call, n, linear=True)
+            + split_alike(call, spatial_dims(call.inputs[1].shape, n), "pool_backward", at=1))
+
+
+@register([aten.adaptive_max_pool2d_backward, aten.adaptive_max_pool3d_backward])
+def adaptive_max_pool_backward_rule(call: OpCall) -> list[Strategy]:
+    n = _n(call.func._schema.name)
+    tiling, _ = _adaptive_dims(call.inputs[1].shape, call.inputs[0].shape, n)
+    return leading_strategies(call, n, linear=True) + split_alike(call, tiling, "pool_backward", at=1)
 
 
 @register([aten.avg_pool2d_backward, aten.avg_pool3d_backward])
 def avg_pool_backward_rule(call: OpCall) -> list[Strategy]:
     n = _n(call.func._schema.name)
-    tiling = _tiling_dims(call.inputs[1].shape, n, call.arg(2, "kernel_size"), call.arg(3, "stride"),
-                          call.arg(4, "padding"))
-    return leading_strategies(call, n, linear=True, at=1) + _tiled(tiling, 2, 0)
+    x = call.inputs[1].shape
+    tiling = _tiling_dims(x, n, call.arg(2, "kernel_size"), call.arg(3, "stride"), call.arg(4, "padding"))
+    return (leading_strategies(call, n, linear=True, at=1) + _tiled(tiling, 2, 0)
+            + split_alike(call, spatial_dims(x, n), "pool_backward", at=1))
 
 
 @register([aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward])
 def adaptive_avg_pool_backward_rule(call: OpCall) -> list[Strategy]:
     n = _n(call.func._schema.name)
-    g, x = call.inputs[0].shape, call.inputs[1].shape
-    tiling = [d for d in spatial_dims(x, n) if g[d] and x[d] % g[d] == 0]
-    return leading_strategies(call, n, linear=True, at=1) + _tiled(tiling, 2, 0)
+    tiling, _ = _adaptive_dims(call.inputs[1].shape, call.inputs[0].shape, n)
+    return (leading_strategies(call, n, linear=True, at=1) + _tiled(tiling, 2, 0)
+            + split_alike(call, tiling, "pool_backward", at=1))
 
 
 @register([aten.max_unpool2d, aten.max_unpool3d])
 def max_unpool_rule(call: OpCall) -> list[Strategy]:
     """(input, indices) -> the plane with each value put back at its index: per plane, linear."""
     return leading_strategies(call, _n(call.func._schema.name), linear=True)
+
+
+# -- kernels: pooling a piece widened by its halo -----------------------------------------------
+def _windows(name: str, args, x_shape, out_shape, splits) -> list[Window]:
+    """The window along each split dim, from the forward's arguments (`args[0]` the input) and
+    the global shapes of its input and output."""
+    n = _n(name)
+    first = len(x_shape) - n
+    if "adaptive" in name:  # windows that tile: kernel = stride = input / output
+        return [Window(x_shape[sd.dim] // out_shape[sd.dim], x_shape[sd.dim] // out_shape[sd.dim]) for sd in splits]
+    kernel = per_dim(args[1], n)
+    stride = per_dim(args[2], n) if args[2] else kernel
+    padding = per_dim(args[3], n)
+    dilation = per_dim(args[4], n) if "max" in name else [1] * n
+    return [Window(kernel[j], stride[j], padding[j], dilation[j]) for j in (sd.dim - first for sd in splits)]
+
+
+def _plane(t: torch.Tensor, n: int) -> list[int]:
+    return list(t.shape[-n:])
+
+
+@register_kernel("pool")
+def pool_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    """The op on the input piece widened by its halo, cut to this rank's output rows; max
+    pooling's indices (positions in the widened plane) are rebased to the whole plane."""
+    args = schema_args(func, args, kwargs)
+    name = func._schema.name
+    n = _n(name)
+    x, x_spec = args[0], in_specs[0]
+    splits = split_dims(x_spec, out_specs[0], coord, spatial_dims(x_spec.shape, n))
+    windows = _windows(name, args, x_spec.shape, out_specs[0].shape, splits)
+    wide = widen(x, splits, windows)
+    if wide is None:  # no output rows here (it sent its rows to those that have some)
+        outs = tuple(torch.empty(s.local_shape(coord), dtype=s.meta.dtype, device=x.device) for s in out_specs)
+        return outs if len(outs) > 1 else outs[0]
+    out = func(wide, *args[1:])
+    if not isinstance(out, tuple):
+        return keep(out, splits, windows)
+    values, index = out
+    index = local_grid(index, splits, windows, _plane(wide, n), list(x_spec.shape[-n:]), to_global=True)
+    return keep(values, splits, windows), keep(index, splits, windows)
+
+
+@register_kernel("pool_backward")
+def pool_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    """The op's backward on the widened plane (read for its shape only: nothing moves before
+    it), the output gradient padded with zeros to the local forward's output; the gradient of
+    each received row goes back to its holder."""
+    args = schema_args(func, args, kwargs)
+    name = func._schema.name
+    n = _n(name)
+    g, x, x_spec = args[0], args[1], in_specs[1]
+    forward = getattr(aten, name.split("::")[-1][: -len("_backward")]).default
+    if "adaptive" in name:  # (grad_output, self[, indices]): the output size is grad_output's
+        fargs = [x, _plane(g, n)]
+    else:  # (grad_output, self, the forward's settings[, indices])
+        fargs = [x] + (args[2:-1] if "max" in name else args[2:])
+    splits = split_dims(x_spec, in_specs[0], coord, spatial_dims(x_spec.shape, n))
+    windows = _windows(name, fargs, x_spec.shape, in_specs[0].shape, splits)
+    wide = widen(x, splits, windows, values=False)
+    grad = None
+    if wide is not None:
+        full = forward(wide.to("meta"), *fargs[1:])
+        full = (full[0] if isinstance(full, tuple) else full).shape
+        largs = [pad_back(g, splits, windows, full), wide] + args[2:]
+        if "max" in name:  # the indices, last: rebased to the widened plane
+            index = local_grid(args[-1], splits, windows, _plane(wide, n), list(x_spec.shape[-n:]), to_global=False)
+            largs[-1] = pad_back(index, splits, windows, full)
+        grad = func(*largs)
+    return narrow_back(grad, x, splits, windows)
