@@ -1,4 +1,5 @@
-"""Matrix products: mm, bmm, addmm, baddbmm, dot/mv and their einsum letters.
+"""Matrix products: mm, bmm, addmm, baddbmm, addbmm, dot/vdot/mv/addmv, addr, bilinear's
+_trilinear and cdist, with their einsum letters.
 
 `linear`/`matmul` are composite in aten and reach the dispatcher as view + mm/addmm.
 """
@@ -29,9 +30,52 @@ def mv_rule(call: OpCall) -> list[Strategy]:
     return einsum_strategies("mk,k->m", linear_in=(0, 1))
 
 
-@register(aten.dot)
+@register([aten.dot, aten.vdot])
 def dot_rule(call: OpCall) -> list[Strategy]:
     return einsum_strategies("k,k->", linear_in=(0, 1))
+
+
+def _letters(n: int, skip: str = "") -> str:
+    return "".join(c for c in "abcdefghijklmnopqrstuvwxyz" if c not in skip)[:n]
+
+
+@register(aten._trilinear)
+def trilinear_rule(call: OpCall) -> list[Strategy]:
+    """i1, i2, i3 each lack the positions in their expand list; the output lacks `sumdim`:
+    one einsum over the positions, linear in each operand."""
+    expands = [set(call.arg(3 + k, f"expand{k + 1}")) for k in range(3)]
+    n = len(call.inputs[0].shape) + len(expands[0])
+    pos = _letters(n)
+    operands = ["".join(c for j, c in enumerate(pos) if j not in e) for e in expands]
+    summed = set(call.arg(6, "sumdim"))
+    out = "".join(c for j, c in enumerate(pos) if j not in summed)
+    sizes = {(i, c): m.shape[op.index(c)] for i, (op, m) in enumerate(zip(operands, call.inputs)) for c in op}
+    return einsum_strategies(f"{','.join(operands)}->{out}", linear_in=(0, 1, 2), sizes=sizes)
+
+
+def _batched_letters(call: OpCall, tails: list[str], out_tail: str) -> tuple[str, dict]:
+    """An equation whose operands share broadcast batch dims before their `tails`."""
+    nb = len(call.outputs[0].shape) - len(out_tail)
+    batch = _letters(nb, skip="kmn")
+    operands = [batch[nb - (len(m.shape) - len(t)):] + t for m, t in zip(call.inputs, tails)]
+    sizes = {(i, c): m.shape[op.index(c)] for i, (op, m) in enumerate(zip(operands, call.inputs)) for c in op}
+    return f"{','.join(operands)}->{batch + out_tail}", sizes
+
+
+@register(aten._cdist_forward)
+def cdist_rule(call: OpCall) -> list[Strategy]:
+    """Distances between rows of x1 (m) and rows of x2 (n): batch, m and n shard; the features
+    (k) are no sum of per-rank terms for a p-norm, they stay whole."""
+    eq, sizes = _batched_letters(call, ["mk", "nk"], "mn")
+    return [s for s in einsum_strategies(eq, sizes=sizes) if type(s.outputs[0]) is Shard]
+
+
+@register(aten._cdist_backward)
+def cdist_backward_rule(call: OpCall) -> list[Strategy]:
+    """grad_x1[m, k] sums over n a term of feature k alone given the distances: n split gives
+    Partial(sum) terms, k split its own features; linear in grad."""
+    eq, sizes = _batched_letters(call, ["mn", "mk", "nk", "mn"], "mk")
+    return einsum_strategies(eq, linear_in=(0,), sizes=sizes)
 
 
 def _with_bias(core: list[Strategy], bias_shape: tuple, out_ndim: int) -> list[Strategy]:
@@ -61,3 +105,20 @@ def addmm_rule(call: OpCall) -> list[Strategy]:
 def baddbmm_rule(call: OpCall) -> list[Strategy]:
     core = einsum_strategies("bmk,bkn->bmn", linear_in=(0, 1))
     return _with_bias(core, call.inputs[0].shape, 3)
+
+
+@register(aten.addbmm)
+def addbmm_rule(call: OpCall) -> list[Strategy]:
+    """The products of the batch summed into one matrix."""
+    return _with_bias(einsum_strategies("bmk,bkn->mn", linear_in=(0, 1)), call.inputs[0].shape, 2)
+
+
+@register(aten.addmv)
+def addmv_rule(call: OpCall) -> list[Strategy]:
+    return _with_bias(einsum_strategies("mk,k->m", linear_in=(0, 1)), call.inputs[0].shape, 1)
+
+
+@register(aten.addr)
+def addr_rule(call: OpCall) -> list[Strategy]:
+    """self + the outer product of vec1 and vec2."""
+    return _with_bias(einsum_strategies("m,n->mn", linear_in=(0, 1)), call.inputs[0].shape, 2)

@@ -4,7 +4,8 @@ Linear ops also pass Partial values through (the seed's rule: a non-linear op tu
 Partial input into Replicate, a linear one keeps it Partial):
   identity-like (clone, detach, dtype casts): every Partial kind;
   additive (add, sub, neg, where on its values): Partial sum/avg on all value operands;
-  multiplicative (mul, div by a replicated factor): Partial sum/avg on one operand.
+  multiplicative (mul, div by a replicated factor; deg2rad, conj): Partial sum/avg on one operand.
+Some are pointwise along every dim but one (glu, cross): that dim stays whole.
 """
 from __future__ import annotations
 
@@ -54,7 +55,13 @@ UNARY = [
     "log", "log10", "log1p", "log2", "logical_not", "logit", "mish", "nan_to_num", "reciprocal", "relu",
     "round", "rsqrt", "sigmoid", "sign", "silu", "sin", "sinh", "sqrt", "square", "tan", "tanh", "trunc",
     "elu", "softplus", "bitwise_not", "clamp", "clamp_min", "clamp_max", "pow", "fill", "sgn", "signbit",
-    "relu6", "celu", "selu", "xlogy",
+    "relu6", "celu", "selu", "xlogy", "acosh", "asinh", "atanh", "angle", "digamma", "erfinv", "i0", "lgamma",
+    "sinc", "isneginf", "isposinf", "hardshrink", "softshrink", "mvlgamma", "polygamma", "frexp", "threshold",
+    "special_airy_ai", "special_bessel_j0", "special_bessel_j1", "special_bessel_y0", "special_bessel_y1",
+    "special_entr", "special_erfcx", "special_i0e", "special_i1", "special_i1e", "special_log_ndtr",
+    "special_modified_bessel_i0", "special_modified_bessel_i1", "special_modified_bessel_k0",
+    "special_modified_bessel_k1", "special_ndtri", "special_scaled_modified_bessel_k0",
+    "special_scaled_modified_bessel_k1", "special_spherical_bessel_j0",
 ]
 BINARY = [
     "atan2", "bitwise_and", "bitwise_or", "bitwise_xor", "eq", "ne", "lt", "le", "gt", "ge", "fmod",
@@ -63,11 +70,19 @@ BINARY = [
     "tanh_backward", "hardswish_backward", "hardsigmoid_backward", "leaky_relu_backward", "elu_backward",
     "softplus_backward", "mish_backward", "hardtanh_backward", "masked_fill", "lerp", "addcmul", "addcdiv",
     "copysign", "clamp_min", "clamp_max", "pow", "rsub", "logaddexp", "hypot", "heaviside", "isclose",
+    "igamma", "igammac", "logaddexp2", "nextafter", "ldexp", "complex", "polar", "logit_backward",
+    "hardshrink_backward", "softshrink_backward", "log_sigmoid_backward", "special_xlog1py", "special_zeta",
+    "special_chebyshev_polynomial_t", "special_chebyshev_polynomial_u", "special_chebyshev_polynomial_v",
+    "special_chebyshev_polynomial_w", "special_hermite_polynomial_h", "special_hermite_polynomial_he",
+    "special_laguerre_polynomial_l", "special_legendre_polynomial_p", "special_shifted_chebyshev_polynomial_t",
+    "special_shifted_chebyshev_polynomial_u", "special_shifted_chebyshev_polynomial_v",
+    "special_shifted_chebyshev_polynomial_w",
 ]
-IDENTITY = ["clone", "detach", "alias", "_to_copy", "lift_fresh", "lift_fresh_copy", "contiguous",
+IDENTITY = ["clone", "detach", "alias", "alias_copy", "_to_copy", "lift_fresh", "lift_fresh_copy", "contiguous",
             "_conj", "positive", "zero", "copy"]
 ADDITIVE = ["add", "sub", "neg"]
 MULTIPLICATIVE = ["mul", "div"]
+SCALED = ["deg2rad", "rad2deg", "_conj_physical", "conj_physical"]  # linear in their one operand
 
 
 def _ops(names):
@@ -99,12 +114,29 @@ def additive_rule(call: OpCall) -> list[Strategy]:
     return shard_strategies(call) + _partial(call, (Partial("avg"),) if with_number else _SUM_AVG, set(range(n)))
 
 
-@register(_ops(MULTIPLICATIVE))
+@register(_ops(MULTIPLICATIVE + SCALED))
 def multiplicative_rule(call: OpCall) -> list[Strategy]:
     strategies = shard_strategies(call) + _partial(call, _SUM_AVG, {0})
     if call.func._schema.name == "aten::mul" and len(call.inputs) == 2:
         strategies += _partial(call, _SUM_AVG, {1})
     return strategies
+
+
+@register([aten.log_sigmoid_forward.default])
+def log_sigmoid_rule(call: OpCall) -> list[Strategy]:
+    """(output, buffer): the buffer is shaped like the input on CPU, empty (Replicate) on GPUs."""
+    alike = call.outputs[1].shape == call.outputs[0].shape
+    return [Strategy((s.outputs[0], s.outputs[0] if alike else Replicate()), s.inputs) for s in shard_strategies(call, 1)]
+
+
+@register([aten.glu.default, aten.glu_backward.default, aten.linalg_cross.default])
+def along_dim_rule(call: OpCall) -> list[Strategy]:
+    """Pointwise but along one dim: glu halves it into values and gates (glu_backward: its
+    grad_output and self), cross takes 3-vectors along it.  That dim stays whole."""
+    nd = len(call.outputs[0].shape)
+    at = {aten.glu.default: 1, aten.glu_backward.default: 2}.get(call.func)
+    dim = (call.kwargs.get("dim", -1) if at is None else call.arg(at, "dim", -1)) % nd
+    return [s for s in shard_strategies(call) if s.outputs[0].dim != dim]
 
 
 @register([aten.where.self])

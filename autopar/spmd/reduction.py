@@ -1,14 +1,18 @@
-"""Reductions (sum, mean, max/min, arg-max/min, norms, logsumexp, any/all, var/std, prod) and scans.
+"""Reductions (sum, mean, max/min, arg-max/min, norms, logsumexp, any/all, var/std, prod) and scans,
+and order statistics along a dim (sort, topk, kthvalue, median, mode).
 
 A dim that is kept may be sharded freely: the output keeps the shard.  Reducing a sharded dim
 leaves each rank one term of the result:
-  sum -> Partial(sum); amax/amin, max/min (values only) -> Partial(max/min); any/all -> Partial(max/min);
+  sum, nansum, count_nonzero -> Partial(sum); amax/amin, max/min (values only) -> Partial(max/min);
+  any/all -> Partial(max/min);
   mean -> Partial(avg): the plain op when the pieces are even, else a kernel that weighs the local
           sum by the global count (so uneven pieces average correctly);
   vector norms, logsumexp and values+indices (max.dim, argmax) are no reduction of per-rank terms:
           kernels all-reduce the small result over the mesh dims that shard the reduced dims and
           return Replicate there;
-  var/std/prod: only kept dims shard.
+  var/std/prod (and var_mean/std_mean): only kept dims shard;
+  aminmax -> (Partial(min), Partial(max)).
+Order statistics rank their whole dim: every other dim shards.
 Linear reductions pass Partial inputs through (sum/mean: sum and avg); amax/max pass Partial(max),
 amin/min pass Partial(min).  Scans (cumsum...) shard every dim but the scanned one.
 """
@@ -108,8 +112,10 @@ def arg_extreme_rule(call: OpCall) -> list[Strategy]:
     return _kept(call, dims) + _on_reduced(call, dims, Replicate(), kernel="arg_extreme")
 
 
-@register([aten.linalg_vector_norm.default])
+@register([aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype,
+           aten.norm.ScalarOpt_dtype])
 def vector_norm_rule(call: OpCall) -> list[Strategy]:
+    """linalg_vector_norm and the norm overloads (p at 1, dim at 2, keepdim at 3 in both)."""
     dims = _reduced(call, dim_at=2)
     return _kept(call, dims) + _on_reduced(call, dims, Replicate(), kernel="vector_norm")
 
@@ -129,11 +135,50 @@ def any_all_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.prod.default, aten.prod.dim_int, aten.var.correction, aten.std.correction,
-           aten.var_mean.correction])
+           aten.var_mean.correction, aten.std_mean.correction])
 def kept_only_rule(call: OpCall) -> list[Strategy]:
     """No Partial kind combines their per-rank terms (there is no Partial(prod); var/std need the
     global mean first): a reduced dim must be whole."""
     return _kept(call, _reduced(call))
+
+
+# op -> (position of dim, its default): order statistics along one dim
+_ORDER = {aten.sort.default: (1, -1), aten.sort.stable: (None, -1), aten.topk.default: (2, -1),
+          aten.kthvalue.default: (2, -1), aten.median.dim: (1, None), aten.nanmedian.dim: (1, None),
+          aten.mode.default: (1, -1)}
+
+
+@register(list(_ORDER))
+def order_rule(call: OpCall) -> list[Strategy]:
+    """sort, topk, kthvalue, median, nanmedian, mode along `dim` rank the whole dim: every other
+    dim shards (values and indices alike); the result of a median has no Partial kind."""
+    at, default = _ORDER[call.func]
+    dim = call.kwargs.get("dim", default) if at is None else call.arg(at, "dim", default)
+    return _kept(call, reduced_dims(dim, len(call.inputs[0].shape)))
+
+
+@register([aten.nansum.default])
+def nansum_rule(call: OpCall) -> list[Strategy]:
+    """A sum skipping NaNs: each piece's is a term of Partial(sum); NaNs never pass as terms."""
+    dims = _reduced(call)
+    return _kept(call, dims) + _on_reduced(call, dims, Partial("sum"))
+
+
+@register([aten.count_nonzero.default, aten.count_nonzero.dim_IntList])
+def count_nonzero_rule(call: OpCall) -> list[Strategy]:
+    """Counts add up: a counted dim split leaves Partial(sum) terms (an empty piece counts 0)."""
+    dims = _reduced(call)
+    return _kept(call, dims) + _on_reduced(call, dims, Partial("sum"))
+
+
+@register([aten.aminmax.default])
+def aminmax_rule(call: OpCall) -> list[Strategy]:
+    """(min, max): kept dims shard; a reduced one leaves (Partial(min), Partial(max)) terms, by a
+    kernel where a piece may be empty (its terms: the identities)."""
+    dims = reduced_dims(call.kwargs.get("dim"), len(call.inputs[0].shape))
+    split = [Strategy((Partial("min"), Partial("max")), (Shard(d),), kernel="aminmax") for d in dims
+             if call.inputs[0].shape[d] != 1]
+    return _kept(call, dims) + split
 
 
 @register([aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default, aten.cummax.default,
@@ -275,11 +320,23 @@ def _norm_root(t: torch.Tensor, ord) -> torch.Tensor:
     return t if ord in (0, math.inf, -math.inf) else t.pow(1.0 / ord)
 
 
+@register_kernel("aminmax")
+def aminmax_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    x = args[0]
+    dims = reduced_dims(kwargs.get("dim"), x.dim())
+    if all(x.shape[d] for d in dims):
+        return func(*args, **kwargs)
+    return tuple(x.new_full(s.local_shape(coord), _identity(x.dtype, rt))
+                 for s, rt in zip(out_specs, (ReduceType.MIN, ReduceType.MAX)))
+
+
 @register_kernel("vector_norm")
 def vector_norm_kernel(func, args, kwargs, in_specs, out_specs, coord):
-    """The root is not linear: all-reduce the shares of sum |x|^p (or max/min |x|), then take it."""
+    """The root is not linear: all-reduce the shares of sum |x|^p (or max/min |x|), then take it.
+    norm's p may be None (2)."""
     x, spec = args[0], in_specs[0]
     ord = _get(args, kwargs, 1, "ord", 2)
+    ord = 2 if ord is None else ord
     dims = reduced_dims(_get(args, kwargs, 2, "dim"), x.dim())
     keepdim = _get(args, kwargs, 3, "keepdim", False)
     terms = _norm_terms(x.abs().to(out_specs[0].meta.dtype), ord, dims)

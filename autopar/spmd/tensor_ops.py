@@ -84,7 +84,8 @@ def split_sizes_local(args, kwargs, out_shapes):
                     sizes[0] if isinstance(args[1], int) else sizes)
 
 
-@register([aten.split.Tensor, aten.split_with_sizes.default], local_args=split_sizes_local)
+@register([aten.split.Tensor, aten.split_with_sizes.default, aten.split_with_sizes_copy.default],
+          local_args=split_sizes_local)
 def split_rule(call: OpCall) -> list[Strategy]:
     """Pieces along one dim: the other dims keep their shards.  A dim read as blocks split
     alike (StridedShard: a fused q/k/v or gate/up projection split column-wise) is cut
@@ -107,7 +108,14 @@ def slice_rule(call: OpCall) -> list[Strategy]:
     return _moved(_uncut(call.inputs[0].shape, call.outputs[0].shape), 1, 1)
 
 
-@register([aten.unbind.int, aten.select.int])
+@register([aten.narrow_copy.default])
+def narrow_copy_rule(call: OpCall) -> list[Strategy]:
+    """As slice, but its length would not clamp to a piece: the narrowed dim stays whole."""
+    dim = _dim(call.arg(1, "dim"), len(call.inputs[0].shape))
+    return _moved({d: d for d in _uncut(call.inputs[0].shape, call.outputs[0].shape) if d != dim}, 1, 1)
+
+
+@register([aten.unbind.int, aten.select.int, aten.unbind_copy.int])
 def pick_rule(call: OpCall) -> list[Strategy]:
     """Drop one dim (kept whole); the dims after it shift down."""
     nd = len(call.inputs[0].shape)

@@ -1,4 +1,4 @@
-"""View and layout ops: reshape/view, transpose/permute/t, (un)squeeze, expand.
+"""View and layout ops: reshape/view, transpose/permute/t, (un)squeeze, expand (and their *_copy).
 
 All are linear, so every Partial kind passes through.  A reshape keeps a shard on the
 outermost dim of a group of merged or split dims when that dim divides evenly (otherwise
@@ -56,11 +56,12 @@ def _view_local_args(args, kwargs, out_shapes):
     return [args[0], list(out_shapes[0])] + list(args[2:]), kwargs
 
 
-@register([aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten._reshape_alias], local_args=_view_local_args)
+@register([aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten._reshape_alias, aten.view_copy,
+           aten.expand_copy], local_args=_view_local_args)
 def view_rule(call: OpCall) -> list[Strategy]:
     src, dst = call.inputs[0].shape, call.outputs[0].shape
     extra = (None,) * (len(call.inputs) - 1)
-    if call.func._schema.name == "aten::expand":
+    if call.func._schema.name in ("aten::expand", "aten::expand_copy"):
         offset = len(dst) - len(src)
         strategies = [
             Strategy((Shard(d + offset),), (Shard(d),) + extra)
@@ -92,13 +93,13 @@ def _permuted(call: OpCall, perm: list[int]) -> list[Strategy]:
     return [Strategy((Shard(i),), (Shard(p),)) for i, p in enumerate(perm)] + _partials()
 
 
-@register([aten.permute])
+@register([aten.permute, aten.permute_copy])
 def permute_rule(call: OpCall) -> list[Strategy]:
     nd = len(call.inputs[0].shape)
     return _permuted(call, [d % nd if nd else 0 for d in call.arg(1, "dims")])
 
 
-@register([aten.transpose, aten.t, aten.transpose_, aten.t_])
+@register([aten.transpose, aten.t, aten.transpose_, aten.t_, aten.transpose_copy, aten.t_copy])
 def transpose_rule(call: OpCall) -> list[Strategy]:
     nd = len(call.inputs[0].shape)
     perm = list(range(nd))
@@ -110,10 +111,12 @@ def transpose_rule(call: OpCall) -> list[Strategy]:
     return _permuted(call, perm)
 
 
-_SQUEEZE_ALL = (aten.squeeze.default, aten.squeeze_.default)
+# squeeze of every size-1 dim -> squeeze of the dims it names
+_SQUEEZE_ALL = {aten.squeeze.default: aten.squeeze.dims, aten.squeeze_.default: aten.squeeze_.dims,
+                aten.squeeze_copy.default: aten.squeeze_copy.dims}
 
 
-@register([aten.unsqueeze, aten.squeeze, aten.unsqueeze_, aten.squeeze_])
+@register([aten.unsqueeze, aten.squeeze, aten.unsqueeze_, aten.squeeze_, aten.unsqueeze_copy, aten.squeeze_copy])
 def squeeze_rule(call: OpCall) -> list[Strategy]:
     """(Un)squeeze only adds/drops size-1 dims: the other dims keep their shards.  A squeeze of
     every size-1 dim squeezes the global ones only (a piece of 1 row is no size-1 dim)."""
@@ -135,5 +138,4 @@ def _no_local_ones(func, in_specs, coord) -> bool:
 
 @register_kernel("squeeze_global", plain_when=_no_local_ones)
 def squeeze_global_kernel(func, args, kwargs, in_specs, out_specs, coord):
-    op = aten.squeeze_.dims if func is aten.squeeze_.default else aten.squeeze.dims
-    return op(args[0], _global_ones(in_specs[0]))
+    return _SQUEEZE_ALL[func](args[0], _global_ones(in_specs[0]))
