@@ -5,14 +5,23 @@
 local op, wrap (a decision whose inputs never move runs as unwrap + C++ op + wrap).
 A rank outside the op's mesh computes nothing and returns empty pieces with the right meta
 (random ops still draw, so its generator stays on the single-process stream).
+
+Exact or refused: an input the op writes keeps its storage and placement (a write made on a
+moved copy is written back into its pieces), an op whose output shape depends on values runs
+on the gathered inputs on every rank, and an op that raises while it runs on this rank's
+pieces is told to the other ranks (`comm.faults.raised`) so that none of them waits for it.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 
 from . import comm, rng
+from .comm import faults
+from .comm.backend import CommError, value_read
+from .comm.collectives import reading_values
 from .comm.simulate import readable
 from .dtensor import DistTensor, new_dist
 from .op_call import fast_op, meta_like
@@ -32,6 +41,10 @@ GLOBAL_VALUE_OPS = {
     aten.is_nonzero.default,
     aten.allclose.default,
 }
+# Views that set a lazy bit (torch's conj and neg views): inside __torch_dispatch__ torch's
+# kernels ignore those bits, so a local piece must never carry one: these run as the op
+# that applies it
+_APPLY_LAZY = {aten._conj.default: torch.conj_physical, aten._neg_view.default: torch.neg}
 
 
 class Decision:
@@ -41,7 +54,7 @@ class Decision:
 
     __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "out_alias", "kind",
                  "member", "coord", "positions", "single", "out_local_shapes", "direct", "fast", "moved", "call",
-                 "inplace_view")
+                 "inplace_view", "lazy_plain")
 
     def __init__(self, mesh, in_specs, out_specs, kernel, local_args, mutated, out_alias, kind="op"):
         self.mesh = mesh
@@ -61,6 +74,7 @@ class Decision:
         self.call = None  # the local op (op_call.fast_op), where no kernel replaces it
         self.moved: tuple = ()  # inputs sent here from another mesh (they need no gradient)
         self.inplace_view = None  # the op, for unsqueeze_, transpose_, ...: it changes its input's shape
+        self.lazy_plain: tuple = ()  # plain complex inputs: a lazy conj/neg bit is applied before the local op
         self.single = (
             out_alias is not None and out_alias[0] == "value" and isinstance(out_alias[1], torch.Tensor)
         )
@@ -70,6 +84,10 @@ class Decision:
 
 
 _CACHE: dict = {}
+# Decisions kept at most; beyond, the older half goes (insertion order: an evicted decision that
+# is still in use is decided again and goes to the back). A job's working set is a few hundred;
+# a key holds int arguments and shapes, so varying lengths would grow the cache without bound.
+CACHE_CAPACITY = 4096
 _STATE = {"rank": None}
 # Observers of every dispatched op (`local_region` verifying a module's first call): see(func, decision, flat)
 WATCHERS: list = []
@@ -92,6 +110,13 @@ def _rank() -> int:
     if r is None:
         r = _STATE["rank"] = comm.get_rank()
     return r
+
+
+def _remember(key, value) -> None:
+    if len(_CACHE) >= CACHE_CAPACITY:
+        for old in list(itertools.islice(_CACHE, len(_CACHE) // 2)):
+            del _CACHE[old]
+    _CACHE[key] = value
 
 
 def clear_cache() -> None:
@@ -214,14 +239,17 @@ def _substitute(args, kwargs, new_flat):
     return new_args, new_kwargs
 
 
-def _meta_error(func, flat, err: Exception) -> Exception:
-    """What to raise when the meta kernel (which infers the output's global shape) fails: a
-    missing kernel (NotImplementedError, or an error about meta tensors: the op's output
-    depends on values) says so; anything else is the user's error, as torch raises it on
-    plain tensors (same type, torch's message) plus the op and the operands' global shapes
-    and placements."""
-    if isinstance(err, NotImplementedError) or "meta" in str(err).lower():
-        return NotImplementedError(f"autopar: {func} has no meta kernel to infer its output shape: {err}")
+def _no_meta_kernel(err: Exception) -> bool:
+    """The meta kernel that infers the output's global shape is missing (NotImplementedError,
+    or an error about meta tensors): the op's output shape depends on values (nonzero,
+    unique, masked_select) or nobody wrote one."""
+    return isinstance(err, NotImplementedError) or "meta" in str(err).lower()
+
+
+def _user_error(func, flat, err: Exception) -> Exception:
+    """The meta kernel refused the operands: the user's error, as torch raises it on plain
+    tensors (same type, torch's message) plus the op and the operands' global shapes and
+    placements."""
     operands = "; ".join(
         f"{list(t.shape)} {list(t._spec.placements)} on {t._spec.mesh}" if type(t) is DistTensor
         else f"{list(t.shape)} plain" for t in flat
@@ -240,6 +268,7 @@ def decide(func, args, kwargs, flat) -> Decision:
         if moved:
             raise ValueError(f"{func}: operands live on different meshes; reshard them onto one first")
         return Decision(mesh, None, None, None, None, [], None, kind="global")
+    mutated, alias = _mutated_inputs(func, args, kwargs)
     meta_out = None  # an op returning nothing (fused optimizer steps; some lack a meta kernel)
     if func._schema.returns:
         meta_args, meta_kwargs = _substitute(args, kwargs, [meta_like(t) for t in flat])
@@ -248,7 +277,13 @@ def decide(func, args, kwargs, flat) -> Decision:
         try:
             meta_out = func(*meta_args, **meta_kwargs)
         except (NotImplementedError, RuntimeError, ValueError, IndexError) as err:
-            raise _meta_error(func, flat, err) from err
+            if not _no_meta_kernel(err):
+                raise _user_error(func, flat, err) from err
+            engine.warn_replicated(
+                func, "its output's shape depends on values (it has no meta kernel): every rank gathers its "
+                "inputs, runs it whole and holds its output Replicate"
+            )
+            return Decision(mesh, None, None, None, None, mutated, ("alias", alias) if alias else None, kind="gathered")
     in_metas = [t._spec.meta if type(t) is DistTensor else TensorMeta.of(t) for t in flat]
     out_metas = [TensorMeta.of(o) for o in _flatten_out(meta_out, [])]
     rule_args, rule_kwargs = _substitute(args, kwargs, in_metas)
@@ -257,7 +292,6 @@ def decide(func, args, kwargs, flat) -> Decision:
         t._spec.placements if type(t) is DistTensor and t._spec.mesh.ndim == mesh.ndim else (Replicate(),) * mesh.ndim
         for t in flat
     ]
-    mutated, alias = _mutated_inputs(func, args, kwargs)
     if set(mutated) & set(moved):
         raise ValueError(f"{func} writes an input that lives on another mesh than the op's {mesh}: reshard it first")
     written_plain = tuple(i for i in mutated if type(flat[i]) is not DistTensor)
@@ -270,8 +304,11 @@ def decide(func, args, kwargs, flat) -> Decision:
     )
     dec.moved = moved
     dec.inplace_view = func if torch.Tag.inplace_view in func.tags else None
+    dec.lazy_plain = tuple(
+        i for i, t in enumerate(flat) if type(t) is not DistTensor and t.is_complex() and i not in mutated
+    )
     if dec.member and kernel is None:
-        dec.call = fast_op(func, args, kwargs)
+        dec.call = _APPLY_LAZY.get(func) or fast_op(func, args, kwargs)
     # the key holds each input's spec, so "no input moves" holds for every call with this key
     dec.direct = all(type(t) is DistTensor and t._spec is s for t, s in zip(flat, in_specs))
     if not kwargs or not any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values()):
@@ -332,53 +369,69 @@ def dispatch(func, args, kwargs):
         if _is_list_op(func):
             groups = _foreach_groups(args, kwargs)
             if len(groups) > 1:
-                _CACHE[key_t] = groups
+                _remember(key_t, groups)
                 return _run_groups(func, args, kwargs, groups)
         if _plain_inplace(func, args):
             for w in WATCHERS:
                 w.see(func, None, flat)
             return _run_on_dense(func, args, kwargs, flat)
         dec = decide(func, args, kwargs, flat)
-        _CACHE[key_t] = dec
+        _remember(key_t, dec)
     if WATCHERS:
         for w in WATCHERS:
             w.see(func, dec, flat)
-    fast = dec.fast
-    if fast is not None:  # every argument a DistTensor already in place or a plain value
-        return new_dist(fast(*[a._local if type(a) is DistTensor else a for a in args]), dec.out_specs[0])
-    if dec.kind != "op":
-        return _run_on_dense(func, args, kwargs, flat)
-    # execution (inlined: this is the per-op hot path)
-    locals_ = [t._local for t in flat] if dec.direct else _inputs_in_place(dec, flat)
-    if dec.mutated:
-        _check_writes_reach_bases(func, dec, flat, locals_)
-    if not dec.member:
-        device = flat[0].device
-        if func in DRAWS_RANDOM:  # keep this rank's generator on the single-process stream
-            _draw_and_discard(func, args, kwargs, flat)
-        return _wrap(dec, [torch.empty(0, dtype=s.meta.dtype, device=device) for s in dec.out_specs], args, kwargs)
-    if dec.positions is not None:
-        largs = list(args)
-        for pos, loc in zip(dec.positions, locals_):
-            largs[pos] = loc
-        lkwargs = kwargs
-    elif dec.direct and not kwargs:  # every tensor is a DistTensor in place: swap in the locals
-        largs = [_local_of(a) for a in args]
-        lkwargs = kwargs
-    else:
-        largs, lkwargs = _substitute(args, kwargs, locals_)
-    if dec.local_args is not None:
-        largs, lkwargs = dec.local_args(largs, lkwargs, dec.out_local_shapes)
-    if dec.kernel is not None:
-        out = KERNELS[dec.kernel](func, largs, lkwargs, dec.in_specs, dec.out_specs, dec.coord)
-    else:
-        out = dec.call(*largs, **lkwargs)
-    if dec.single:
-        return new_dist(out, dec.out_specs[0])
-    local_outs = _flatten_out(out, [])
-    if len(local_outs) != len(dec.out_specs):  # the local op left undefined what the meta kernel made
-        local_outs = _at_meta_leaves(dec.out_alias[1], out)
-    return _wrap(dec, local_outs, args, kwargs)
+    if dec.kind != "op":  # computed on the gathered values, alike on every rank
+        if dec.kind == "global":
+            return _run_on_dense(func, args, kwargs, flat)
+        return _run_gathered(func, args, kwargs, flat, dec)
+    try:  # free while nothing raises; what raises here may have raised on this rank only
+        fast = dec.fast
+        if fast is not None:  # every argument a DistTensor already in place or a plain value
+            return new_dist(fast(*[a._local if type(a) is DistTensor else a for a in args]), dec.out_specs[0])
+        # execution (inlined: this is the per-op hot path)
+        written = None
+        if dec.direct:
+            locals_ = [t._local for t in flat]
+        else:
+            if dec.mutated and dec.inplace_view is None:
+                written = _moved_writes(dec, flat)
+            locals_ = _inputs_in_place(dec, flat, written or ())
+        if dec.mutated:
+            _check_writes_reach_bases(func, dec, flat, locals_, written)
+        if not dec.member:
+            device = flat[0].device
+            if func in DRAWS_RANDOM:  # keep this rank's generator on the single-process stream
+                _draw_and_discard(func, args, kwargs, flat)
+            return _wrap(dec, [torch.empty(0, dtype=s.meta.dtype, device=device) for s in dec.out_specs], args, kwargs)
+        if dec.positions is not None:
+            largs = list(args)
+            for pos, loc in zip(dec.positions, locals_):
+                largs[pos] = loc
+            lkwargs = kwargs
+        elif dec.direct and not kwargs:  # every tensor is a DistTensor in place: swap in the locals
+            largs = [_local_of(a) for a in args]
+            lkwargs = kwargs
+        else:
+            largs, lkwargs = _substitute(args, kwargs, locals_)
+        if dec.local_args is not None:
+            largs, lkwargs = dec.local_args(largs, lkwargs, dec.out_local_shapes)
+        if dec.kernel is not None:
+            out = KERNELS[dec.kernel](func, largs, lkwargs, dec.in_specs, dec.out_specs, dec.coord)
+        else:
+            out = dec.call(*largs, **lkwargs)
+        if written:
+            _write_back(dec, locals_, written)
+        if dec.single:
+            return new_dist(out, dec.out_specs[0])
+        local_outs = _flatten_out(out, [])
+        if len(local_outs) != len(dec.out_specs):  # the local op left undefined what the meta kernel made
+            local_outs = _at_meta_leaves(dec.out_alias[1], out)
+        return _wrap(dec, local_outs, args, kwargs)
+    except CommError:  # a collective failed: `faults` has told every rank already
+        raise
+    except Exception as err:
+        faults.raised(str(func), err, tuple(dec.mesh.process_ids))
+        raise
 
 
 def _local_of(a):
@@ -391,15 +444,17 @@ def _local_of(a):
     return a
 
 
-def _inputs_in_place(dec: Decision, flat) -> list:
-    """Each input's local piece where the decision wants it (resharding what must move)."""
+def _inputs_in_place(dec: Decision, flat, written=()) -> list:
+    """Each input's local piece where the decision wants it (resharding what must move).
+    An input in `written` is moved as a copy (the op's write goes back into its own pieces
+    afterwards); an in-place shape op's input takes the new placement itself."""
     if dec.moved and torch.is_grad_enabled() and any(flat[i].requires_grad for i in dec.moved):
         raise ValueError(
             f"an input on {flat[dec.moved[0]]._spec.mesh} needs a gradient but the op runs on {dec.mesh}: "
             f"move it with dist.reshard(t, mesh, placements) (differentiable) first"
         )
     locals_ = []
-    for t, spec in zip(flat, dec.in_specs):
+    for i, (t, spec) in enumerate(zip(flat, dec.in_specs)):
         if type(t) is DistTensor:
             src = t._spec
             if src is not spec and PARTIAL_READ_HOOKS and t.grad_fn is None and _only_reduces(src, spec):
@@ -412,23 +467,48 @@ def _inputs_in_place(dec: Decision, flat) -> list:
                 loc = _reduced_view(t, spec)
                 if loc is None:
                     loc = redistribute_local(t._local, src, spec)
-                keep_reduced(t, loc, spec)
+                if i not in written:
+                    keep_reduced(t, loc, spec)
             else:
                 loc = redistribute_local(t._local, src, spec)
         else:
             loc = _plain_to(t, spec, _rank())
         locals_.append(loc)
-    for i in dec.mutated:
-        t = flat[i]
-        if type(t) is DistTensor and t._spec is not dec.in_specs[i]:
-            t._local, t._spec = locals_[i], dec.in_specs[i]
+    for i in dec.lazy_plain:  # torch's kernels ignore a lazy conj/neg bit under __torch_dispatch__
+        locals_[i] = locals_[i].resolve_conj().resolve_neg()
+    if dec.inplace_view is not None:
+        for i in dec.mutated:
+            t = flat[i]
+            if type(t) is DistTensor and t._spec is not dec.in_specs[i]:
+                t._local, t._spec = locals_[i], dec.in_specs[i]
     return locals_
 
 
-def _check_writes_reach_bases(func, dec: Decision, flat, locals_) -> None:
+def _moved_writes(dec: Decision, flat) -> dict:
+    """{flat index: (piece, spec)} of the inputs the op writes that must move for it: the op
+    writes a moved copy, and `_write_back` puts the result into these pieces."""
+    return {
+        i: (flat[i]._local, flat[i]._spec)
+        for i in dec.mutated
+        if type(flat[i]) is DistTensor and flat[i]._spec is not dec.in_specs[i]
+    }
+
+
+def _write_back(dec: Decision, locals_, written: dict) -> None:
+    """The op wrote moved copies: each written tensor gets the result in its own pieces, in its
+    own placement (what its views, its `detach()` aliases, a Parameter and an optimizer hold),
+    as torch's in-place ops write into the tensor's storage."""
+    for i, (piece, spec) in written.items():
+        result = locals_[i]
+        if result is not piece:
+            piece.copy_(redistribute_local(result, dec.in_specs[i], spec))
+
+
+def _check_writes_reach_bases(func, dec: Decision, flat, locals_, written) -> None:
     """An in-place op on a view of a distributed tensor must write into the base's piece: a
     view that needed communication (a slice across the sharded dim, a reshape merging it)
-    holds a copy, and the write would be lost without a word."""
+    holds a copy, and the write would be lost without a word.  The write lands in the piece
+    the op runs on, and for a moved input also in the view's own piece (`_write_back`)."""
     if not dec.member:
         return
     for i in dec.mutated:
@@ -436,7 +516,10 @@ def _check_writes_reach_bases(func, dec: Decision, flat, locals_) -> None:
         if type(t) is not DistTensor or not t._is_view():
             continue
         base = t._base
-        if type(base) is DistTensor and storage_key(locals_[i]) != storage_key(base._local):
+        if type(base) is not DistTensor:
+            continue
+        into = storage_key(base._local)
+        if storage_key(locals_[i]) != into and not (written and i in written and storage_key(written[i][0]) == into):
             raise ValueError(
                 f"{func} writes in place into a view of a distributed tensor of shape {list(base.shape)} placed "
                 f"{list(base._spec.placements)} on {base._spec.mesh}, but that view (shape {list(t.shape)}, "
@@ -541,15 +624,53 @@ def _reshape_wrapper(func, t: DistTensor, spec: DistSpec, args, kwargs) -> None:
 
 
 # -- ops handled outside the rule path -------------------------------------------------------
+def _dense_inputs(flat) -> list:
+    """Every input's global value, on every rank of the job (collective over the job)."""
+    from .api.tensor import gather_everywhere
+
+    return [
+        readable(gather_everywhere(t._local, t._spec)) if type(t) is DistTensor
+        else readable(t).resolve_conj().resolve_neg() if t.is_complex() else readable(t)
+        for t in flat
+    ]
+
+
 def _run_on_dense(func, args, kwargs, flat):
     """Run on the global values (ops returning Python values, in-place ops on plain tensors).
     Below autograd (the wrapper-level graph already holds the op), so the gather need not be
     differentiable: `loss.item()` costs the gather and the read, no autograd Function."""
-    from .api.tensor import gather_everywhere
-
-    dense = [readable(gather_everywhere(t._local, t._spec)) if type(t) is DistTensor else readable(t) for t in flat]
-    dargs, dkwargs = _substitute(args, kwargs, dense)
+    dargs, dkwargs = _substitute(args, kwargs, _dense_inputs(flat))
     return func(*dargs, **dkwargs)
+
+
+def _run_gathered(func, args, kwargs, flat, dec: Decision):
+    """An op whose output's shape depends on values (nonzero, unique, masked_select): every
+    rank of the job gathers its inputs (a value read: `comm.value_read`), runs it whole and
+    holds its outputs Replicate on the op's mesh; an input it writes gets the result in its
+    own pieces."""
+    reading_values(str(func))  # a captured step cannot replay a value-dependent shape
+    with value_read(str(func)):
+        dense = _dense_inputs(flat)
+    dargs, dkwargs = _substitute(args, kwargs, dense)
+    out = func(*dargs, **dkwargs)
+    rank = _rank()
+    for i in dec.mutated:
+        t = flat[i]
+        if type(t) is DistTensor and dec.member and dense[i] is not t._local:
+            t._local.copy_(piece_of_replicated(dense[i], t._spec, rank))
+    if dec.out_alias is not None:
+        pos, name = dec.out_alias[1]
+        return args[pos] if pos < len(args) else kwargs[name]
+    mesh = dec.mesh
+    replicate = [Replicate()] * mesh.ndim
+
+    def held(o: torch.Tensor):
+        if o.layout is not torch.strided:  # a sparse result: the plain global value, on every rank
+            return o
+        local = o if dec.member else o.new_empty(0)
+        return new_dist(local, DistSpec(mesh, replicate, TensorMeta.of(o)))
+
+    return _rebuild_out(out, iter([held(o) for o in _flatten_out(out, [])]))
 
 
 def _plain_inplace(func, args) -> bool:

@@ -51,7 +51,10 @@ def _value_read(what: str, method):
 class DistTensor(torch.Tensor):
     """A distributed tensor: global meta + this rank's local piece.
 
-    Build one with `shard_tensor`, `dtensor_from_local` or `dtensor_from_fn`.
+    Build one with `shard_tensor`, `dtensor_from_local` or `dtensor_from_fn`.  Its local piece
+    never carries a lazy conjugate or negation bit (torch's kernels ignore them inside
+    `__torch_dispatch__`): a piece given with one has it applied, and the ops that would set
+    one (`conj()`, `_neg_view`) apply it (see `dispatch`).
     """
 
     _local: torch.Tensor
@@ -65,7 +68,7 @@ class DistTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: DistSpec, requires_grad: bool = False):
-        return new_dist(local, spec, requires_grad)
+        return new_dist(local.resolve_conj().resolve_neg(), spec, requires_grad)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 

@@ -79,15 +79,20 @@ SIMULATING = [False]  # inside `simulate`: transfers move nothing and their outp
 def destroy_groups() -> None:
     """Tear down autopar's own groups, then the default one, so that no gloo thread is left
     for the interpreter's teardown."""
-    default = tdist.distributed_c10d._get_default_group()
-    for pg in _GROUPS.values():
-        shutdown = getattr(pg, "shutdown", None)
-        if shutdown is not None and pg is not default:
-            with contextlib.suppress(Exception):
-                shutdown()
-    _GROUPS.clear()
+    shut_down_groups()
     _WHO[0] = None
     tdist.destroy_process_group()
+
+
+def shut_down_groups() -> None:
+    """Shut autopar's own groups down (a peer waiting in one of them fails at once) and make
+    the next ones anew (`reset_groups`)."""
+    for pg in _GROUPS.values():
+        shutdown = getattr(pg, "shutdown", None)
+        if shutdown is not None:
+            with contextlib.suppress(Exception):
+                shutdown()
+    reset_groups()
 
 
 _WHO: list = [None]  # (rank, world size) of the default group, read once
@@ -171,12 +176,10 @@ def group_for(ranks: tuple):
         me = tdist.get_rank()
         if me not in ranks:
             raise ValueError(f"rank {me} is not a member of group {list(ranks)}")
-        if list(ranks) == list(range(world)):
-            pg = tdist.distributed_c10d._get_default_group()
-        else:
-            prefix = f"autopar/{_GENERATION[0]}/{'_'.join(map(str, ranks))}"
-            store = tdist.PrefixStore(prefix, tdist.distributed_c10d._get_default_store())
-            pg = _make_backend(store, ranks.index(me), len(ranks))
+        # never the default group, which autopar cannot make anew (see `shut_down_groups`)
+        prefix = f"autopar/{_GENERATION[0]}/{'_'.join(map(str, ranks))}"
+        store = tdist.PrefixStore(prefix, tdist.distributed_c10d._get_default_store())
+        pg = _make_backend(store, ranks.index(me), len(ranks))
         _GROUPS[ranks] = pg
     return pg
 

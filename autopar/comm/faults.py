@@ -6,6 +6,11 @@ and where it waits in the rendezvous store, reads its peers' reports for a few s
 names the ranks that did not arrive.  A rank leaving the program records that it left (and
 whether it died of an exception), so that its peers can say so, and it does not wait for them
 longer than a few seconds: an exit ends the job at once.
+
+An op that raises while it runs on this rank's pieces (`raised`) is reported there too; when
+some ranks of its mesh did not raise it, they would wait for this rank in their next
+collective (or pair it with another one): this rank shuts its groups down, so that theirs
+fail at once and raise its error (`fail`), and every rank makes its groups anew.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ _FAILED = [False]
 _EXIT_STATUS: list = [None]  # the status this rank leaves with, when the launcher's worker knows it
 _GRACE = 3.0  # seconds to wait for peers' reports after a failure, and for peers at exit
 _NAMES: dict = {}  # (ranks, value read?) -> the group's name in messages and reports
+_RAISED: dict = {}  # (generation, mesh ranks) -> ops that raised on this rank while running on that mesh
 
 
 def _group_name(ranks) -> str:
@@ -60,12 +66,15 @@ def _store():
 
 def _peer_state(store, rank: int):
     """("left", how) once `rank` has left the program, ("report", dict) once it has reported a
-    failed collective, else None."""
-    left, report = _key("left", rank), _key("report", rank)
+    failed collective, ("raised", dict) once it shut its groups down after an op raised on
+    it alone (see `raised`), else None."""
+    left, report, raised_ = _key("left", rank), _key("report", rank), _key("raised", rank)
     if store.check([left]):
         return "left", store.get(left).decode()
     if store.check([report]):
         return "report", json.loads(store.get(report))
+    if store.check([raised_]):
+        return "raised", json.loads(store.get(raised_))
     return None
 
 
@@ -76,6 +85,8 @@ def _absence(peer: int, state, name: str, seq: int) -> str | None:
     kind, what = state
     if kind == "left":
         return f"rank {peer} has {'died of an exception' if what == 'failed' else what}"
+    if kind == "raised":
+        return f"rank {peer} raised {what['error']} in {what['op']}"
     entered = what["arrived"].get(name, 0)
     if entered >= seq:
         return None
@@ -84,19 +95,18 @@ def _absence(peer: int, state, name: str, seq: int) -> str | None:
             f"{where['op']} #{where['seq']} over {where['group']}")
 
 
-def not_arrived(op: str, ranks, seq: int) -> list[str]:
+def peer_states(op: str, ranks, seq: int) -> dict:
     """After collective #`seq` over `ranks` failed here: publish where this rank is, then read
-    the peers' reports (for up to a few seconds) and say which peers did not arrive and why."""
+    the peers' reports for up to a few seconds: {peer: its state (see `_peer_state`)}."""
     store = _store()
     if store is None:
-        return []
+        return {}
     me = get_rank()
-    name = _group_name(ranks)
+    peers = [r for r in ranks if r != me]
+    states: dict = {}
     try:
         store.set(_key("report", me), json.dumps(
-            {"arrived": _ARRIVED, "waiting": {"op": op, "seq": seq, "group": name}}))
-        peers = [r for r in ranks if r != me]
-        states: dict = {}
+            {"arrived": _ARRIVED, "waiting": {"op": op, "seq": seq, "group": _group_name(ranks)}}))
         deadline = time.monotonic() + min(_GRACE, timeout_seconds())
         while True:
             for r in peers:
@@ -106,29 +116,91 @@ def not_arrived(op: str, ranks, seq: int) -> list[str]:
                 break
             time.sleep(0.05)
     except Exception:  # the store went down with the job
-        return []
-    return [why for r in peers if (why := _absence(r, states[r], name, seq)) is not None]
+        return {}
+    return states
+
+
+def _shut_by_peer(ranks):
+    """The report of a peer in `ranks` whose op raised and who shut its groups down, or None."""
+    store = _store()
+    if store is None:
+        return None
+    me = get_rank()
+    try:
+        for r in ranks:
+            if r != me and (state := _peer_state(store, r)) is not None and state[0] == "raised":
+                return state[1]
+    except Exception:  # the store went down with the job
+        return None
+    return None
+
+
+def _shut_down(store, report: dict) -> None:
+    """Say that this rank's groups go down because of `report`'s error, then shut them down:
+    a peer waiting in one fails at once and finds the report (`fail`)."""
+    store.set(_key("raised", get_rank()), json.dumps(report))
+    backend.shut_down_groups()
+
+
+def raised(op: str, err: Exception, ranks: tuple) -> None:
+    """`op` raised `err` on this rank while running on its pieces; `ranks` is the op's mesh,
+    every rank of which runs it.  If they all raise it (a check torch makes on shapes or
+    dtypes), they are in step and nothing more is done.  If some do not within a few seconds
+    (a check on this rank's values, an uneven piece), they have gone on to their next
+    collective with this rank: this rank shuts its groups down so that they raise its error
+    there at once (`fail`) instead of waiting or pairing wrongly, and every rank makes its
+    groups anew.  Only after an op raised; nothing on the way of ops that do not."""
+    store = _store()
+    if store is None or len(ranks) == 1 or getattr(err, "_autopar_told", False):
+        return
+    err._autopar_told = True  # a list op's dispatch runs inside another's: tell once
+    me = get_rank()
+    slot = (backend._GENERATION[0], ranks)
+    n = _RAISED[slot] = _RAISED.get(slot, 0) + 1
+    mesh = "_".join(map(str, ranks))
+    try:
+        store.set(_key(f"raised/{mesh}/{n}", me), op)
+        peers = [_key(f"raised/{mesh}/{n}", r) for r in ranks if r != me]
+        deadline = time.monotonic() + min(_GRACE, timeout_seconds())
+        while not store.check(peers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # the first rank to decide decides for all: a late one follows it
+        alike = "alike" if store.check(peers) else "apart"
+        if store.compare_set(_key(f"decided/{mesh}/{n}", 0), "", alike).decode() == "apart":
+            _shut_down(store, {"rank": me, "op": op, "error": f"{type(err).__name__}: {err}"})
+    except Exception:  # the store went down with the job
+        pass
 
 
 def fail(op: str, ranks, seq: int, err: Exception):
     """Raise CommError for collective #`seq` over `ranks` (0: point-to-point transfers, whose
     rank lists differ between the sides, are not counted): the op, the group, the ranks that
-    did not arrive, and what a value read must do."""
+    did not arrive, and what a value read must do.  When a peer raised in an op and shut its
+    groups down, this is its error: this rank's groups go down too (a rank waiting on one of
+    them learns it in turn) and the next collectives run on new ones."""
     name = _group_name(ranks)
+    where = f"{op}{f' #{seq}' if seq else ''} over {name} failed on rank {get_rank()}"
+    told = _shut_by_peer(ranks)
+    if told is not None:
+        _shut_down(_store(), told)  # in its name: a rank waiting for this one learns it in turn
+        raise CommError(
+            f"{where}: rank {told['rank']} raised {told['error']}, in {told['op']}, and went on without this "
+            f"collective. Every rank raises it; the groups are made anew, so the job may catch it and go on."
+        ) from err
+    states = peer_states(op, ranks, seq)
+    absent = {r: why for r, state in states.items() if (why := _absence(r, state, name, seq)) is not None} if seq else {}
     if not seq:
         who = "A peer may have crashed or not reached this transfer."
     else:
-        absent = not_arrived(op, ranks, seq)
-        who = (f"Ranks that did not arrive: {'; '.join(absent)}." if absent
+        who = (f"Ranks that did not arrive: {'; '.join(absent.values())}." if absent
                else "Every peer reached this collective; one may have crashed in it.")
     read = reading()
+    # a read made on some ranks only leaves the others alive elsewhere; a peer that left is no sign of one
+    alive = [r for r in (absent if seq else states) if states[r] is None or states[r][0] != "left"]
     hint = (f" This collective belongs to a value read ({read}): value reads are collective over the job, "
             f"every rank of the tensor's mesh must make the same read (not only `if rank == 0`)."
-            if read else "")
-    raise CommError(
-        f"{op}{f' #{seq}' if seq else ''} over {name} failed on rank {get_rank()}: {err}. {who}"
-        f"{hint} (timeout: AUTOPAR_TIMEOUT={timeout_seconds():g} s)"
-    ) from err
+            if read and alive else "")
+    raise CommError(f"{where}: {err}. {who}{hint} (timeout: AUTOPAR_TIMEOUT={timeout_seconds():g} s)") from err
 
 
 # -- AUTOPAR_DEBUG_COLLECTIVES=1: every collective checks its op and shapes first -------------

@@ -71,20 +71,24 @@ def candidates(call: OpCall) -> list[Strategy]:
     base = replicated(len(call.inputs), len(call.outputs))
     rule = rule_for(call.func)
     if rule is None:
-        name = str(call.func)
-        if name not in _WARNED:
-            _WARNED.add(name)
-            warnings.warn(
-                f"autopar: no sharding rule for {name}; its inputs are replicated "
-                f"(correct, but it communicates). Add a rule in autopar/spmd/.",
-                stacklevel=4,
-            )
+        warn_replicated(call.func, "Add a rule in autopar/spmd/.")
         return [base]
     out = [base]
     for s in rule(call):
         if s not in out:
             out.append(s)
     return out
+
+
+def warn_replicated(func, why: str) -> None:
+    """Warn once per op that it runs on replicated inputs (the replicated fallback)."""
+    name = str(func)
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(
+            f"autopar: no sharding rule for {name}; its inputs are replicated (correct, but it communicates). {why}",
+            stacklevel=5,
+        )
 
 
 def choose(call: OpCall, mesh: ProcessMesh, current: list[tuple], inplace: bool, pinned: tuple = ()):
