@@ -1,6 +1,8 @@
-"""Elementwise losses with a reduction: mse, smooth L1, Huber, binary cross-entropy.
+"""Elementwise losses with a reduction: mse, smooth L1, Huber, binary cross-entropy (with logits),
+soft margin.
 
-Every tensor operand has the input's shape, so they shard alike on any dim:
+Every tensor operand has the input's shape (or broadcasts to it: a weight stays whole along the
+dims it lacks), so they shard alike on any dim:
   reduction 'none' -> the output keeps the shard;
   'sum'            -> each rank holds a Partial(sum) term;
   'mean'           -> a Partial(avg) term, computed as local sum * k / global count (k: the
@@ -25,26 +27,30 @@ aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2
 # op -> position of its `reduction` argument
 FORWARD = {aten.mse_loss.default: 2, aten.smooth_l1_loss.default: 2, aten.huber_loss.default: 2,
-           aten.binary_cross_entropy.default: 3}
+           aten.binary_cross_entropy.default: 3, aten.binary_cross_entropy_with_logits.default: 4,
+           aten.soft_margin_loss.default: 2}
 BACKWARD = {aten.mse_loss_backward.default: 3, aten.smooth_l1_loss_backward.default: 3,
-            aten.huber_loss_backward.default: 3, aten.binary_cross_entropy_backward.default: 4}
+            aten.huber_loss_backward.default: 3, aten.binary_cross_entropy_backward.default: 4,
+            aten.soft_margin_loss_backward.default: 3}
 
 
-def _alike(call: OpCall, first: int) -> bool:
-    """Operands from `first` on all have the loss input's shape (no broadcast weight)."""
+def _aligned(call: OpCall, first: int, d: int) -> tuple:
+    """Operands from `first` on, split along the loss input's dim d: a weight broadcast there
+    (pos_weight of one class per column...) stays whole."""
     shape = call.inputs[first].shape
-    return all(m.shape == shape for m in call.inputs[first:])
+    out = []
+    for m in call.inputs[first:]:
+        dd = d - (len(shape) - len(m.shape))
+        out.append(Shard(dd) if dd >= 0 and m.shape[dd] == shape[d] else Replicate())
+    return tuple(out)
 
 
 @register(list(FORWARD))
 def loss_rule(call: OpCall) -> list[Strategy]:
-    if not _alike(call, 0):
-        return []
     reduction = call.arg(FORWARD[call.func], "reduction", MEAN)
-    n = len(call.inputs)
     reduced = {SUM: Partial("sum"), MEAN: Partial("avg")}.get(reduction)
     return [
-        Strategy((Shard(d) if reduced is None else reduced,), (Shard(d),) * n,
+        Strategy((Shard(d) if reduced is None else reduced,), _aligned(call, 0, d),
                  kernel="loss_mean" if reduction == MEAN else None)
         for d, size in enumerate(call.inputs[0].shape)
         if size != 1
@@ -53,12 +59,9 @@ def loss_rule(call: OpCall) -> list[Strategy]:
 
 @register(list(BACKWARD))
 def loss_backward_rule(call: OpCall) -> list[Strategy]:
-    if not _alike(call, 1):
-        return []
     reduction = call.arg(BACKWARD[call.func], "reduction", MEAN)
-    n = len(call.inputs) - 1
     return [
-        Strategy((Shard(d),), ((Shard(d) if reduction == NONE else Replicate()),) + (Shard(d),) * n,
+        Strategy((Shard(d),), ((Shard(d) if reduction == NONE else Replicate()),) + _aligned(call, 1, d),
                  kernel="loss_mean_backward" if reduction == MEAN else None)
         for d, size in enumerate(call.inputs[1].shape)
         if size != 1

@@ -76,7 +76,7 @@ BINARY = [
     "special_chebyshev_polynomial_w", "special_hermite_polynomial_h", "special_hermite_polynomial_he",
     "special_laguerre_polynomial_l", "special_legendre_polynomial_p", "special_shifted_chebyshev_polynomial_t",
     "special_shifted_chebyshev_polynomial_u", "special_shifted_chebyshev_polynomial_v",
-    "special_shifted_chebyshev_polynomial_w",
+    "special_shifted_chebyshev_polynomial_w", "_prelu_kernel", "_prelu_kernel_backward",
 ]
 IDENTITY = ["clone", "detach", "alias", "alias_copy", "_to_copy", "lift_fresh", "lift_fresh_copy", "contiguous",
             "_conj", "positive", "zero", "copy"]

@@ -12,7 +12,9 @@ leaves each rank one term of the result:
           return Replicate there;
   var/std/prod (and var_mean/std_mean): only kept dims shard;
   aminmax -> (Partial(min), Partial(max)).
-Order statistics rank their whole dim: every other dim shards.
+Order statistics rank their whole dim: every other dim shards.  histc over a given range sums
+counts (Partial(sum)); renorm scales each slice along its dim by the slice's norm (only that dim
+shards).
 Linear reductions pass Partial inputs through (sum/mean: sum and avg); amax/max pass Partial(max),
 amin/min pass Partial(min).  Scans (cumsum...) shard every dim but the scanned one.
 """
@@ -179,6 +181,23 @@ def aminmax_rule(call: OpCall) -> list[Strategy]:
     split = [Strategy((Partial("min"), Partial("max")), (Shard(d),), kernel="aminmax") for d in dims
              if call.inputs[0].shape[d] != 1]
     return _kept(call, dims) + split
+
+
+@register([aten.histc.default])
+def histc_rule(call: OpCall) -> list[Strategy]:
+    """Counts over a given range add up: any split leaves Partial(sum) terms.  Without a range
+    (min == max) each piece would take its own: then whole."""
+    if call.arg(2, "min", 0) == call.arg(3, "max", 0):
+        return []
+    return [Strategy((Partial("sum"),), (Shard(d),)) for d, n in enumerate(call.inputs[0].shape) if n != 1]
+
+
+@register([aten.renorm.default])
+def renorm_rule(call: OpCall) -> list[Strategy]:
+    """Each slice along `dim` is scaled by its own norm over the other dims: only `dim` shards."""
+    shape = call.inputs[0].shape
+    dim = call.arg(2, "dim") % len(shape)
+    return [Strategy((Shard(dim),), (Shard(dim),))] if shape[dim] != 1 else []
 
 
 @register([aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default, aten.cummax.default,

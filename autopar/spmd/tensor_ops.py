@@ -175,6 +175,47 @@ def index_add_rule(call: OpCall) -> list[Strategy]:
     return strategies + [Strategy((p,), (p, Replicate(), p)) for p in _SUM_AVG]
 
 
+@register([aten.index_copy.default, aten.index_copy_.default, aten.index_fill.int_Tensor, aten.index_fill_.int_Tensor,
+           aten.index_fill.int_Scalar, aten.index_fill_.int_Scalar, aten.index_reduce.default,
+           aten.index_reduce_.default])
+def index_write_rule(call: OpCall) -> list[Strategy]:
+    """self.index_copy/fill/reduce(dim, index, source or value): rows along `dim` are written, so
+    the other dims shard on self and source alike (index and a 0-d fill value whole)."""
+    shape = call.inputs[0].shape
+    dim = _dim(call.arg(1, "dim"), len(shape))
+    rest = call.inputs[2:]
+    return [
+        Strategy((Shard(d),), (Shard(d), Replicate()) + tuple(
+            Shard(d) if len(m.shape) == len(shape) and m.shape[d] == n else Replicate() for m in rest))
+        for d, n in enumerate(shape)
+        if d != dim and n != 1
+    ]
+
+
+@register([aten.take.default])
+def take_rule(call: OpCall) -> list[Strategy]:
+    """self.take(index) picks by flat position: self whole, the index (and the output) split."""
+    return [Strategy((Shard(d),), (Replicate(), Shard(d))) for d, n in enumerate(call.inputs[1].shape) if n != 1]
+
+
+@register([aten.bucketize.Tensor, aten.searchsorted.Tensor])
+def bucketize_rule(call: OpCall) -> list[Strategy]:
+    """Each element looked up in the boundaries (whole): its dims shard.  searchsorted with one
+    sorted row per leading index splits those leading dims of both alike."""
+    bucketize = call.func is aten.bucketize.Tensor
+    values = call.inputs[0 if bucketize else 1].shape
+    seq = call.inputs[1 if bucketize else 0].shape
+    per_row = not bucketize and len(seq) > 1
+    strategies = []
+    for d, n in enumerate(values):
+        if n == 1 or (per_row and d == len(values) - 1):
+            continue
+        ins = [Shard(d) if per_row else Replicate()] * len(call.inputs)
+        ins[0 if bucketize else 1] = Shard(d)
+        strategies.append(Strategy((Shard(d),), tuple(ins)))
+    return strategies
+
+
 @register([aten.gather.default])
 def gather_rule(call: OpCall) -> list[Strategy]:
     """Shard a dim other than `dim` where self and index agree, or the index along `dim` itself
@@ -188,7 +229,8 @@ def gather_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.scatter.src, aten.scatter_.src, aten.scatter.value, aten.scatter_.value,
-           aten.scatter.reduce, aten.scatter_.reduce, aten.scatter.value_reduce, aten.scatter_.value_reduce])
+           aten.scatter.reduce, aten.scatter_.reduce, aten.scatter.value_reduce, aten.scatter_.value_reduce,
+           aten.scatter_reduce.two, aten.scatter_reduce_.two])
 def scatter_rule(call: OpCall) -> list[Strategy]:
     """Shard a dim other than `dim` where all operands agree.  scatter.src is linear in
     (self, src); scatter.value writes the same value on every rank, right only for max/min."""
