@@ -380,14 +380,14 @@ def dispatch(func, args, kwargs):
     if WATCHERS:
         for w in WATCHERS:
             w.see(func, dec, flat)
-    if dec.kind != "op":  # computed on the gathered values, alike on every rank
-        if dec.kind == "global":
-            return _run_on_dense(func, args, kwargs, flat)
-        return _run_gathered(func, args, kwargs, flat, dec)
     try:  # free while nothing raises; what raises here may have raised on this rank only
         fast = dec.fast
         if fast is not None:  # every argument a DistTensor already in place or a plain value
             return new_dist(fast(*[a._local if type(a) is DistTensor else a for a in args]), dec.out_specs[0])
+        if dec.kind != "op":
+            if dec.kind == "global":
+                return _run_on_dense(func, args, kwargs, flat)
+            return _run_gathered(func, args, kwargs, flat, dec)
         # execution (inlined: this is the per-op hot path)
         written = None
         if dec.direct:

@@ -1,6 +1,6 @@
 """What a rank is told when the job goes wrong: a bad AUTOPAR_TIMEOUT, a collective some ranks
-never reach, a value read made on some ranks only, and mismatched collectives under
-AUTOPAR_DEBUG_COLLECTIVES=1; and that value reads made by every rank stay right."""
+never reach, a value read made on some ranks only (and not when the peer died), and mismatched
+collectives under AUTOPAR_DEBUG_COLLECTIVES=1; and that value reads made by every rank stay right."""
 import os
 
 import pytest
@@ -8,6 +8,7 @@ import torch
 
 import autopar as dist
 from autopar import comm
+from autopar.comm import faults
 from autopar.comm.backend import timeout_seconds
 from distpool import run_dist
 
@@ -100,6 +101,29 @@ def test_unshard_dtensor_on_some_ranks_only_fails_naming_the_read():
     msgs = run_dist(_lone_read, 3, True)
     assert "This collective belongs to a value read (unshard_dtensor)" in msgs[0], msgs[0]
     assert msgs[1] is not None and msgs[1].startswith("all_gather #1 over ranks [0, 1] failed on rank 1"), msgs[1]
+
+
+def _read_while_a_peer_is_gone():
+    """Rank 0 reads a value while rank 1 has died (its exit handler recorded it): the read's
+    failure names the dead rank and says nothing about reads made on some ranks only."""
+    _short_timeout_groups()
+    mesh = dist.ProcessMesh([0, 1])
+    t = dist.shard_tensor(torch.arange(4.0), mesh, [dist.Shard(0)])
+    msg = None
+    if dist.get_rank() == 1:
+        faults._store().set(faults._key("left", 1), "failed")  # what `_leave` records for it
+    else:
+        msg = _caught(lambda: t.sum().item())
+    torch.distributed.barrier()
+    comm.reset_groups()
+    return msg
+
+
+def test_a_value_read_whose_peer_died_names_it_without_the_value_read_hint():
+    msg = run_dist(_read_while_a_peer_is_gone, 2)[0]
+    assert msg is not None and "over ranks [0, 1] (value reads) failed on rank 0" in msg, msg
+    assert "Ranks that did not arrive: rank 1 has died of an exception." in msg, msg
+    assert "value reads are collective" not in msg, msg
 
 
 def _reads_between_training_collectives():

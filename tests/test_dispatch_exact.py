@@ -1,0 +1,271 @@
+"""Dispatch is exact or refuses, on every rank: an op without a rule that writes an input
+writes the tensor itself; lazy conjugates and negations are applied; an op whose output
+shape depends on values runs on the gathered inputs; an op that raises on one rank raises
+on every rank; the decision cache stays bounded."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar as dist
+from autopar import dispatch
+from autopar.comm import backend
+from autopar.placement import Partial, Replicate, Shard
+from distpool import run_dist
+from opcheck import check
+
+# An in-place op no rule will ever cover: each row becomes the running sum of the rows
+# above it (the whole column is needed, so on pieces it would be wrong).
+_LIB = torch.library.Library("autopar_test", "DEF")
+_LIB.define("running_sum_(Tensor(a!) self) -> Tensor(a!)")
+_LIB.impl("running_sum_", lambda t: t.copy_(t.cumsum(0)), "CompositeExplicitAutograd")
+running_sum_ = torch.ops.autopar_test.running_sum_.default
+
+
+def _mesh():
+    return dist.ProcessMesh([0, 1], dim_names=["x"])
+
+
+# -- writes of the replicated fallback ------------------------------------------------------
+def _weight():
+    return torch.randn(6, 4, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def _embedding_max_norm(kind, dim):
+    w0 = _weight()
+    ids = torch.tensor([[0, 2, 5], [5, 2, 3]])
+    w = dist.shard_tensor(w0.clone(), _mesh(), [Shard(dim)])
+    if kind == "embedding":
+        out = F.embedding(ids, w, max_norm=1.0)
+    else:
+        out = F.embedding_bag(ids, w, max_norm=1.0, mode="sum")
+    return dist.unshard_dtensor(w), dist.unshard_dtensor(out), list(w.placements)
+
+
+@pytest.mark.parametrize("kind", ["embedding", "embedding_bag"])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_max_norm_renormalises_a_sharded_weight_as_one_process_does(kind, dim):
+    w0 = _weight()
+    ids = torch.tensor([[0, 2, 5], [5, 2, 3]])
+    ref_w = w0.clone()
+    ref = F.embedding(ids, ref_w, max_norm=1.0) if kind == "embedding" else F.embedding_bag(
+        ids, ref_w, max_norm=1.0, mode="sum")
+    assert not torch.equal(ref_w, w0)  # the call renormalises rows in place
+    for w, out, placements in run_dist(_embedding_max_norm, 2, kind, dim):
+        torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        assert placements == [Shard(dim)]  # the weight keeps its placement
+
+
+def _module_and_views():
+    """A distributed Parameter written through nn.Embedding(max_norm=); an op without a rule
+    writing a view of a Shard(0) tensor, a Shard(1) tensor and a Partial one."""
+    w0 = _weight()
+    mesh = _mesh()
+    emb = torch.nn.Embedding(6, 4, max_norm=1.0)
+    with torch.no_grad():
+        emb.weight.copy_(w0)
+    emb.weight = dist.shard_tensor(emb.weight, mesh, [Shard(0)])
+    out = emb(torch.tensor([1, 4, 4]))
+    t = dist.shard_tensor(torch.arange(24.0).reshape(6, 4), mesh, [Shard(0)])
+    running_sum_(t[:, 1:3])  # the view's pieces lie in t's pieces
+    s = dist.shard_tensor(torch.arange(24.0).reshape(6, 4), mesh, [Shard(1)])
+    alias = s.detach()
+    returned = running_sum_(s)
+    a = dist.shard_tensor(torch.arange(12.0).reshape(3, 4), mesh, [Shard(1)])
+    b = dist.shard_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    p = a @ b
+    p_placements = list(p.placements)
+    running_sum_(p)
+    return (dist.unshard_dtensor(emb.weight), isinstance(emb.weight, torch.nn.Parameter), dist.unshard_dtensor(out),
+            dist.unshard_dtensor(t), dist.unshard_dtensor(s), dist.unshard_dtensor(alias), returned is s,
+            list(s.placements), p_placements, dist.unshard_dtensor(p), list(p.placements))
+
+
+def test_an_op_without_a_rule_writes_a_parameter_a_view_an_alias_and_a_partial_tensor():
+    w0 = _weight()
+    emb = torch.nn.Embedding(6, 4, max_norm=1.0)
+    with torch.no_grad():
+        emb.weight.copy_(w0)
+    ref_out = emb(torch.tensor([1, 4, 4]))
+    t = torch.arange(24.0).reshape(6, 4)
+    running_sum_(t[:, 1:3])
+    s = running_sum_(torch.arange(24.0).reshape(6, 4))
+    p = running_sum_(torch.arange(12.0).reshape(3, 4) @ torch.ones(4, 2))
+    for w, is_param, out, t_d, s_d, alias, same, s_pl, p_before, p_d, p_after in run_dist(_module_and_views, 2):
+        torch.testing.assert_close(w, emb.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, ref_out.detach(), rtol=1e-5, atol=1e-6)
+        assert is_param
+        torch.testing.assert_close(t_d, t)
+        torch.testing.assert_close(s_d, s)
+        torch.testing.assert_close(alias, s)  # a detach() alias sees the write
+        assert same and s_pl == [Shard(1)]
+        assert p_before == [Partial()] and p_after == [Partial()]
+        torch.testing.assert_close(p_d, p)
+
+
+def _write_to_a_copy():
+    t = dist.shard_tensor(torch.arange(16.0).reshape(2, 8), _mesh(), [Shard(1)])
+    try:
+        running_sum_(t.reshape(4, 4))  # splits the split dim anew: the view holds a copy
+    except ValueError as e:
+        return str(e), dist.unshard_dtensor(t)
+    return None, dist.unshard_dtensor(t)
+
+
+def test_a_write_that_cannot_reach_the_tensor_is_refused_on_every_rank():
+    for msg, t in run_dist(_write_to_a_copy, 2):
+        assert msg is not None and "writes in place into a view" in msg and "[Shard(1)]" in msg, msg
+        torch.testing.assert_close(t, torch.arange(16.0).reshape(2, 8))
+
+
+# -- lazy conjugates -------------------------------------------------------------------------
+def _complex_cases():
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(4, 6, generator=g, dtype=torch.complex64)
+    x = torch.randn(6, 4, generator=g)
+    a = torch.randn(4, 4, generator=g) + 4 * torch.eye(4)
+    return {
+        "conj": (lambda c: torch.view_as_real(c.conj() + 0), [c]),
+        "conj_physical": (lambda c: torch.view_as_real(torch.conj_physical(c)), [c]),
+        "resolve_conj": (lambda c: torch.view_as_real(c.conj().resolve_conj()), [c]),
+        "conj_of_a_plain_operand": (lambda c: torch.view_as_real(c * c.detach().clone().conj()), [c]),
+        "hfft2": (lambda x: torch.fft.hfft2(x.to(torch.complex64)), [x]),
+        "hfftn": (lambda x: torch.fft.hfftn(x.to(torch.complex64)), [x]),
+        # eigenvectors up to their phase: their moduli
+        "eig": (lambda a: (torch.view_as_real(torch.linalg.eig(a)[0]), torch.linalg.eig(a)[1].abs()), [a]),
+    }
+
+
+def _run_complex(placement):
+    out = {}
+    for name, (fn, inputs) in _complex_cases().items():
+        placements = [[placement]] + [None] * (len(inputs) - 1)
+        if name == "conj_of_a_plain_operand":  # the second factor is made plain inside fn
+            placements = [[placement]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                check(fn, inputs, placements, _mesh(), grad=True)
+                out[name] = "ok"
+            except AssertionError as e:
+                out[name] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("placement", [Replicate(), Shard(0), Shard(1)], ids=["R", "S0", "S1"])
+def test_conjugates_and_their_gradients_are_the_single_process_ones(placement):
+    for out in run_dist(_run_complex, 2, placement):
+        assert out == {name: "ok" for name in _complex_cases()}, out
+
+
+def _plain_conj_operand():
+    c = torch.tensor([1 + 2j, 3 - 1j, -2 + 1j, 1j])
+    d = dist.shard_tensor(c, _mesh(), [Shard(0)])
+    return dist.unshard_dtensor(d * c.conj()), dist.unshard_dtensor(d.conj()).is_conj()
+
+
+def test_a_plain_conjugate_operand_is_applied():
+    c = torch.tensor([1 + 2j, 3 - 1j, -2 + 1j, 1j])
+    for prod, lazy in run_dist(_plain_conj_operand, 2):
+        torch.testing.assert_close(prod, c * c.conj())
+        assert not lazy
+
+
+# -- output shapes that depend on values ----------------------------------------------------
+def _gathered_cases():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 4, generator=g)
+    return {  # (fn, inputs, differentiable)
+        "masked_select": (lambda x: torch.masked_select(x, x > 0), [x], True),
+        "nonzero": (lambda x: torch.nonzero(x > 0), [x], False),
+        "unique": (lambda x: torch.unique((x * 2).round(), return_inverse=True, return_counts=True), [x], False),
+        "histogram": (lambda x: torch.histogram(x, 5), [x], False),
+        "lstsq": (lambda a, b: torch.linalg.lstsq(a, b).solution, [x, torch.randn(6, 2, generator=g)], True),
+        "geqrf": (lambda x: torch.geqrf(x), [x], False),
+        "ctc_loss": (lambda lp: F.ctc_loss(lp.log_softmax(-1), torch.tensor([[1, 2], [2, 3], [1, 1]]), (6, 6, 6),
+                                           (2, 2, 2)), [torch.randn(6, 3, 4, generator=g)], True),
+        "to_sparse": (lambda x: x.to_sparse().to_dense(), [x], True),
+    }
+
+
+def _run_gathered():
+    out = {}
+    for name, (fn, inputs, grad) in _gathered_cases().items():
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            try:
+                result, _ = check(fn, inputs, [[Shard(0)]] * len(inputs), _mesh(), grad=grad)
+                placements = [list(o.placements) for o in (result if isinstance(result, tuple) else (result,))
+                              if dist.is_dist_tensor(o)]
+                out[name] = "ok", placements
+            except (AssertionError, NotImplementedError) as e:
+                out[name] = str(e), []
+        out[name] += (any("depends on values" in str(x.message) for x in w),)
+    return out
+
+
+def test_ops_whose_output_shape_depends_on_values_run_on_the_gathered_inputs():
+    results = run_dist(_run_gathered, 2)
+    assert results[0] == results[1]
+    for name, (verdict, placements, warned) in results[0].items():
+        assert verdict == "ok", (name, verdict)
+        assert all(p == [Replicate()] for p in placements), (name, placements)
+    # the ops torch dispatches with no meta kernel warn that they ran replicated
+    assert all(results[0][name][2] for name in ["masked_select", "nonzero", "unique", "histogram", "geqrf"])
+
+
+# -- an op that raises on one rank ----------------------------------------------------------
+def _raises_on_one_rank(everywhere):
+    """Ids out of range in rank 1's piece (or in both pieces): the embedding's local lookup
+    raises there; rank 0 goes on to a read of the output."""
+    mesh = _mesh()
+    ids = torch.tensor([[0, 1], [2, 7 if everywhere else 3], [1, 9], [0, 0]])
+    w = dist.shard_tensor(torch.arange(20.0).reshape(5, 4), mesh, [Replicate()])
+    x = dist.shard_tensor(ids, mesh, [Shard(0)])
+    generation = backend._GENERATION[0]
+    try:
+        out = F.embedding(x, w)
+        caught = "no error", out.sum().item()
+    except (IndexError, dist.CommError) as e:
+        caught = type(e).__name__, str(e)
+    # the job goes on: collectives pair as they should
+    y = dist.shard_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    after = (y * 2).sum().item(), dist.unshard_dtensor(dist.reshard(y + 1, mesh, [Replicate()]))
+    return caught, after, backend._GENERATION[0] - generation
+
+
+def test_an_op_raising_on_one_rank_raises_on_every_rank_and_the_job_goes_on():
+    results = run_dist(_raises_on_one_rank, 2, False)
+    (kind0, msg0), after0, made_anew0 = results[0]
+    (kind1, msg1), after1, made_anew1 = results[1]
+    assert kind1 == "IndexError" and "index out of range" in msg1, msg1
+    assert kind0 == "CommError", (kind0, msg0)
+    assert "rank 1 raised IndexError: index out of range in self, in aten.embedding.default" in msg0, msg0
+    for after in (after0, after1):
+        assert after[0] == 56.0
+        torch.testing.assert_close(after[1], torch.arange(8.0) + 1)
+    assert made_anew0 == made_anew1 == 1  # each rank made its groups anew, once
+
+
+def test_an_op_raising_on_every_rank_raises_its_own_error_and_keeps_the_groups():
+    for (kind, msg), after, made_anew in run_dist(_raises_on_one_rank, 2, True):
+        assert kind == "IndexError" and "index out of range" in msg, msg
+        assert after[0] == 56.0 and made_anew == 0
+
+
+# -- the decision cache ----------------------------------------------------------------------
+def _many_shapes(n):
+    t = dist.shard_tensor(torch.zeros(n + 1), dist.ProcessMesh([0]), [Shard(0)])
+    dispatch.clear_cache()
+    most = 0
+    for k in range(1, n + 1):
+        t[:k].neg()  # a slice and a neg of every length: a new key each
+        most = max(most, len(dispatch._CACHE))
+    return most, len(dispatch._CACHE)
+
+
+def test_twenty_thousand_shapes_keep_the_decision_cache_at_its_bound():
+    most, now = run_dist(_many_shapes, 1, 20000)[0]
+    assert most <= dispatch.CACHE_CAPACITY and now > dispatch.CACHE_CAPACITY // 2
