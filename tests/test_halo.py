@@ -7,7 +7,9 @@ against one process (tests/opcheck.py, forward and gradient; uneven and empty pi
 comm_log showing only the send/recv of the rows the kernels need; a convolution whose channel
 pieces are empty; the gather (with its warning) where no halo serves; splits of two spatial dims
 on a 2-D mesh, corners included."""
+import os
 import random
+import re
 import warnings
 
 import pytest
@@ -368,3 +370,16 @@ def test_the_backward_returns_halo_gradients():
     for records, w_grad, x_grad in run_dist(_backward_sends_gradients_back, 2):
         assert sorted(records) == sorted([("send", row, 0), ("recv", 0, row)] * 2)
         assert w_grad == [dist.Partial()] and x_grad == [S2]
+
+
+def _models_page_halo_example() -> bool:
+    """docs/models.md's halo example (its second python block)."""
+    page = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "models.md")
+    with open(page) as f:
+        code = re.findall(r"```python\n(.*?)```", f.read(), re.S)[1]
+    exec(compile(code, page, "exec"), {"__name__": "__docs__"})
+    return True
+
+
+def test_the_models_page_halo_example_runs():
+    assert all(run_dist(_models_page_halo_example, 2))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autopar import Partial, ProcessMesh, Replicate, Shard
-from autopar.spec import DistSpec, TensorMeta
+from autopar.spec import TensorMeta
 from autopar.spmd import engine
 from autopar.spmd.registry import KERNEL_PLAIN_WHEN, KERNELS, LOCAL_ARGS, MODULE_RULES, UNDECLARED_WRITES, rule_for
 from autopar.spmd.strategy import OpCall

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 import autopar as dist
-import autopar.local_region as lr
 from autopar import Replicate, Shard
 from distpool import run_dist
 from opcheck import check

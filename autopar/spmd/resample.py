@@ -134,7 +134,8 @@ def interpolate_kernel(func, args, kwargs, in_specs, out_specs, coord):
     splits = split_dims(x_spec, out_spec, coord, spatial_dims(x_spec.shape, n))
     for sd in splits:
         j = sd.dim - first
-        x = map_rows(x, sd, _row_map(func, stem, n, j, x_spec.shape[sd.dim], out_spec.shape[sd.dim], align, scales[j], x))
+        taps = _row_map(func, stem, n, j, x_spec.shape[sd.dim], out_spec.shape[sd.dim], align, scales[j], x)
+        x = map_rows(x, sd, taps)
     if len(splits) == n:
         return x
     if not x.numel():  # no rows here (the op refuses empty sizes)
