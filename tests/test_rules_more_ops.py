@@ -5,6 +5,8 @@ one row, out= overloads (linear_cross_entropy's chunks write the logits with mm(
 Pure tests check the rules' strategies; numeric ones run on a real 2-rank world against the
 single process (tests/opcheck.py), on Shard(0), Shard(-1) and Replicate inputs.
 """
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -13,7 +15,7 @@ from autopar import Partial, Replicate, Shard
 from autopar.spec import TensorMeta
 from autopar.spmd import engine
 from autopar.spmd.registry import rule_for
-from autopar.spmd.strategy import OpCall
+from autopar.spmd.strategy import OpCall, Strategy
 from distpool import run_dist
 from opcheck import check
 
@@ -36,7 +38,7 @@ def _call(func, *args, **kwargs) -> OpCall:
     margs = tuple(meta(a) for a in args)  # before the call: an out= op resizes its out tensor
     mkwargs = {k: meta(v) for k, v in kwargs.items()}
     out = func(*args, **kwargs)
-    outs = out if isinstance(out, (list, tuple)) else [out]
+    outs = out if isinstance(out, (list, tuple)) else [] if out is None else [out]
     return OpCall(func, margs, mkwargs, metas, [TensorMeta.of(o) for o in outs])
 
 
@@ -156,3 +158,306 @@ def _edge_values():
 
 def test_edge_shapes_give_torchs_values():
     assert run_dist(_edge_values, 2)[0] == 36
+
+
+# -- rules for ops that ran replicated: pure ---------------------------------------------------------
+def _strategies(func, *args, **kwargs):
+    call = _call(func, *args, **kwargs)
+    return call, rule_for(func)(call)
+
+
+def test_order_statistics_split_every_other_dim():
+    for func, args in ((aten.sort.default, (1,)), (aten.topk.default, (3, 1)), (aten.kthvalue.default, (2, 1)),
+                       (aten.median.dim, (1,)), (aten.mode.default, (1,))):
+        _, got = _strategies(func, _m(5, 6), *args)
+        assert [s.inputs for s in got] == [(S0,)], func
+    _, got = _strategies(aten.kthvalue.default, _m(5, 6, 4), 2, 1)  # keepdim=False: dim 2 moves to 1
+    assert [(s.inputs, s.outputs) for s in got] == [((S0,), (S0, S0)), ((Shard(2),), (S1, S1))]
+    _, got = _strategies(aten.glu.default, _m(5, 6), 1)
+    assert [s.inputs for s in got] == [(S0,)]
+
+
+def test_batched_linear_algebra_splits_batch_dims_only():
+    call, got = _strategies(aten._linalg_solve_ex.default, _m(4, 3, 3), _m(4, 3))  # B a batch of vectors
+    assert got[0] == Strategy((S0,) * 4, (S0, S0)) and len(got) == 3  # + Partial(sum/avg) through B
+    assert got[1] == Strategy((P, R, R, R), (R, P))
+    # broadcast batch (2, 5): A's LU keeps A's batch (2, 1), so only the batch dim A has splits
+    _, got = _strategies(aten._linalg_solve_ex.default, _m(2, 1, 3, 3), _m(5, 3, 2))
+    assert [(s.inputs, s.outputs[:2]) for s in got if type(s.outputs[0]) is Shard] == [((S0, R), (S0, S0))]
+    _, got = _strategies(aten.linalg_inv_ex.default, _m(4, 3, 3), check_errors=True)
+    assert got == []  # an op raising on some matrices runs whole: every rank raises
+    assert _strategies(aten._linalg_check_errors.default, _m(4, dtype=torch.int32), "linalg.inv", is_matrix=False)[1] == []
+
+
+def test_views_keep_the_dims_they_leave_alone():
+    _, got = _strategies(aten.diagonal.default, _m(4, 5, 6), 0, 0, 2)
+    assert [(s.inputs, s.outputs) for s in got if type(s.outputs[0]) is Shard] == [((S1,), (S0,))]
+    _, got = _strategies(aten.diag_embed.default, _m(4, 5))
+    assert [(s.inputs, s.outputs) for s in got if type(s.outputs[0]) is Shard] == [((S0,), (S0,))]
+    _, got = _strategies(aten.select_scatter.default, _m(4, 5, 6), _m(4, 6), 1, 2)
+    assert [s.inputs for s in got if type(s.outputs[0]) is Shard] == [(S0, S0), (Shard(2), S1)]
+    # as_strided: a transposed view of a (5, 6) tensor; overlapping windows are no plain view
+    _, got = _strategies(aten.as_strided.default, _m(5, 6), (6, 5), (1, 6))
+    assert {(s.inputs, s.outputs, s.kernel) for s in got if type(s.outputs[0]) is Shard} == {
+        ((S0,), (S1,), "as_strided_piece"), ((S1,), (S0,), "as_strided_piece")}
+    assert _strategies(aten.as_strided.default, _m(5, 6), (4, 3), (1, 1))[1] == []
+
+
+def test_losses_keep_a_broadcast_weight_whole():
+    _, got = _strategies(aten.binary_cross_entropy_with_logits.default, _m(5, 6), _m(5, 6), None, _m(6), 1)
+    assert [(s.inputs, s.outputs) for s in got] == [((S0, S0, R), (Partial("avg"),)),
+                                                    ((S1, S1, S0), (Partial("avg"),))]
+
+
+# -- rules for ops that ran replicated: every op against one process on 2 ranks -----------------------
+# Each case: fn, inputs, and the splits to run besides all-Replicate: (placements per input, the bytes
+# the forward may all-gather).  A split the rule serves gathers nothing (the checking solves gather
+# each matrix's int32 info, so every rank raises on a singular one); a split on a dim the op mixes
+# (sort's dim...) gathers and must still give torch's numbers.
+S2 = Shard(2)
+KEPT, GATHERS, INFO = 0, None, 8  # bytes a rank may all-gather: none, any, its matrices' int32 info
+
+
+def _differentiable(fn, inputs) -> bool:
+    """Whether torch has a backward for fn here (special functions mostly have none)."""
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    try:
+        out = fn(*leaves)
+        outs = [o for o in (out if isinstance(out, (list, tuple)) else [out])
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs:
+            sum(o.abs().sum() for o in outs).backward()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _splits(family: str):
+    """Run every case of `family` (the name of its builder: lambdas do not pickle) with its
+    splits and all-Replicate; returns how many runs were checked."""
+    cases = globals()[family]()
+    mesh = dist.ProcessMesh([0, 1])
+    engine._WARNED.clear()
+    runs = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (fn, inputs, splits) in enumerate(cases):
+            grad = _differentiable(fn, inputs)
+            for placements, may_gather in splits + [([R] * len(inputs), KEPT)]:
+                pl = [None if p is None else [Shard(p.dim % inputs[j].dim()) if type(p) is Shard else p]
+                      for j, p in enumerate(placements)]
+                try:
+                    _, log = check(fn, inputs, pl, mesh, grad=grad, rtol=1e-4, atol=1e-5)
+                except AssertionError as e:
+                    raise AssertionError(f"case {i} {placements}: {e}") from e
+                if may_gather is not None:
+                    gathers = [r for r in log if r.op == "all_gather" and r.bytes > may_gather]
+                    assert not gathers, f"case {i} {placements}: {list(log)}"
+                runs += 1
+    unruled = {str(w.message).split("rule for ")[1].split(";")[0] for w in caught if "no sharding rule" in str(w.message)}
+    assert not unruled, sorted(unruled)
+    return runs
+
+
+def _run_family(builder):
+    return run_dist(_splits, 2, builder.__name__)[0]
+
+
+def _pointwise_cases():
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 6), torch.randn(5, 6)
+    u, v = torch.rand(5, 6) * 0.8 + 0.1, torch.rand(5, 6) * 0.8 + 0.1
+    n = torch.randint(0, 4, (5, 6)).float()
+    sp = torch.special
+    unary = [
+        (torch.acosh, 1 / u), (torch.asinh, x), (torch.atanh, u), (torch.angle, x), (torch.digamma, u),
+        (torch.erfinv, u), (torch.i0, x), (torch.lgamma, u), (torch.sinc, x), (torch.isneginf, x),
+        (torch.isposinf, x), (lambda t: F.hardshrink(t, 0.3), x), (lambda t: F.softshrink(t, 0.3), x),
+        (lambda t: torch.mvlgamma(t, 1), u + 1), (lambda t: torch.polygamma(1, t), u), (torch.frexp, x),
+        (lambda t: F.threshold(t, 0.1, 2.0), x), (torch.deg2rad, x), (torch.rad2deg, x), (F.logsigmoid, x),
+        (lambda t: torch.logit(t, 1e-3), u), (lambda t: torch.complex(t, t).conj_physical(), x),
+        (sp.airy_ai, x), (sp.bessel_j0, x), (sp.bessel_j1, x), (sp.bessel_y0, u), (sp.bessel_y1, u),
+        (sp.entr, u), (sp.erfcx, x), (sp.i0e, x), (sp.i1, x), (sp.i1e, x), (sp.log_ndtr, x), (sp.ndtri, u),
+        (sp.modified_bessel_i0, x), (sp.modified_bessel_i1, x), (sp.modified_bessel_k0, u),
+        (sp.modified_bessel_k1, u), (sp.scaled_modified_bessel_k0, u), (sp.scaled_modified_bessel_k1, u),
+        (sp.spherical_bessel_j0, x),
+    ]
+    binary = [
+        (torch.igamma, u, v), (torch.igammac, u, v), (torch.logaddexp2, x, y), (torch.nextafter, x, y),
+        (torch.ldexp, x, n), (torch.complex, x, y), (torch.polar, u, x), (sp.xlog1py, x, u), (sp.zeta, u + 1, v),
+        (sp.chebyshev_polynomial_t, x, n), (sp.chebyshev_polynomial_u, x, n), (sp.chebyshev_polynomial_v, x, n),
+        (sp.chebyshev_polynomial_w, x, n), (sp.hermite_polynomial_h, x, n), (sp.hermite_polynomial_he, x, n),
+        (sp.laguerre_polynomial_l, x, n), (sp.legendre_polynomial_p, x, n),
+        (sp.shifted_chebyshev_polynomial_t, u, n), (sp.shifted_chebyshev_polynomial_u, u, n),
+        (sp.shifted_chebyshev_polynomial_v, u, n), (sp.shifted_chebyshev_polynomial_w, u, n),
+    ]
+    cases = [(fn, [t], [([S0], KEPT), ([S1], KEPT)]) for fn, t in unary]
+    cases += [(fn, [a, b], [([S0, S0], KEPT), ([S1, R], KEPT)]) for fn, a, b in binary]
+    w = torch.rand(3) + 0.1
+    cases += [
+        (F.prelu, [torch.randn(4, 3, 5), w], [([S0, R], KEPT), ([S1, S0], KEPT), ([S2, R], KEPT)]),
+        (lambda t: F.glu(t, 1), [x], [([S0], KEPT), ([S1], GATHERS)]),
+        (lambda a, b: torch.linalg.cross(a, b), [torch.randn(5, 3), torch.randn(5, 3)],
+         [([S0, S0], KEPT), ([S1, S1], GATHERS)]),
+    ]
+    return cases
+
+
+def test_pointwise_rules_split_without_gathering():
+    assert _run_family(_pointwise_cases) == 41 * 3 + 21 * 3 + 4 + 3 + 3
+
+
+def _reduction_cases():
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    ties = torch.randint(0, 3, (5, 6)).float()
+    nans = x.masked_fill(x > 1, float("nan"))
+    aten_norm = torch.ops.aten.norm
+    along = [
+        lambda t: torch.sort(t, 1), lambda t: torch.sort(t, dim=1, stable=True, descending=True),
+        lambda t: torch.topk(t, 3, 1), lambda t: torch.kthvalue(t, 2, 1), lambda t: torch.kthvalue(t, 2, 1, True),
+        lambda t: torch.median(t, 1), lambda t: torch.nanmedian(t, 1), lambda t: torch.msort(t.t()),
+        lambda t: torch.std_mean(t, 1), lambda t: torch.var_mean(t, 1, keepdim=True),
+    ]
+    cases = [(fn, [x], [([S0], KEPT), ([S1], GATHERS)]) for fn in along]
+    cases += [
+        (lambda t: torch.mode(t, 1), [ties], [([S0], KEPT), ([S1], GATHERS)]),
+        (lambda t: torch.nanmedian(t, 1), [nans], [([S0], KEPT)]),
+        (lambda t: torch.nansum(t, 1), [nans], [([S0], KEPT), ([S1], KEPT)]),
+        (lambda t: torch.count_nonzero(t, 1), [ties], [([S0], KEPT), ([S1], KEPT)]),
+        (lambda t: torch.aminmax(t, dim=1), [x], [([S0], KEPT), ([S1], KEPT)]),
+        (lambda t: torch.aminmax(t), [x], [([S0], KEPT)]),
+        (lambda t: aten_norm.ScalarOpt_dim(t, 3, [1]), [x], [([S0], KEPT), ([S1], KEPT)]),
+        (lambda t: aten_norm.Scalar(t, 1), [x], [([S0], KEPT)]),
+        (lambda a, b: F.pairwise_distance(a, b), [x, x.flip(0)], [([S0, S0], KEPT), ([S1, S1], KEPT)]),
+        (lambda t: torch.histc(t, 4, -1, 1), [x], [([S0], KEPT), ([S1], KEPT)]),
+        (lambda t: torch.renorm(t, 2, 0, 1.0), [x], [([S0], KEPT), ([S1], GATHERS)]),
+    ]
+    return cases
+
+
+def test_reduction_and_order_rules_split_without_gathering():
+    assert _run_family(_reduction_cases) == 60
+
+
+def _spd(b, n):
+    a = torch.randn(b, n, n)
+    return a @ a.mT + n * torch.eye(n)
+
+
+def _linalg_cases():
+    torch.manual_seed(0)
+    la = torch.linalg
+    A, B, b = torch.randn(4, 3, 3) + 3 * torch.eye(3), torch.randn(4, 3, 2), torch.randn(4, 3)
+    spd, tri = _spd(4, 3), torch.randn(4, 3, 3).triu() + 3 * torch.eye(3)
+    L = torch.linalg.cholesky(spd)
+    lu, piv = torch.linalg.lu_factor(A)
+    ldl, ldl_piv = torch.linalg.ldl_factor(spd)
+    batch = [([S0] * 2, INFO), ([S1, S1], GATHERS)]
+    one = [([S0], KEPT), ([S1], GATHERS)]
+    cases = [
+        (la.solve, [A, B], batch), (la.solve, [A, b], [([S0, S0], INFO), ([R, S0], INFO)]),
+        (lambda a, y: la.solve_triangular(a, y, upper=True), [tri, B], batch),
+        (lambda y, a: torch.triangular_solve(y, a), [B, tri], batch),
+        (torch.cholesky_solve, [B, L], batch), (lambda y: la.lu_solve(lu, piv, y), [B], one),
+        (lambda y: la.ldl_solve(ldl, ldl_piv, y), [B], one),
+        (lambda a: la.cholesky_ex(a).L, [spd], one), (lambda a: la.inv_ex(a).inverse, [A], one),
+        (lambda a: la.lu_factor_ex(a)[:2], [A], one), (lambda a: la.lu(a), [A], one),
+        (lambda a: torch.lu_unpack(*la.lu_factor(a)), [A], [([S1], GATHERS)]),
+        (torch.cholesky_inverse, [L], one), (la.det, [A], one), (la.slogdet, [A], one),
+        (lambda a: la.eigh(a).eigenvalues, [spd], one), (la.eigvals, [A], one),
+        (lambda a: la.svd(a, full_matrices=False).S, [A], one), (lambda a: la.qr(a).R.abs(), [A], one),
+        (la.householder_product, [torch.randn(4, 3, 2), torch.rand(4, 2)], [([S0, S0], KEPT)]),
+        (la.matrix_exp, [A * 0.1], one), (la.pinv, [A], one),
+        (torch.ormqr, [*torch.geqrf(A), B], [([S0, S0, S0], KEPT), ([R, R, S2], KEPT)]),
+        # the checking variants run whole on every rank (values equal, errors on every rank)
+        (la.inv, [A], [([S0], INFO)]), (la.cholesky, [spd], [([S0], INFO)]), (torch.cholesky, [spd], [([S0], GATHERS)]),
+    ]
+    mat = [
+        (lambda c, m, v: torch.addmv(c, m, v, beta=0.5), [torch.randn(5), torch.randn(5, 6), torch.randn(6)],
+         [([S0, S0, R], KEPT), ([R, S1, S0], KEPT)]),
+        (lambda c, p, q: torch.addr(c, p, q, alpha=2), [torch.randn(5, 6), torch.randn(5), torch.randn(6)],
+         [([S0, S0, R], KEPT), ([S1, R, S0], KEPT)]),
+        (torch.addbmm, [torch.randn(5, 6), torch.randn(3, 5, 4), torch.randn(3, 4, 6)],
+         [([R, S0, S0], KEPT), ([S0, S1, R], KEPT)]),
+        (torch.vdot, [torch.randn(7), torch.randn(7)], [([S0, S0], KEPT)]),
+        (F.bilinear, [torch.randn(5, 3), torch.randn(5, 4), torch.randn(2, 3, 4), torch.randn(2)],
+         [([S0, S0, R, R], KEPT), ([R, R, S0, S0], KEPT), ([S1, R, S1, R], KEPT)]),
+        (torch.cdist, [torch.randn(5, 3), torch.randn(4, 3)], [([S0, R], KEPT), ([R, S0], KEPT), ([S1, S1], GATHERS)]),
+        (torch.cdist, [torch.randn(2, 5, 3), torch.randn(2, 4, 3)], [([S0, S0], KEPT), ([S1, R], KEPT)]),
+    ]
+    return cases + mat
+
+
+def test_linalg_and_matmul_rules_split_batch_dims_without_gathering():
+    assert _run_family(_linalg_cases) == 95
+
+
+def _view_cases():
+    torch.manual_seed(0)
+    x, x3 = torch.randn(5, 6), torch.randn(4, 5, 5)
+    one = [([S0], KEPT), ([S1], KEPT)]
+    cases = [
+        (lambda t: torch.diagonal(t, 0, 1, 2), [x3], [([S0], KEPT), ([S1], GATHERS)]),
+        (lambda t: torch.diagonal(t, 1, 0, 2), [x3], [([S1], KEPT)]),
+        (lambda t: torch.diag_embed(t), [x], [([S0], KEPT), ([S1], GATHERS)]),
+        (lambda t: torch.diag(t), [x], [([S0], GATHERS)]),
+        (lambda t, s: torch.diagonal_scatter(t, s, 0, 1, 2), [x3, torch.randn(4, 5)], [([S0, S0], KEPT)]),
+        (lambda t, s: torch.select_scatter(t, s, 1, 2), [x, torch.randn(5)], [([S0, S0], KEPT)]),
+        (lambda t, s: torch.slice_scatter(t, s, 1, 1, 5, 2), [x, torch.randn(5, 2)], [([S0, S0], KEPT)]),
+        (lambda t, s: torch.slice_scatter(t, s, 1), [x, torch.randn(5, 6)], [([S1, S1], KEPT)]),
+        (lambda t: t.unfold(1, 2, 2), [x], [([S0], KEPT), ([S1], GATHERS)]),
+        (lambda t: torch.rot90(t, 1, (1, 2)), [x3], [([S0], KEPT), ([S1], GATHERS)]),
+        (lambda t: t.as_strided((5, 6), (6, 1)), [x], one),
+        (lambda t: t.as_strided((6, 5), (1, 6)) * 2, [x], one),
+        (lambda t: t.as_strided((2, 3), (6, 1)), [x], [([S0], GATHERS), ([S1], GATHERS)]),
+        (lambda t: torch.as_strided_copy(t, (5, 6), (6, 1)), [x], one),
+        (lambda t: torch.view_copy(t, (5, 2, 3)), [x], [([S0], KEPT)]),
+        (lambda t: torch.expand_copy(t, (2, 5, 6)), [x], one),
+        (lambda t: torch.permute_copy(t, (1, 0)), [x], one),
+        (torch.t_copy, [x], one), (lambda t: torch.transpose_copy(t, 0, 1), [x], one),
+        (lambda t: torch.squeeze_copy(t), [torch.randn(1, 2, 3)], [([S1], KEPT)]),
+        (lambda t: torch.unsqueeze_copy(t, 1), [x], one),
+        (lambda t: torch.unbind_copy(t, 1), [x], [([S0], KEPT)]),
+        (lambda t: torch.split_with_sizes_copy(t, [2, 4], 1), [x], [([S0], KEPT)]),
+        (lambda t: torch.diagonal_copy(t, 0, 1, 2), [x3], [([S0], KEPT)]),
+        (lambda t: torch.narrow_copy(t, 1, 1, 3), [x], [([S0], KEPT)]),
+        (lambda t: torch.narrow_copy(t, 0, 0, 5), [x], [([S0], GATHERS)]),
+        (torch.alias_copy, [x], one), (lambda t: torch.unfold_copy(t, 1, 3, 1), [x], [([S0], KEPT)]),
+    ]
+    return cases
+
+
+def test_view_rules_keep_the_untouched_dims_without_gathering():
+    assert _run_family(_view_cases) == 70
+
+
+def _index_loss_cases():
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    idx, gi = torch.tensor([4, 0, 2]), torch.randint(0, 6, (5, 3))
+    sorted_rows = torch.randn(5, 6).sort(1).values
+    t01 = (torch.rand(5, 6) > 0.5).float()
+    sign = t01 * 2 - 1
+    return [
+        (lambda t, s: t.index_copy(1, idx, s), [x, torch.randn(5, 3)], [([S0, S0], KEPT), ([S1, R], GATHERS)]),
+        (lambda t: t.index_fill(1, idx, 2.0), [x], [([S0], KEPT)]),
+        (lambda t, s: t.index_reduce(1, idx, s, "amax"), [x, torch.randn(5, 3)], [([S0, S0], KEPT)]),
+        (lambda t, s: t.scatter_reduce(1, gi, s, "sum"), [x, torch.randn(5, 3)], [([S0, S0], KEPT)]),
+        (lambda t, s: t.scatter_reduce(1, gi, s, "amax", include_self=False), [x, torch.randn(5, 3)],
+         [([S0, S0], KEPT)]),
+        (lambda t, i: torch.take(t, i), [x, torch.randint(0, 30, (4, 3))], [([R, S0], KEPT), ([R, S1], KEPT), ([S0, S0], GATHERS)]),
+        (lambda t: torch.bucketize(t, torch.tensor([-1.0, 0.0, 1.0])), [x], [([S0], KEPT), ([S1], KEPT)]),
+        (lambda s, t: torch.searchsorted(s, t), [sorted_rows, torch.randn(5, 3)],
+         [([S0, S0], KEPT), ([R, S1], GATHERS)]),
+        (lambda t: torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0]), t), [x], [([S0], KEPT), ([S1], KEPT)]),
+        (lambda a, t, w: F.binary_cross_entropy_with_logits(a, t, pos_weight=w), [x, t01, torch.rand(6) + 0.5],
+         [([S0, S0, R], KEPT), ([S1, S1, S0], KEPT)]),
+        (lambda a, t: F.binary_cross_entropy_with_logits(a, t, reduction="none"), [x, t01], [([S1, S1], KEPT)]),
+        (lambda a, t: F.soft_margin_loss(a, t), [x, sign], [([S0, S0], KEPT), ([S1, S1], KEPT)]),
+        (lambda a, t: F.soft_margin_loss(a, t, reduction="sum"), [x, sign], [([S0, S0], KEPT)]),
+    ]
+
+
+def test_index_and_loss_rules_split_without_gathering():
+    assert _run_family(_index_loss_cases) == 34

@@ -198,6 +198,17 @@ def take_rule(call: OpCall) -> list[Strategy]:
     return [Strategy((Shard(d),), (Replicate(), Shard(d))) for d, n in enumerate(call.inputs[1].shape) if n != 1]
 
 
+@register([aten.put.default, aten.put_.default])
+def put_rule(call: OpCall) -> list[Strategy]:
+    """self.put(index, source, accumulate) writes at flat positions: self whole.  Accumulating
+    (take's backward), index and source split alike add each rank's share into Partial(sum)."""
+    strategies = [Strategy((p,), (p, Replicate(), p)) for p in _SUM_AVG]
+    if call.arg(3, "accumulate", False) and call.inputs[1].shape == call.inputs[2].shape:
+        strategies += [Strategy((Partial(),), (Partial(), Shard(d), Shard(d)))
+                       for d, n in enumerate(call.inputs[1].shape) if n != 1]
+    return strategies
+
+
 @register([aten.bucketize.Tensor, aten.searchsorted.Tensor])
 def bucketize_rule(call: OpCall) -> list[Strategy]:
     """Each element looked up in the boundaries (whole): its dims shard.  searchsorted with one
