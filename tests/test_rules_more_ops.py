@@ -332,12 +332,15 @@ def _reduction_cases():
         (lambda a, b: F.pairwise_distance(a, b), [x, x.flip(0)], [([S0, S0], KEPT), ([S1, S1], KEPT)]),
         (lambda t: torch.histc(t, 4, -1, 1), [x], [([S0], KEPT), ([S1], KEPT)]),
         (lambda t: torch.renorm(t, 2, 0, 1.0), [x], [([S0], KEPT), ([S1], GATHERS)]),
+        (torch.trace, [x], [([S0], KEPT), ([S1], KEPT)]),
+        (torch.dist, [x, x.flip(1)], [([S0, S0], KEPT), ([S1, S1], KEPT)]),
+        (lambda a, b: torch.dist(a, b, 3), [x, x.flip(1)], [([S1, S1], KEPT)]),
     ]
     return cases
 
 
 def test_reduction_and_order_rules_split_without_gathering():
-    assert _run_family(_reduction_cases) == 60
+    assert _run_family(_reduction_cases) == 68
 
 
 def _spd(b, n):
@@ -461,3 +464,26 @@ def _index_loss_cases():
 
 def test_index_and_loss_rules_split_without_gathering():
     assert _run_family(_index_loss_cases) == 34
+
+
+def _kernels_2d():
+    """The kernels on pieces cut by two mesh dims, uneven (5 and 7 rows on 2 x 2 ranks)."""
+    torch.manual_seed(0)
+    mesh = dist.ProcessMesh([[2, 0], [1, 3]])
+    x, y = torch.randn(5, 7), torch.randn(5, 7)
+    cases = [
+        (torch.trace, [x], [[S0, S1]]), (torch.trace, [x], [[S1, S0]]),
+        (lambda t: t.as_strided((7, 5), (1, 7)) * 2, [x], [[S0, S1]]),
+        (lambda t: t.squeeze(), [torch.randn(1, 5, 3)], [[S1, S1]]),
+        (lambda t: torch.aminmax(t, dim=1), [x], [[S1, S0]]),
+        (torch.dist, [x, y], [[S0, S1], [S0, S1]]),
+        (lambda t: torch.sort(t, 1), [x], [[S0, S0]]),
+    ]
+    for i, (fn, inputs, placements) in enumerate(cases):
+        _, log = check(fn, inputs, placements, mesh)
+        assert not [r for r in log if r.op == "all_gather"], (i, list(log))
+    return len(cases)
+
+
+def test_kernels_on_a_2d_mesh_with_uneven_pieces():
+    assert run_dist(_kernels_2d, 4)[0] == 7

@@ -12,7 +12,8 @@ leaves each rank one term of the result:
           return Replicate there;
   var/std/prod (and var_mean/std_mean): only kept dims shard;
   aminmax -> (Partial(min), Partial(max)).
-Order statistics rank their whole dim: every other dim shards.  histc over a given range sums
+Order statistics rank their whole dim: every other dim shards.  trace sums the diagonal a piece
+holds (Partial(sum)), dist is a vector norm of a - b (a kernel, Replicate).  histc over a given range sums
 counts (Partial(sum)); renorm scales each slice along its dim by the slice's norm (only that dim
 shards).
 Linear reductions pass Partial inputs through (sum/mean: sum and avg); amax/max pass Partial(max),
@@ -181,6 +182,40 @@ def aminmax_rule(call: OpCall) -> list[Strategy]:
     split = [Strategy((Partial("min"), Partial("max")), (Shard(d),), kernel="aminmax") for d in dims
              if call.inputs[0].shape[d] != 1]
     return _kept(call, dims) + split
+
+
+@register([aten.trace.default])
+def trace_rule(call: OpCall) -> list[Strategy]:
+    """The sum of the diagonal: a piece sums the diagonal elements it holds (a kernel moves the
+    diagonal by the piece's offsets), a term of Partial(sum); linear, so Partial passes."""
+    shape = call.inputs[0].shape
+    split = [Strategy((Partial("sum"),), (Shard(d),), kernel="trace_piece") for d in range(2) if shape[d] != 1]
+    return split + _through(call, _SUM_AVG)
+
+
+@register_kernel("trace_piece")
+def trace_piece_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    (r0, _), (c0, _) = in_specs[0].local_box(coord)
+    return torch.diagonal(args[0], r0 - c0).sum()
+
+
+@register([aten.dist.default])
+def dist_rule(call: OpCall) -> list[Strategy]:
+    """||a - b||_p over every element: a and b of one shape split alike, the kernel all-reduces
+    the shares of the norm (as vector_norm's)."""
+    a, b = call.inputs[0].shape, call.inputs[1].shape
+    if a != b:
+        return []
+    return [Strategy((Replicate(),), (Shard(d), Shard(d)), kernel="dist") for d, n in enumerate(a) if n != 1]
+
+
+@register_kernel("dist")
+def dist_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    spec, ord = in_specs[0], _get(args, kwargs, 2, "p", 2)
+    dims = tuple(range(spec.ndim))
+    terms = _norm_terms((args[0] - args[1]).abs().to(out_specs[0].meta.dtype), ord, dims)
+    total = comm.all_reduce(terms, shard_group(spec, dims, coord), _norm_combine(ord))
+    return _norm_root(total, ord).reshape(())
 
 
 @register([aten.histc.default])
