@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from autopar.launch import main
+from autopar.launch._exits import ExitTimes
 from autopar.launch._output import RankOutput
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,13 +106,14 @@ def test_devices_start_one_rank_per_device():
 def test_module_mode_fixed_port_and_user_omp_threads():
     port = free_port()
     r = launch("--nproc_per_node", "2", "--master_port", str(port), "-m", "env_dump", "x",
-               cwd=SCRIPTS, env={"OMP_NUM_THREADS": "3"})
+               cwd=SCRIPTS, env={"OMP_NUM_THREADS": "3", "AUTOPAR_RDZV_TOKEN": "launcher only"})
     assert r.returncode == 0, r.stderr
     envs = env_of_ranks(r.stdout)
     assert sorted(envs) == [0, 1], r.stdout
     for env in envs.values():
         assert env["MASTER_PORT"] == str(port)
         assert env["OMP_NUM_THREADS"] == "3"
+        assert env["AUTOPAR_RDZV_TOKEN"] is None
         assert env["AUTOPAR_DEVICES"] is None
         assert env["argv"] == ["x"]
 
@@ -316,7 +318,7 @@ def test_a_correct_job_whose_ranks_leave_seconds_apart_exits_zero():
 
 
 # -- network exposure ------------------------------------------------------------------------
-def _listening(pid: int) -> list[tuple[str, int]]:
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
     """``(address, port)`` of every TCP socket process `pid` listens on, read from /proc."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -391,7 +393,7 @@ def test_a_single_node_job_listens_on_loopback_only(tmp_path):
                             cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for([tmp_path / "ready0", tmp_path / "ready1"], 60, [proc])
-        listening = _listening(proc.pid)
+        listening = listening_sockets(proc.pid)
         assert listening and all(address == "127.0.0.1" for address, _ in listening), listening
         for address in _other_addresses():
             for _, port in listening:
@@ -459,15 +461,35 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(backend, node_
 def test_the_rank_that_failed_first_is_the_root_cause(how):
     """On 4 ranks rank 2 leaves with status 3 while the others wait in a collective with it.
     The summary's root cause is rank 2, and every other rank is listed as stopped after it.
-    "linger": rank 2 stays alive (a thread) after its sys.exit until the others have timed
-    out and failed (AUTOPAR_TIMEOUT=1): they end first, yet rank 2 failed first."""
-    r = launch("--nproc_per_node", "4", str(SCRIPTS / "one_rank_exits.py"), "2", "3", how,
-               env={"AUTOPAR_TIMEOUT": "1"}, timeout=180)
+    "linger": after its sys.exit rank 2 closes its groups and stays alive until the others
+    have failed and ended: they end first (elastic named one of them), yet rank 2 failed first."""
+    r = launch("--nproc_per_node", "4", str(SCRIPTS / "one_rank_exits.py"), "2", "3", how, timeout=180)
     assert r.returncode == 1
     others, root = r.stderr.split("Failures:")[1].split("Root Cause (first observed failure):")
     assert "rank      : 2 (local_rank: 2)" in root, r.stderr[-3000:]
-    stopped = "(and was stopped by signal SIGTERM while leaving)" if how == "linger" else ""
-    assert f"rank 2 exited with code 3{' ' + stopped if stopped else ''}; the other ranks were stopped" in root, root
+    # a rank stopped while it was still leaving says so (always so when it lingers)
+    expected = "rank 2 exited with code 3"
+    if how == "linger":
+        expected += " (and was stopped by signal SIGTERM while leaving); the other ranks were stopped"
+    assert expected in root, root
     listed = re.findall(r"rank      : (\d) ", others)
     assert set(listed) <= {"0", "1", "3"} and listed, others
     assert others.count("stopped after rank 2 failed") == len(listed), others
+
+
+def test_exit_times_are_noted_when_a_child_ends_not_when_it_is_reaped():
+    """The launcher's clock for ranks that wrote no stamp (os._exit, a signal)."""
+    exits = ExitTimes()
+    exits.start()
+    try:
+        start = time.time()
+        first, second = (subprocess.Popen(["sleep", s]) for s in ("0.2", "0.8"))
+        time.sleep(1.5)  # neither is reaped meanwhile
+        first.wait()
+        second.wait()
+        time.sleep(0.1)
+    finally:
+        exits.close()
+    assert exits.ended[first.pid] - start == pytest.approx(0.2, abs=0.25)
+    assert exits.ended[second.pid] - start == pytest.approx(0.8, abs=0.25)
+    assert exits.ended[first.pid] < exits.ended[second.pid]

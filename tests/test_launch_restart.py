@@ -8,13 +8,12 @@ uninterrupted run's.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
 
-from test_launch import LAUNCHER, REPO, SCRIPTS, free_port, launch, launcher_env
+from test_launch import LAUNCHER, REPO, SCRIPTS, listening_sockets, free_port, launch, launcher_env
 
 TRAIN = str(SCRIPTS / "train_resume.py")
 STEPS = 6
@@ -73,44 +72,47 @@ def test_a_plain_torch_job_restarts_on_a_fresh_store():
     assert time.monotonic() - start < 60
 
 
-def _wait_for_port(port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"nothing listens on port {port} after {timeout} s")
-
-
 def test_a_lost_node_resumes_on_a_smaller_world(tmp_path, uninterrupted):
     """Two nodes (launchers) of one rank each, elastic --nnodes 1:2: at step 3 one node is
     lost for good (its launcher and its rank SIGKILLed). The other node restarts, the
     rendezvous completes with it alone once the lost node's heartbeats expire, and its one
     rank resumes the 2-rank checkpoint (resharded on load) and finishes: the same losses
-    (rtol 1e-5: one rank sums the batch in another order than two)."""
+    (rtol 1e-5: one rank sums the batch in another order than two). The node lost is the one
+    that does not host the rendezvous store, which must outlive it."""
     port = free_port()
     argv = ["--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
             "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "shrink", "--max_restarts", "1",
-            "--rdzv_conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
+            "--rdzv_conf", "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
             "--join_timeout", "120", TRAIN, str(tmp_path / "ckpt"), str(tmp_path / "losses"), str(STEPS), "3", "node"]
-    env = launcher_env(AUTOPAR_RDZV_TOKEN="shrink-secret")
-    kept = subprocess.Popen([*LAUNCHER, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    lost = None
+    lose = tmp_path / "lose_launcher"
+    env = launcher_env(AUTOPAR_RDZV_TOKEN="shrink-secret", TRAIN_LOSE_LAUNCHER=str(lose))
+    nodes = [subprocess.Popen([*LAUNCHER, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:
-        _wait_for_port(port, 60)  # the kept node hosts the rendezvous store, which outlives the lost one
-        lost = subprocess.Popen([*LAUNCHER, *argv], cwd=REPO, env={**env, "TRAIN_LOSE_THIS_NODE": "1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        host = _store_host(nodes, port, 60)
+        kept, lost = nodes[host], nodes[1 - host]
+        lose.write_text(str(lost.pid))
         out, err = kept.communicate(timeout=300)
-        lost.communicate(timeout=30)
+        _, lost_err = lost.communicate(timeout=30)
     finally:
-        for p in (kept, lost):
-            if p is not None and p.poll() is None:
+        for p in nodes:
+            if p.poll() is None:
                 p.kill()
-    assert lost.returncode == -signal.SIGKILL
+    assert lost.returncode == -signal.SIGKILL, (err[-3000:], lost_err[-3000:])
     assert kept.returncode == 0, err[-3000:]
     rows = losses(tmp_path / "losses")
     assert [(a, s, w) for a, s, w, _ in rows] == [(0, 0, 2), (0, 1, 2), (0, 2, 2), (1, 3, 1), (1, 4, 1), (1, 5, 1)], rows
     for _, step, _, loss in rows:
         assert float(loss) == pytest.approx(float(uninterrupted[step]), rel=1e-5), step
+
+
+def _store_host(nodes, port: int, timeout: float) -> int:
+    """Which of the launchers `nodes` listens on `port` (hosts the rendezvous store)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for i, node in enumerate(nodes):
+            assert node.poll() is None, node.communicate()
+            if any(p == port for _, p in listening_sockets(node.pid)):
+                return i
+        time.sleep(0.1)
+    raise AssertionError(f"no launcher listens on port {port} after {timeout} s")

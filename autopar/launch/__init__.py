@@ -7,7 +7,12 @@ itself, so rendezvous (single- and multi-node), restarts and teardown are the
 battle-tested torchrun machinery. On top of it the launcher adds what autopar
 relies on:
 
-* a free port when a single-node job names none (no collisions on 29500);
+* stores that listen on one address: loopback for a single node (on a free port
+  when the job names none: no collisions on 29500), an explicit address for
+  several; the c10d rendezvous state HMAC-signed with the job's secret
+  (``AUTOPAR_RDZV_TOKEN``) and verified before it is unpickled;
+* ``--max_restarts N`` that restarts: each attempt's ranks get a fresh store;
+* ``--join_timeout SECONDS``: a node that never joins ends the job, named;
 * ``--devices 0,1,...``: one rank per listed device, the list exported as
   ``AUTOPAR_DEVICES`` so a rank uses ``devices[int(os.environ["LOCAL_RANK"])]``;
 * ``OMP_NUM_THREADS=1`` unless the user set it;
@@ -17,12 +22,14 @@ relies on:
   torchrun's ``--local-ranks-filter``) shows chosen ranks only;
 * a rank that fails stops the whole job at once: the other ranks are killed,
   the failing rank's traceback is on stderr (quoted in the summary when its
-  output was hidden), the launcher exits non-zero;
+  output was hidden; the summary's root cause is the rank that failed first),
+  the launcher exits non-zero;
 * each rank runs the script through :mod:`._worker`, which ends it with
   ``os._exit`` after its threads and atexit handlers: a correct job exits 0,
   and a rank that exits early ends the job in seconds (see docs/failures.md).
 
-Run ``python -m autopar.launch --help`` for the options; see :func:`main`.
+Run ``python -m autopar.launch --help`` for the options; see :func:`main` and
+docs/failures.md.
 """
 from ._run import main
 

@@ -29,6 +29,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
 from . import _rendezvous as rdzv
+from ._cli import TOKEN_ENV
 from ._output import FollowedLogsSpecs, RankOutput
 
 DEFAULT_MASTER_PORT = 29500
@@ -96,7 +97,9 @@ def export_worker_env(args: argparse.Namespace) -> None:
     ``OMP_NUM_THREADS`` defaults to 1 (N ranks each spinning up one OpenMP thread
     per core oversubscribes the machine); a value the user set is kept.
     ``AUTOPAR_DEVICES`` lists ``--devices`` so a rank can pick ``devices[LOCAL_RANK]``.
+    The rendezvous secret (``AUTOPAR_RDZV_TOKEN``) is the launcher's alone: the ranks do not get it.
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.pop(TOKEN_ENV, None)  # read already; a rank that logs its environment must not leak it
     if args.devices is not None:
         os.environ[DEVICES_ENV] = ",".join(map(str, args.devices))

@@ -52,8 +52,8 @@ class ExitTimes:
     reaped), so ``ended[pid]`` is the time of the exit to within a few milliseconds."""
 
     def __init__(self, poll_s: float = 0.02):
-        self.ended: dict[int, float] = {}
-        self._fds: dict[int, int] = {}
+        self.ended: dict[int, float] = {}  # pid -> when it ended
+        self._fds: dict[int, int] = {}  # pidfd -> pid, of the children still running
         self._poll_s = poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autopar-exit-times", daemon=True)
@@ -66,21 +66,27 @@ class ExitTimes:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        for fd in self._fds.values():
+        for fd in self._fds:
             os.close(fd)
         self._fds.clear()
 
     def _run(self) -> None:
+        poller = select.poll()
         while not self._stop.is_set():
-            self._find_children()
-            ready, _, _ = select.select(list(self._fds.values()), [], [], self._poll_s)
+            for pid, fd in self._find_children():
+                self._fds[fd] = pid
+                poller.register(fd, select.POLLIN)
+            ready = poller.poll(self._poll_s * 1000)
             now = time.time()
-            for pid, fd in list(self._fds.items()):
-                if fd in ready:
-                    self.ended[pid] = now
-                    os.close(self._fds.pop(pid))
+            for fd, _ in ready:
+                self.ended[self._fds.pop(fd)] = now
+                poller.unregister(fd)
+                os.close(fd)
 
-    def _find_children(self) -> None:
+    def _find_children(self) -> list[tuple[int, int]]:
+        """``(pid, pidfd)`` of the children not watched yet."""
+        watched = set(self._fds.values())
+        found = []
         for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
             try:
                 with open(path) as f:
@@ -88,8 +94,10 @@ class ExitTimes:
             except OSError:
                 continue
             for pid in pids:
-                if pid not in self._fds and pid not in self.ended:
+                if pid not in watched and pid not in self.ended:
                     try:
-                        self._fds[pid] = os.pidfd_open(pid)
+                        found.append((pid, os.pidfd_open(pid)))
+                        watched.add(pid)
                     except OSError:  # already reaped
                         pass
+        return found

@@ -311,7 +311,7 @@ def create_c10d(params: RendezvousParameters) -> C10dRendezvous:
     return C10dRendezvous.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
         RendezvousTimeout(join=datetime.timedelta(seconds=join), **seconds),
-        keep_alive_interval=int(params.config.get("keep_alive_interval", 5)),
+        keep_alive_interval=float(params.config.get("keep_alive_interval", 5)),
         keep_alive_max_attempt=int(params.config.get("keep_alive_max_attempt", 3)),
     )
 

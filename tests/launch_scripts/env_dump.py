@@ -4,5 +4,5 @@ import os
 import sys
 
 keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-        "OMP_NUM_THREADS", "AUTOPAR_DEVICES"]
+        "OMP_NUM_THREADS", "AUTOPAR_DEVICES", "AUTOPAR_RDZV_TOKEN"]
 print("ENV " + json.dumps({**{k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}))

@@ -7,12 +7,13 @@ complete checkpoint into that path atomically, so it existing means it is comple
 finds it and resumes at the saved step. Rank 0 appends "attempt step world loss" to LOSS_FILE
 (repr of the float, compared bit for bit). On the first attempt only, at step KILL_STEP (once
 its loss is known: every rank has logged the step before), WHO dies by SIGKILL: a rank number,
-or "node": every rank whose launcher's environment has TRAIN_LOSE_THIS_NODE=1 kills that
-launcher and then itself (a node lost for good).
+or "node": the ranks of the launcher whose pid is in the file $TRAIN_LOSE_LAUNCHER kill that
+launcher and then themselves (a node lost for good).
 """
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -24,9 +25,13 @@ attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def doomed() -> bool:
-    if who == "node":
-        return os.environ.get("TRAIN_LOSE_THIS_NODE") == "1"
-    return dist.get_rank() == int(who)
+    if who != "node":
+        return dist.get_rank() == int(who)
+    deadline = time.monotonic() + 30  # the test names the launcher once it knows which one to lose
+    while not os.path.exists(os.environ["TRAIN_LOSE_LAUNCHER"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with open(os.environ["TRAIN_LOSE_LAUNCHER"]) as f:
+        return os.getppid() == int(f.read())
 
 
 world = dist.get_world_size()
