@@ -228,6 +228,8 @@ def _cases():
         "replicate3d": (lambda x: F.pad(x, (1, 2, 2, 1, 1, 3), mode="replicate"), [x3], sp3),
         "reflect3d": (lambda x: F.pad(x, (1, 2, 2, 1, 3, 1), mode="reflect"), [x3], sp3),
         "conv_reflect": (lambda x, w: F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), w), [x, r(4, 3, 3, 3)], hw),
+        # the output pieces are dense: a view merging the channels into the split rows runs on them
+        "conv_flatten": (lambda x, w: F.conv2d(x, w, stride=2, padding=1).flatten(1, 2), [x, r(4, 3, 3, 3)], (2,)),
     }
 
 

@@ -184,11 +184,13 @@ def widen(x: torch.Tensor, splits: Sequence[SplitDim], windows: Sequence[Window]
 
 
 def keep(out: torch.Tensor, splits: Sequence[SplitDim], windows: Sequence[Window]) -> torch.Tensor:
-    """The local op's output cut to this rank's output rows."""
+    """The local op's output cut to this rank's output rows, dense in the op's memory format
+    (a view of the piece is what later views of the tensor expect)."""
+    whole = out
     for sd, pc in zip(splits, my_pieces(splits, windows)):
         c, e = sd.out[sd.me]
         out = out.narrow(sd.dim, pc.first, e - c)
-    return out
+    return out if out.shape == whole.shape else out.clone(memory_format=torch.preserve_format)
 
 
 def pad_back(g: torch.Tensor, splits: Sequence[SplitDim], windows: Sequence[Window], full, value=0) -> torch.Tensor:
