@@ -7,9 +7,11 @@ A rank outside the op's mesh computes nothing and returns empty pieces with the 
 (random ops still draw, so its generator stays on the single-process stream).
 
 Exact or refused: an input the op writes keeps its storage and placement (a write made on a
-moved copy is written back into its pieces), an op whose output shape depends on values runs
-on the gathered inputs on every rank, and an op that raises while it runs on this rank's
-pieces is told to the other ranks (`comm.faults.raised`) so that none of them waits for it.
+moved copy is written back into its pieces; a Partial input the op needs reduced keeps the
+reduced piece, as a read does), a write that cannot reach the tensor is refused, an op whose
+output shape depends on values runs on the gathered inputs on every rank, and an op that
+raises while it runs on this rank's pieces is told to the other ranks (`comm.faults.raised`)
+so that none of them waits for it.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from .comm import faults
 from .comm.backend import CommError, value_read
 from .comm.collectives import reading_values
 from .comm.simulate import readable
-from .dtensor import DistTensor, new_dist
+from .dtensor import DistTensor, local_piece, new_dist
 from .op_call import fast_op, meta_like
 from .placement import Partial, Replicate
 from .reshard import piece_of_replicated, redistribute_local
@@ -486,11 +488,14 @@ def _inputs_in_place(dec: Decision, flat, written=()) -> list:
 
 def _moved_writes(dec: Decision, flat) -> dict:
     """{flat index: (piece, spec)} of the inputs the op writes that must move for it: the op
-    writes a moved copy, and `_write_back` puts the result into these pieces."""
+    writes a moved copy, and `_write_back` puts the result into these pieces.  A Partial input
+    the op needs reduced is not one: it takes its reduced piece for good, as a read does
+    (`keep_reduced`; a gradient is reduced once, and putting a sum back into terms costs a
+    gather where the op wants it sharded)."""
     return {
-        i: (flat[i]._local, flat[i]._spec)
+        i: (t._local, t._spec)
         for i in dec.mutated
-        if type(flat[i]) is DistTensor and flat[i]._spec is not dec.in_specs[i]
+        if type(t := flat[i]) is DistTensor and t._spec is not dec.in_specs[i] and not _only_reduces(t._spec, dec.in_specs[i])
     }
 
 
@@ -649,6 +654,8 @@ def _run_gathered(func, args, kwargs, flat, dec: Decision):
     holds its outputs Replicate on the op's mesh; an input it writes gets the result in its
     own pieces."""
     reading_values(str(func))  # a captured step cannot replay a value-dependent shape
+    if dec.mutated:
+        _check_writes_reach_bases(func, dec, flat, [local_piece(t) for t in flat], None)
     with value_read(str(func)):
         dense = _dense_inputs(flat)
     dargs, dkwargs = _substitute(args, kwargs, dense)

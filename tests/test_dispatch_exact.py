@@ -2,6 +2,7 @@
 writes the tensor itself; lazy conjugates and negations are applied; an op whose output
 shape depends on values runs on the gathered inputs; an op that raises on one rank raises
 on every rank; the decision cache stays bounded."""
+import time
 import warnings
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar as dist
-from autopar import dispatch
+from autopar import comm, dispatch
 from autopar.comm import backend
 from autopar.placement import Partial, Replicate, Shard
 from distpool import run_dist
@@ -60,7 +61,8 @@ def test_max_norm_renormalises_a_sharded_weight_as_one_process_does(kind, dim):
 
 def _module_and_views():
     """A distributed Parameter written through nn.Embedding(max_norm=); an op without a rule
-    writing a view of a Shard(0) tensor, a Shard(1) tensor and a Partial one."""
+    writing a view of a Shard(0) tensor, a Shard(1) tensor and a Partial one (which takes its
+    reduced piece for good, as a read does)."""
     w0 = _weight()
     mesh = _mesh()
     emb = torch.nn.Embedding(6, 4, max_norm=1.0)
@@ -101,7 +103,7 @@ def test_an_op_without_a_rule_writes_a_parameter_a_view_an_alias_and_a_partial_t
         torch.testing.assert_close(s_d, s)
         torch.testing.assert_close(alias, s)  # a detach() alias sees the write
         assert same and s_pl == [Shard(1)]
-        assert p_before == [Partial()] and p_after == [Partial()]
+        assert p_before == [Partial()] and p_after == [Replicate()]
         torch.testing.assert_close(p_d, p)
 
 
@@ -217,31 +219,38 @@ def test_ops_whose_output_shape_depends_on_values_run_on_the_gathered_inputs():
 
 
 # -- an op that raises on one rank ----------------------------------------------------------
-def _raises_on_one_rank(everywhere):
+def _raises_on_one_rank(case):
     """Ids out of range in rank 1's piece (or in both pieces): the embedding's local lookup
-    raises there; rank 0 goes on to a read of the output."""
+    raises there; rank 0 goes on to a read of the output, on a group it made before or on one
+    it makes then."""
+    comm.reset_groups()  # every rank: the groups below are made in this task
     mesh = _mesh()
-    ids = torch.tensor([[0, 1], [2, 7 if everywhere else 3], [1, 9], [0, 0]])
+    ids = torch.tensor([[0, 1], [2, 7 if case == "everywhere" else 3], [1, 9], [0, 0]])
     w = dist.shard_tensor(torch.arange(20.0).reshape(5, 4), mesh, [Replicate()])
     x = dist.shard_tensor(ids, mesh, [Shard(0)])
-    generation = backend._GENERATION[0]
+    if case != "new group":
+        w.sum().item()  # the reads' group exists
+    generation, start = backend._GENERATION[0], time.monotonic()
     try:
         out = F.embedding(x, w)
         caught = "no error", out.sum().item()
     except (IndexError, dist.CommError) as e:
-        caught = type(e).__name__, str(e)
+        # well before a group's own rendezvous would give up waiting for rank 1 (AUTOPAR_TIMEOUT)
+        caught = type(e).__name__, str(e), time.monotonic() - start < min(60.0, backend.timeout_seconds() / 2)
     # the job goes on: collectives pair as they should
     y = dist.shard_tensor(torch.arange(8.0), mesh, [Shard(0)])
     after = (y * 2).sum().item(), dist.unshard_dtensor(dist.reshard(y + 1, mesh, [Replicate()]))
     return caught, after, backend._GENERATION[0] - generation
 
 
-def test_an_op_raising_on_one_rank_raises_on_every_rank_and_the_job_goes_on():
-    results = run_dist(_raises_on_one_rank, 2, False)
-    (kind0, msg0), after0, made_anew0 = results[0]
-    (kind1, msg1), after1, made_anew1 = results[1]
+@pytest.mark.parametrize("case", ["group made before", "new group"])
+def test_an_op_raising_on_one_rank_raises_on_every_rank_and_the_job_goes_on(case):
+    results = run_dist(_raises_on_one_rank, 2, case)
+    (kind0, msg0, promptly), after0, made_anew0 = results[0]
+    (kind1, msg1, _), after1, made_anew1 = results[1]
     assert kind1 == "IndexError" and "index out of range" in msg1, msg1
     assert kind0 == "CommError", (kind0, msg0)
+    assert promptly  # rank 1 sees within seconds that rank 0 did not raise it
     assert "rank 1 raised IndexError: index out of range in self, in aten.embedding.default" in msg0, msg0
     for after in (after0, after1):
         assert after[0] == 56.0
@@ -250,7 +259,7 @@ def test_an_op_raising_on_one_rank_raises_on_every_rank_and_the_job_goes_on():
 
 
 def test_an_op_raising_on_every_rank_raises_its_own_error_and_keeps_the_groups():
-    for (kind, msg), after, made_anew in run_dist(_raises_on_one_rank, 2, True):
+    for (kind, msg, _), after, made_anew in run_dist(_raises_on_one_rank, 2, "everywhere"):
         assert kind == "IndexError" and "index out of range" in msg, msg
         assert after[0] == 56.0 and made_anew == 0
 

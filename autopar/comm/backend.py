@@ -179,16 +179,20 @@ def group_for(ranks: tuple):
         # never the default group, which autopar cannot make anew (see `shut_down_groups`)
         prefix = f"autopar/{_GENERATION[0]}/{'_'.join(map(str, ranks))}"
         store = tdist.PrefixStore(prefix, tdist.distributed_c10d._get_default_store())
-        pg = _make_backend(store, ranks.index(me), len(ranks))
+        pg = _make_backend(store, ranks)
         _GROUPS[ranks] = pg
     return pg
 
 
-def _make_backend(store, group_rank: int, size: int):
+def _make_backend(store, ranks: tuple):
     from torch._C import _distributed_c10d as c10d
 
+    from .faults import meet
+
+    group_rank, size = ranks.index(tdist.get_rank()), len(ranks)
     if SIMULATING[0]:  # `simulate`: a group that records, sends nothing
         return c10d.FakeProcessGroup._create_internal(group_rank, size)
+    meet(store, ranks)
     if tdist.get_backend() == "nccl":
         opts = c10d.ProcessGroupNCCL.Options()
         opts._timeout = _timeout()
@@ -222,5 +226,5 @@ def channel_group(ranks: tuple, name: str):
             raise ValueError(f"rank {me} is not a member of channel {name!r} over ranks {list(ranks)}")
         prefix = f"autopar/{_GENERATION[0]}/{'_'.join(map(str, ranks))}/{name}"
         store = tdist.PrefixStore(prefix, tdist.distributed_c10d._get_default_store())
-        pg = _GROUPS[key] = _make_backend(store, ranks.index(me), len(ranks))
+        pg = _GROUPS[key] = _make_backend(store, ranks)
     return pg

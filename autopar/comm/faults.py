@@ -139,7 +139,26 @@ def _shut_down(store, report: dict) -> None:
     """Say that this rank's groups go down because of `report`'s error, then shut them down:
     a peer waiting in one fails at once and finds the report (`fail`)."""
     store.set(_key("raised", get_rank()), json.dumps(report))
+    store.set(_key("shut", 0), "")  # one key that a rank making a group checks (`meet`)
     backend.shut_down_groups()
+
+
+def meet(store, ranks) -> None:
+    """Before a group over `ranks` is made on `store` (its prefix store): wait until every
+    member is there.  A member that shut its groups down after an op raised on it (`raised`)
+    makes this group under a new prefix and never comes: that is raised here at once (a
+    RuntimeError that `fail` turns into its error), where the group's own rendezvous would
+    wait for AUTOPAR_TIMEOUT."""
+    me = get_rank()
+    store.set(f"meet/{me}", "")
+    here = [f"meet/{r}" for r in ranks]
+    shut = [_key("shut", 0)]
+    deadline = time.monotonic() + timeout_seconds()
+    while not store.check(here) and time.monotonic() < deadline:
+        main = _store()
+        if main is not None and main.check(shut) and _shut_by_peer(ranks) is not None:
+            raise RuntimeError(f"making the group of ranks {list(ranks)}: a member shut its groups down")
+        time.sleep(0.02)
 
 
 def raised(op: str, err: Exception, ranks: tuple) -> None:
