@@ -72,19 +72,23 @@ def listening_store(host: str, port: int, timeout: float) -> tdist.TCPStore:
 
     TCPStore's server binds the wildcard address whatever host it is given; a socket bound
     here and handed over (``master_listen_fd``) keeps it to the one address."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    if ipaddress.ip_address(address[0]).is_unspecified:
-        raise ValueError(f"refusing to host a store on {host!r}: it listens on every interface; "
-                         f"name the address the other nodes reach this one at")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise RendezvousConnectionError(f"cannot host a store on {host}: {e.strerror}") from e
+    if ipaddress.ip_address(address[0].split("%")[0]).is_unspecified:
+        raise RendezvousConnectionError(f"refusing to host a store on {host!r}: it would listen on every "
+                                        f"interface; name the address the other nodes reach this one at")
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address[:2] if family == socket.AF_INET else address)
+        sock.bind(address)
         sock.listen(128)
         bound_port = sock.getsockname()[1]
-    except OSError:
+    except OSError as e:
         sock.close()
-        raise
+        raise RendezvousConnectionError(f"cannot host a store on {host}:{port} ({address[0]}): {e.strerror}; "
+                                        f"is the address this machine's, and the port free?") from e
     return tdist.TCPStore(address[0], bound_port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout), master_listen_fd=sock.detach())
 
@@ -222,7 +226,7 @@ class SignedState(RendezvousBackend):
     def _read(self, stored: bytes):
         """``(state, token)`` for a stored value: the state once its signature verifies; for a
         value this job did not sign, the last verified state (None: none yet)."""
-        if stored == self._EMPTY:
+        if stored == self._EMPTY and self._trusted is None:  # once there is a state, "empty" is forged
             return None
         try:
             raw = base64.b64decode(stored, validate=True)
@@ -288,7 +292,7 @@ def _c10d_store(endpoint: str, timeout: float) -> tdist.TCPStore:
     if _matches_machine_hostname(host):
         try:
             return listening_store(host, port, timeout)
-        except OSError:  # another launcher on this machine hosts it
+        except RendezvousConnectionError:  # another launcher on this machine hosts it
             pass
     return client_store(host, port, timeout, "the rendezvous store")
 
