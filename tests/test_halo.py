@@ -204,6 +204,9 @@ def _cases():
         "adaptive_avg": (lambda x: F.adaptive_avg_pool2d(x, (7, 3)), [x], hw),
         "adaptive_max": (lambda x: F.adaptive_max_pool2d(x, (7, 3), return_indices=True), [x], hw),
         "adaptive_avg3d": (lambda x: F.adaptive_avg_pool3d(x, (7, 3, 5)), [x3], sp3),
+        "global_avg": (lambda x: F.adaptive_avg_pool2d(x, (1, 3)), [x], hw),  # rows: a mean, a Partial term
+        "global_avg3d": (lambda x: F.adaptive_avg_pool3d(x, 1), [x3], sp3),
+        "global_avg_tiny": (lambda x: F.adaptive_avg_pool2d(x, 1), [tiny], (2,)),
         "nearest": (lambda x: F.interpolate(x, scale_factor=2), [x], hw),
         "nearest_3": (lambda x: F.interpolate(x, scale_factor=3), [x], hw),
         "nearest_1_5": (lambda x: F.interpolate(x, scale_factor=1.5), [x], hw),
@@ -338,6 +341,7 @@ def _two_dims_split():
         ("max_pool", lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True), [x]),
         ("bilinear", lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), [x]),
         ("reflect", lambda x: F.pad(x, (2, 1, 1, 2), mode="reflect"), [x]),
+        ("global_avg", lambda x: F.adaptive_avg_pool2d(x, (1, 3)), [x]),
     ]:
         for placements in ([S2, S3], [S0, S3], [S2, S2]):
             out, log = check(fn, inputs, [placements] + [[R, R]] * (len(inputs) - 1), mesh)
@@ -349,7 +353,8 @@ def _two_dims_split():
 def test_rows_and_columns_split_on_a_2d_mesh():
     for found in run_dist(_two_dims_split, 4):
         for (name, placements), (out, ops) in found.items():
-            assert str(out) == placements and ops <= {"send", "recv"}, (name, placements, out, ops)
+            want = placements.replace("Shard(2)", "Partial()") if name == "global_avg" else placements  # a mean
+            assert str(out) == want and ops <= {"send", "recv"}, (name, placements, out, ops)
 
 
 def _backward_sends_gradients_back():

@@ -189,6 +189,10 @@ def test_pooling():
     assert _choose(_call(aten.avg_pool2d.default, x, [3, 3], [2, 2], [1, 1]), S2)[2] == "pool"
     call = _call(aten._adaptive_avg_pool2d.default, x, [3, 3])  # windows of uneven overlap: gathered
     assert _choose(call, S2) == ([S2], [R], "gather_spatial")
+    call = _call(aten._adaptive_avg_pool2d.default, x, [1, 1])  # global pooling: each piece's mean a term
+    assert _choose(call, S2) == ([S2], [P], "pool")
+    call = _call(aten._adaptive_avg_pool2d_backward.default, _m(4, 6, 1, 1), x)
+    assert _choose(call, R, S3) == ([R, S3], [S3], "pool_backward")
     call = _call(aten._adaptive_avg_pool2d.default, x, [4, 2])
     assert _choose(call, S3) == ([S3], [S3], None)
     args, _ = LOCAL_ARGS[aten._adaptive_avg_pool2d.default]([torch.empty(4, 6, 8, 4), [4, 2]], {}, [(4, 6, 4, 1)])

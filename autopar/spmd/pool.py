@@ -8,14 +8,18 @@ of the output, so each piece holds whole windows); adaptive average pooling is t
 output size divides the input's.  Every other split of a spatial dim stays split through a halo
 (`spmd.halo`): each rank receives the rows its windows read and pools its piece of the output
 (max pooling's indices are rebased to the whole plane); the backward sends the gradient of those
-rows back.  Adaptive pooling whose output size does not divide the input's has windows of
-uneven overlap, which no halo serves: its input is gathered (`spatial.gathered`).
+rows back.  Adaptive average pooling to one row (a CNN's global pooling) is a mean over the
+split dim instead: each rank's average of its rows, weighted by its share of them, is a
+Partial(sum) term.  Adaptive pooling whose output size does not divide the input's has windows
+of uneven overlap, which no halo serves: its input is gathered (`spatial.gathered`).
 """
 from __future__ import annotations
 
 import torch
 
-from ..placement import Shard
+import math
+
+from ..placement import Partial, Replicate, Shard
 from .halo import Window, keep, local_grid, narrow_back, pad_back, split_dims, widen
 from .registry import register, register_kernel
 from .spatial import gathered, leading_strategies, per_dim, schema_args, spatial_dims, split_alike
@@ -78,13 +82,21 @@ def _adaptive_local_args(args, kwargs, out_shapes):
     return [args[0], list(out_shapes[0][-n:])] + list(args[2:]), kwargs
 
 
+def _to_one_row(x, out, dims) -> tuple[list[int], list[int]]:
+    """(dims of `dims` pooled to one row, the others): a split of the first is a mean's."""
+    whole = [d for d in dims if out[d] == 1 and x[d] != 1]
+    return whole, [d for d in dims if d not in whole]
+
+
 @register([aten.adaptive_avg_pool1d, aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d],
           local_args=_adaptive_local_args)
 def adaptive_avg_pool_rule(call: OpCall) -> list[Strategy]:
     n = _n(call.func._schema.name)
-    tiling, uneven = _adaptive_dims(call.inputs[0].shape, call.outputs[0].shape, n)
+    x, out = call.inputs[0].shape, call.outputs[0].shape
+    tiling, uneven = _adaptive_dims(x, out, n)
+    means, tiling = _to_one_row(x, out, tiling)
     return (leading_strategies(call, n, linear=True) + _tiled(tiling, 1, -1) + split_alike(call, tiling, "pool")
-            + gathered(call, uneven))
+            + [Strategy((Partial(),), (Shard(d),), kernel="pool") for d in means] + gathered(call, uneven))
 
 
 @register(_ADAPTIVE_MAX, local_args=_adaptive_local_args)
@@ -121,10 +133,14 @@ def avg_pool_backward_rule(call: OpCall) -> list[Strategy]:
 
 @register([aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward])
 def adaptive_avg_pool_backward_rule(call: OpCall) -> list[Strategy]:
+    """(grad_output, input); pooled to one row: the mean's gradient, grad_output whole."""
     n = _n(call.func._schema.name)
-    tiling, _ = _adaptive_dims(call.inputs[1].shape, call.inputs[0].shape, n)
+    g, x = call.inputs[0].shape, call.inputs[1].shape
+    tiling, _ = _adaptive_dims(x, g, n)
+    means, tiling = _to_one_row(x, g, tiling)
     return (leading_strategies(call, n, linear=True, at=1) + _tiled(tiling, 2, 0)
-            + split_alike(call, tiling, "pool_backward", at=1))
+            + split_alike(call, tiling, "pool_backward", at=1)
+            + [Strategy((Shard(d),), (Replicate(), Shard(d)), kernel="pool_backward") for d in means])
 
 
 @register([aten.max_unpool2d, aten.max_unpool3d])
@@ -152,23 +168,38 @@ def _plane(t: torch.Tensor, n: int) -> list[int]:
     return list(t.shape[-n:])
 
 
+def _mean_dims(x_spec, other_spec) -> list[int]:
+    """Dims the input splits where the other operand (the output, or the backward's
+    grad_output) is not split alike: adaptive average pooling to one row, a mean's term."""
+    return sorted({p.dim for p, o, k in zip(x_spec.placements, other_spec.placements, x_spec.mesh.shape)
+                   if type(p) is Shard and o != p and k > 1})
+
+
+def _share(x: torch.Tensor, x_spec, dims) -> float:
+    """This rank's share of the rows along `dims` (what weighs its average in the mean)."""
+    return math.prod(x.shape[d] / x_spec.shape[d] for d in dims)
+
+
 @register_kernel("pool")
 def pool_kernel(func, args, kwargs, in_specs, out_specs, coord):
     """The op on the input piece widened by its halo, cut to this rank's output rows; max
-    pooling's indices (positions in the widened plane) are rebased to the whole plane."""
+    pooling's indices (positions in the widened plane) are rebased to the whole plane; a mean
+    over split rows is this rank's average weighted by its share."""
     args = schema_args(func, args, kwargs)
     name = func._schema.name
     n = _n(name)
     x, x_spec = args[0], in_specs[0]
-    splits = split_dims(x_spec, out_specs[0], coord, spatial_dims(x_spec.shape, n))
+    means = _mean_dims(x_spec, out_specs[0])
+    splits = split_dims(x_spec, out_specs[0], coord, [d for d in spatial_dims(x_spec.shape, n) if d not in means])
     windows = _windows(name, args, x_spec.shape, out_specs[0].shape, splits)
     wide = widen(x, splits, windows)
-    if wide is None:  # no output rows here (it sent its rows to those that have some)
-        outs = tuple(torch.empty(s.local_shape(coord), dtype=s.meta.dtype, device=x.device) for s in out_specs)
+    if wide is None or not all(x.shape[d] for d in means):  # no output rows, or no rows to average
+        outs = tuple(torch.zeros(s.local_shape(coord), dtype=s.meta.dtype, device=x.device) for s in out_specs)
         return outs if len(outs) > 1 else outs[0]
     out = func(wide, *args[1:])
     if not isinstance(out, tuple):
-        return keep(out, splits, windows)
+        out = keep(out, splits, windows)
+        return out * _share(x, x_spec, means) if means else out
     values, index = out
     index = local_grid(index, splits, windows, _plane(wide, n), list(x_spec.shape[-n:]), to_global=True)
     return keep(values, splits, windows), keep(index, splits, windows)
@@ -178,7 +209,7 @@ def pool_kernel(func, args, kwargs, in_specs, out_specs, coord):
 def pool_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
     """The op's backward on the widened plane (read for its shape only: nothing moves before
     it), the output gradient padded with zeros to the local forward's output; the gradient of
-    each received row goes back to its holder."""
+    each received row goes back to its holder.  A mean's gradient is weighted by the share."""
     args = schema_args(func, args, kwargs)
     name = func._schema.name
     n = _n(name)
@@ -188,11 +219,12 @@ def pool_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
         fargs = [x, _plane(g, n)]
     else:  # (grad_output, self, the forward's settings[, indices])
         fargs = [x] + (args[2:-1] if "max" in name else args[2:])
-    splits = split_dims(x_spec, in_specs[0], coord, spatial_dims(x_spec.shape, n))
+    means = _mean_dims(x_spec, in_specs[0])
+    splits = split_dims(x_spec, in_specs[0], coord, [d for d in spatial_dims(x_spec.shape, n) if d not in means])
     windows = _windows(name, fargs, x_spec.shape, in_specs[0].shape, splits)
     wide = widen(x, splits, windows, values=False)
     grad = None
-    if wide is not None:
+    if wide is not None and all(x.shape[d] for d in means):
         full = forward(wide.to("meta"), *fargs[1:])
         full = (full[0] if isinstance(full, tuple) else full).shape
         largs = [pad_back(g, splits, windows, full), wide] + args[2:]
@@ -200,4 +232,6 @@ def pool_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
             index = local_grid(args[-1], splits, windows, _plane(wide, n), list(x_spec.shape[-n:]), to_global=False)
             largs[-1] = pad_back(index, splits, windows, full)
         grad = func(*largs)
+        if means:
+            grad = grad * _share(x, x_spec, means)
     return narrow_back(grad, x, splits, windows)
