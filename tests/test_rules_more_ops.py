@@ -186,7 +186,8 @@ def test_batched_linear_algebra_splits_batch_dims_only():
     assert [(s.inputs, s.outputs[:2]) for s in got if type(s.outputs[0]) is Shard] == [((S0, R), (S0, S0))]
     _, got = _strategies(aten.linalg_inv_ex.default, _m(4, 3, 3), check_errors=True)
     assert got == []  # an op raising on some matrices runs whole: every rank raises
-    assert _strategies(aten._linalg_check_errors.default, _m(4, dtype=torch.int32), "linalg.inv", is_matrix=False)[1] == []
+    info = _m(4, dtype=torch.int32)
+    assert _strategies(aten._linalg_check_errors.default, info, "linalg.inv", is_matrix=False)[1] == []
 
 
 def test_views_keep_the_dims_they_leave_alone():
@@ -254,7 +255,8 @@ def _splits(family: str):
                     gathers = [r for r in log if r.op == "all_gather" and r.bytes > may_gather]
                     assert not gathers, f"case {i} {placements}: {list(log)}"
                 runs += 1
-    unruled = {str(w.message).split("rule for ")[1].split(";")[0] for w in caught if "no sharding rule" in str(w.message)}
+    messages = [str(w.message) for w in caught]
+    unruled = {m.split("rule for ")[1].split(";")[0] for m in messages if "no sharding rule" in m}
     assert not unruled, sorted(unruled)
     return runs
 
@@ -449,7 +451,8 @@ def _index_loss_cases():
         (lambda t, s: t.scatter_reduce(1, gi, s, "sum"), [x, torch.randn(5, 3)], [([S0, S0], KEPT)]),
         (lambda t, s: t.scatter_reduce(1, gi, s, "amax", include_self=False), [x, torch.randn(5, 3)],
          [([S0, S0], KEPT)]),
-        (lambda t, i: torch.take(t, i), [x, torch.randint(0, 30, (4, 3))], [([R, S0], KEPT), ([R, S1], KEPT), ([S0, S0], GATHERS)]),
+        (lambda t, i: torch.take(t, i), [x, torch.randint(0, 30, (4, 3))],
+         [([R, S0], KEPT), ([R, S1], KEPT), ([S0, S0], GATHERS)]),
         (lambda t: torch.bucketize(t, torch.tensor([-1.0, 0.0, 1.0])), [x], [([S0], KEPT), ([S1], KEPT)]),
         (lambda s, t: torch.searchsorted(s, t), [sorted_rows, torch.randn(5, 3)],
          [([S0, S0], KEPT), ([R, S1], GATHERS)]),

@@ -126,7 +126,8 @@ def multiplicative_rule(call: OpCall) -> list[Strategy]:
 def log_sigmoid_rule(call: OpCall) -> list[Strategy]:
     """(output, buffer): the buffer is shaped like the input on CPU, empty (Replicate) on GPUs."""
     alike = call.outputs[1].shape == call.outputs[0].shape
-    return [Strategy((s.outputs[0], s.outputs[0] if alike else Replicate()), s.inputs) for s in shard_strategies(call, 1)]
+    return [Strategy((s.outputs[0], s.outputs[0] if alike else Replicate()), s.inputs)
+            for s in shard_strategies(call, 1)]
 
 
 @register([aten.glu.default, aten.glu_backward.default, aten.linalg_cross.default])
