@@ -249,7 +249,7 @@ class RowMap:
     weight: Optional[torch.Tensor] = None
 
 
-def quiet():
+def _quiet():
     """Planning reads index tables into Python: done outside any capture (a captured step
     replays the tables, not how they were made)."""
     return _disable_current_modes()
@@ -259,7 +259,7 @@ def quiet():
 def _map_plan(row_map: RowMap, have: tuple, out: tuple) -> tuple[list, list]:
     """(the rows each member reads, as ranges; each member's taps as positions in its
     received rows)."""
-    with quiet():
+    with _quiet():
         need, local = [], []
         for c, e in out:
             taps = row_map.index[:, c:e]
@@ -326,7 +326,7 @@ def interpolation_map(mode: str, in_size: int, out_size: int, align_corners: boo
     s * (o + 0.5) - 0.5 with s = 1 / scale (or in_size / out_size), clamped at 0 for linear;
     linear reads its floor and the next row, cubic four rows around it (clamped to the input)
     with Keys' coefficients (A = -0.75), all in the op's compute precision."""
-    with quiet():
+    with _quiet():
         dt = _opmath(dtype)
         if align_corners:
             s = torch.tensor(in_size - 1, dtype=dt) / (out_size - 1) if out_size > 1 else torch.tensor(0, dtype=dt)
@@ -363,7 +363,7 @@ def probed_map(func, n_spatial: int, j: int, in_size: int, out_size: int, scale:
     """The source row of each output row of a copying op (nearest, nearest-exact interpolation)
     along spatial dim j, read off the op itself run on the row numbers: exactly the op's own
     index arithmetic, whatever the backend computes it with."""
-    with quiet():
+    with _quiet():
         device = "cpu" if device_type == "meta" else device_type
         shape, sizes, scales = [1, 1] + [1] * n_spatial, [1] * n_spatial, [None] * n_spatial
         shape[2 + j], sizes[j], scales[j] = in_size, out_size, scale
@@ -376,7 +376,7 @@ def probed_map(func, n_spatial: int, j: int, in_size: int, out_size: int, scale:
 def padding_map(mode: str, size: int, before: int, after: int) -> RowMap:
     """Reflect or replicate padding along one dim: output row o copies input row o - before,
     reflected about (or clamped to) the first and last rows."""
-    with quiet():
+    with _quiet():
         rows = torch.arange(-before, size + after)
         if mode == "reflect":
             rows = rows.abs()

@@ -110,6 +110,7 @@ def _interpolation(stem: str, args, at: int):
 
 
 def _row_map(forward, stem: str, n: int, j: int, in_size: int, out_size: int, align, scale, like: torch.Tensor):
+    """The taps of `forward` (an upsample op) along its spatial dim j."""
     if stem[:-2] in _NEAREST:
         return probed_map(forward, n, j, in_size, out_size, scale, like.device.type)
     return interpolation_map("cubic" if "cubic" in stem else "linear", in_size, out_size, align, scale, like.dtype)
