@@ -444,6 +444,7 @@ def _index_loss_cases():
     sorted_rows = torch.randn(5, 6).sort(1).values
     t01 = (torch.rand(5, 6) > 0.5).float()
     sign = t01 * 2 - 1
+    w, ids, offsets = torch.randn(10, 5), torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 3, 3])
     return [
         (lambda t, s: t.index_copy(1, idx, s), [x, torch.randn(5, 3)], [([S0, S0], KEPT), ([S1, R], GATHERS)]),
         (lambda t: t.index_fill(1, idx, 2.0), [x], [([S0], KEPT)]),
@@ -462,11 +463,19 @@ def _index_loss_cases():
         (lambda a, t: F.binary_cross_entropy_with_logits(a, t, reduction="none"), [x, t01], [([S1, S1], KEPT)]),
         (lambda a, t: F.soft_margin_loss(a, t), [x, sign], [([S0, S0], KEPT), ([S1, S1], KEPT)]),
         (lambda a, t: F.soft_margin_loss(a, t, reduction="sum"), [x, sign], [([S0, S0], KEPT)]),
+    ] + [
+        (lambda w, i, o, m=mode: F.embedding_bag(i, w, o, mode=m), [w, ids, offsets],
+         [([S1, R, R], KEPT), ([S0, R, R], GATHERS)]) for mode in ("sum", "mean", "max")
+    ] + [
+        (lambda w, i, o, p: F.embedding_bag(i, w, o, mode="sum", per_sample_weights=p),
+         [w, ids, offsets, torch.rand(8)],
+         [([S1, R, R, R], KEPT)]),
+        (lambda w, i: F.embedding_bag(i, w, mode="max"), [w, ids.reshape(2, 4)], [([S1, R], KEPT)]),
     ]
 
 
 def test_index_and_loss_rules_split_without_gathering():
-    assert _run_family(_index_loss_cases) == 34
+    assert _run_family(_index_loss_cases) == 34 + 9 + 4
 
 
 def _kernels_2d():

@@ -1,4 +1,4 @@
-"""Embedding lookup and its weight gradient.
+"""Embedding lookup and its weight gradient; embedding_bag over a hidden-split weight.
 
 Forward `embedding(weight, ids)`: ids sharded (weight Replicate) -> output sharded the same;
 weight sharded on the hidden dim 1 -> output sharded on its last dim; weight sharded on the
@@ -83,3 +83,45 @@ def vocab_embedding_backward_kernel(func, args, kwargs, in_specs, out_specs, coo
     args, kwargs = with_arg(args, kwargs, 2, "num_weights", rows + 1)
     args, kwargs = _local_padding(args, kwargs, 3, lo, hi)
     return func(*args, **kwargs)[:rows]
+
+
+# -- embedding_bag: the hidden dim split ------------------------------------------------------------
+def _bag_tensors(call: OpCall, split_like: tuple) -> tuple:
+    """Shard(1) for the tensors shaped (bags, hidden) (split_like: their sizes), the rest whole."""
+    return tuple(Shard(1) if len(m.shape) == 2 and tuple(m.shape) == split_like else Replicate() for m in call.inputs)
+
+
+@register([aten._embedding_bag.default, aten._embedding_bag_forward_only.default])
+def embedding_bag_rule(call: OpCall) -> list[Strategy]:
+    """(output, offset2bag, bag_size, max_indices): each bag sums, averages or takes the max of
+    its rows column by column, so a weight split on the hidden dim gives the output (and max's
+    per-column indices) split alike; the rest depend on the indices alone.  Sum and mean are
+    linear in the weight: a Partial weight passes."""
+    out, idx = call.outputs[0].shape, call.outputs[3].shape
+    if out[1] == 1:
+        return []
+    ins = (Shard(1),) + (Replicate(),) * (len(call.inputs) - 1)
+    outs = (Shard(1), Replicate(), Replicate(), Shard(1) if idx == out else Replicate())
+    strategies = [Strategy(outs, ins)]
+    if call.arg(4, "mode", 0) != 2:
+        rest = (Replicate(),) * (len(call.inputs) - 1)
+        strategies += [Strategy((p, Replicate(), Replicate(), Replicate()), (p,) + rest) for p in _SUM_AVG]
+    return strategies
+
+
+@register([aten._embedding_bag_backward.default])
+def embedding_bag_backward_rule(call: OpCall) -> list[Strategy]:
+    """grad (bags, hidden) split on the hidden dim gives the weight gradient's columns (max's
+    per-column indices split with it); the dense gradient only."""
+    grad = tuple(call.inputs[0].shape)
+    if call.arg(9, "sparse", False) or grad[1] == 1:
+        return []
+    return [Strategy((Shard(1),), _bag_tensors(call, grad))]
+
+
+@register([aten._embedding_bag_per_sample_weights_backward.default])
+def embedding_bag_per_sample_weights_backward_rule(call: OpCall) -> list[Strategy]:
+    """d(bag) / d(sample weight) sums grad * row over the hidden dim: split, a Partial(sum) term."""
+    if call.inputs[0].shape[1] == 1:
+        return []
+    return [Strategy((Partial(),), (Shard(1), Shard(1)) + (Replicate(),) * (len(call.inputs) - 2))]
