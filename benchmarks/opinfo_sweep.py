@@ -21,13 +21,15 @@ the random stream (two seeds give two results) is compared by shape and dtype on
 Classes, worst first: wrong (a value, shape, dtype or gradient differs), crash (a rank died,
 hung or the world fell out of step: restarted, recorded), error (the library raised; the first
 line of the message is kept), fallback (right, but autopar warned "no sharding rule for <op>":
-the aten ops are recorded), pass.  A sample whose single-process run raises is recorded as a
-skip and not counted.
+the aten ops are recorded), pass.  A sample whose single-process run raises, or (without
+--sparse) that holds a sparse tensor, is recorded as a skip and not counted.
 
 The ranks are tests/distpool.py's pool.  After every case the ranks agree on its outcome (a
-gather on a group of its own); a case some ranks raised on and others did not (or raised
-differently) restarts the world, and a rank that dies or hangs is killed with its world: the
-case is recorded and the sweep goes on from the next one.
+gather on a group of its own).  A case some ranks raised on and others did not (or raised
+differently) is recorded with each rank's message; a probe then checks that collectives still
+pair up, and the world restarts where they do not.  A rank that dies or hangs (collective
+timeouts 20 s) is killed with its world: the case is recorded as a crash and the sweep goes on
+from the next one.
 
 Results: JSON lines (an "env" record, then one record per case and library) under
 benchmarks/results/opinfo_<N>ranks.<commit>-<run>.jsonl, and a summary in Markdown (counts per
@@ -71,8 +73,9 @@ _ROOT = os.path.dirname(_HERE)
 class Selection:
     """Which cases to run.  `ops`: full names ("softmax.with_dtype"; a name no op has as its
     full name selects every variant of that op); None is every op.
-    `chunk` (i, n): ops i, i + n, i + 2n... of that list.  `fast`: the suite's selection (see
-    `fast_plan`).  `libs`: the libraries run on each case."""
+    `chunk` (i, n): ops i, i + n, i + 2n... of that list.  `fast`: the suite's selection (two samples,
+    see `fast_plan`).  `libs`: the libraries run on each case.  `sparse`: run the samples holding
+    sparse tensors too (else each is recorded as a skip, see SPARSE)."""
 
     ops: tuple | None = None
     chunk: tuple = (0, 1)
@@ -80,6 +83,7 @@ class Selection:
     placements: tuple = PLACEMENTS
     fast: bool = False
     libs: tuple = LIBS
+    sparse: bool = False
 
 
 def op_db():
@@ -106,14 +110,11 @@ def select_ops(sel: Selection) -> list:
     return ops[i::n]
 
 
-def dtypes_for(op, fast: bool = False) -> list:
+def dtypes_for(op) -> list:
     """fp32 and complex64 where the op has them on CPU; an op with neither: its first integer
-    or bool dtype (none at all: not run).  The fast selection runs complex only for ops
-    without fp32."""
+    or bool dtype (none at all: not run)."""
     have = op.supported_dtypes("cpu")
     out = [d for d in (torch.float32, torch.complex64) if d in have]
-    if fast and len(out) == 2:
-        out = out[:1]
     if not out:
         out = [d for d in (torch.int64, torch.int32, torch.bool, torch.uint8, torch.float64) if d in have][:1]
     return out
@@ -190,30 +191,35 @@ def shard_dims(sample, placement: str) -> tuple:
 
 
 def canonical(sample, placement: str) -> str:
-    """The first of PLACEMENTS that places the sample's tensors as `placement` does."""
+    """The label of `placement` on this sample: R where it splits no tensor (0-dim tensors
+    only), else the first of PLACEMENTS that places the sample's tensors alike."""
     dims = shard_dims(sample, placement)
+    if all(d is None for d in dims):
+        return "R"
     return next(p for p in PLACEMENTS if shard_dims(sample, p) == dims)
 
 
-def plan(samples, sel: Selection) -> list[tuple[int, str]]:
+def plan(samples, sel: Selection, first_dtype: bool = True) -> list[tuple[int, str]]:
     """(sample index, placement) pairs to run, each distinct placing once."""
     if sel.fast:
-        return fast_plan(samples)
+        return fast_plan(samples, first_dtype)
     pairs = []
     for i, s in enumerate(samples):
-        seen = set()
         for p in sel.placements:
-            dims = shard_dims(s, p)
-            if dims not in seen:
-                seen.add(dims)
-                pairs.append((i, p))
+            if (i, canonical(s, p)) not in pairs:
+                pairs.append((i, canonical(s, p)))
     return pairs
 
 
-def fast_plan(samples) -> list[tuple[int, str]]:
-    """The suite's selection: sample 0 split on its first dim, sample 1 on its last (each
-    labelled as the full sweep labels it), so every op runs sharded both ways where it can."""
-    pairs = [(0, canonical(samples[0], "S(0)"))] if samples else []
+def fast_plan(samples, first_dtype: bool = True) -> list[tuple[int, str]]:
+    """The suite's selection: in the op's first dtype sample 0 split on its first dim and
+    sample 1 on its last, in its second (complex64) sample 0 on its last (each labelled as the
+    full sweep labels it): every op runs sharded both ways where it can, complex paths too."""
+    if not samples:
+        return []
+    if not first_dtype:
+        return [(0, canonical(samples[0], "S(-1)"))]
+    pairs = [(0, canonical(samples[0], "S(0)"))]
     if len(samples) > 1:
         pairs.append((1, canonical(samples[1], "S(-1)")))
     return pairs
@@ -536,8 +542,8 @@ def _fingerprint(sample) -> float:
 
 def agree(step, result, fingerprint):
     """Gather every rank's outcome of one step; returns (combined outcomes, restart?).  The
-    worst class over ranks wins; ranks that raised differently (or some not at all) may have
-    left collectives unmatched: the world is restarted after the case."""
+    worst class over ranks wins; where the ranks raised differently (or some not at all) each
+    rank's message is kept, and collectives left unmatched restart the world."""
     import torch.distributed as tdist
 
     gathered = [None] * tdist.get_world_size()
@@ -555,7 +561,47 @@ def agree(step, result, fingerprint):
         combined[kind] = dict(worst, max_err=max(errs) if errs else None,
                               fallback=sorted({f for o in outs for f in o["fallback"]}))
     raised = [tuple(o["msg"] for _, o in sorted(g[1].items()) if o["class"] == "error") for g in gathered]
-    return combined, any(raised) and len(set(raised)) > 1
+    if not (any(raised) and len(set(raised)) > 1):
+        return combined, False
+    restart = not _in_step(step)
+    for kind in combined:
+        combined[kind]["per_rank"] = [g[1].get(kind, {}).get("msg") for g in gathered]
+        combined[kind]["restarted"] = restart
+    return combined, restart
+
+
+def _in_step(step) -> bool:
+    """After the ranks raised differently: do the libraries' collectives still pair up?  A
+    collective run on one rank only shifts that rank's sequence on its group; the probes (a
+    gather of known values on the default group, DTensor's on a 1-D world mesh, and an autopar
+    scatter and gather) then fail, read another collective's data or time out.  The ranks
+    agree on the verdict."""
+    import torch.distributed as tdist
+
+    import autopar
+    from autopar.api.tensor import full_value
+
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    mine = torch.tensor([step[0], step[1], rank], dtype=torch.int64)
+    timeout = os.environ.get("AUTOPAR_TIMEOUT")
+    os.environ["AUTOPAR_TIMEOUT"] = "30"  # a group the ranks make under different names waits this long
+    try:
+        got = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
+        tdist.all_gather(got, mine)
+        ok = all(g.tolist() == [step[0], step[1], r] for r, g in enumerate(got))
+        values = torch.arange(2.0 * world) + step[1]
+        mesh = autopar.ProcessMesh(list(range(world)))
+        ok = ok and torch.equal(full_value(autopar.shard_tensor(values, mesh, [autopar.Shard(0)])), values)
+    except Exception:
+        ok = False
+    finally:
+        if timeout is None:
+            del os.environ["AUTOPAR_TIMEOUT"]
+        else:
+            os.environ["AUTOPAR_TIMEOUT"] = timeout
+    verdicts = [None] * world
+    tdist.all_gather_object(verdicts, ok, group=_agree_group())
+    return all(verdicts)
 
 
 _LIBS = {}
@@ -565,6 +611,15 @@ def _libs(names, world):
     if (names, world) not in _LIBS:
         _LIBS[names, world] = [{"autopar": Autopar, "dtensor": DTensorLib}[n](world) for n in names]
     return _LIBS[names, world]
+
+
+SPARSE = ("sparse layout: not run without --sparse (autopar's shard_tensor of a sparse CSR tensor succeeds "
+          "on rank 0 and raises on rank 1, and the ranks fall out of step: each case costs a collective "
+          "timeout and a world restart)")
+
+
+def is_sparse(sample) -> bool:
+    return any(t.layout != torch.strided for t in tensors_of(sample_parts(sample)))
 
 
 def _reference_or_why(op, sample, seed):
@@ -602,20 +657,26 @@ def _run_units(sel, start, sink, progress) -> dict:
             with open(sink, "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in recs)
 
-    units = [(op, dt) for op in select_ops(sel) for dt in dtypes_for(op, sel.fast)]
-    for u, (op, dtype) in enumerate(units):
+    def note(u, step, case, kinds):
+        if rank == 0 and progress is not None:
+            with open(progress, "w") as f:
+                json.dump({"unit": u, "step": step, "case": case, "kinds": kinds}, f)
+
+    units = [(op, dt, k == 0) for op in select_ops(sel) for k, dt in enumerate(dtypes_for(op))]
+    for u, (op, dtype, first_dtype) in enumerate(units):
         if u < start[0]:
             continue
         name, dt = full_name(op), str(dtype).replace("torch.", "")
         base = {"bench": "opinfo", "op": name, "dtype": dt}
+        note(u, -1, dict(base, lib="reference"), [])  # a crash drawing the samples skips the unit
         try:
-            samples = make_samples(op, dtype, sel.samples)
+            samples = make_samples(op, dtype, 2 if sel.fast else sel.samples)
         except Exception as e:
             emit([dict(base, lib="reference", **{"class": "skip"}, msg="samples: " + _first_line(e))])
             continue
         tol = tolerance(op, dtype)
         refs = {}
-        for s, (i, placement) in enumerate(plan(samples, sel)):
+        for s, (i, placement) in enumerate(plan(samples, sel, first_dtype)):
             for li, lib in enumerate(libs):
                 step = s * len(libs) + li
                 if (u, step) < start:
@@ -623,16 +684,15 @@ def _run_units(sel, start, sink, progress) -> dict:
                 case = dict(base, sample=i, placement=placement, lib=lib.name)
                 seed = seed_of(name, dt, i)
                 if i not in refs:
-                    refs[i] = _reference_or_why(op, samples[i], seed)
+                    note(u, step, case, ["fwd"])  # a crash in the single process counts as this case's
+                    refs[i] = (SPARSE if not sel.sparse and is_sparse(samples[i])
+                               else _reference_or_why(op, samples[i], seed))
                 ref = refs[i]
                 skip = isinstance(ref, str)
-                if rank == 0 and progress is not None:
-                    with open(progress, "w") as f:
-                        kinds = ["fwd"] + (["grad"] if not skip and ref.grads is not None else [])
-                        json.dump({"unit": u, "step": step, "case": case, "kinds": kinds}, f)
+                note(u, step, case, ["fwd"] + (["grad"] if not skip and ref.grads is not None else []))
                 t0 = time.perf_counter()
                 if skip:
-                    result = {"fwd": _outcome("skip", None, "single process: " + ref, [])}
+                    result = {"fwd": _outcome("skip", None, ref if ref is SPARSE else "single process: " + ref, [])}
                 else:
                     try:
                         result = run_lib(lib, op, samples[i], placement, ref, tol, seed)
@@ -655,7 +715,8 @@ def sweep(sel: Selection, world: int, sink: str, deadline: float = 900.0) -> Non
     """Run the selection op by op on a pool of `world` ranks, restarting the world after a
     crash or a desync and recording the case it happened on."""
     sys.path.insert(0, os.path.join(_ROOT, "tests"))
-    os.environ.setdefault("AUTOPAR_TEST_TIMEOUT", "60")  # a library's collective left unmatched
+    os.environ.setdefault("AUTOPAR_TEST_TIMEOUT", "20")  # a library's collective left unmatched
+    os.environ.setdefault("AUTOPAR_TIMEOUT", "20")  # autopar's own groups likewise
     os.environ["AUTOPAR_TEST_TASK_TIMEOUT"] = str(deadline)  # one op, every dtype and case
     import distpool
 
@@ -675,7 +736,8 @@ def sweep(sel: Selection, world: int, sink: str, deadline: float = 900.0) -> Non
                     distpool.shutdown(world)
             except distpool.RunDistError as e:
                 distpool.shutdown(world)
-                start = _record_crash(progress, sink, e, name)
+                resume = _record_crash(progress, sink, e, name)
+                start = resume if resume is not None and resume > start else None
         print(f"[{k + 1}/{len(names)}] {name} ({time.monotonic() - t0:.0f}s)", file=sys.stderr, flush=True)
     if os.path.exists(progress):
         os.unlink(progress)
@@ -683,18 +745,21 @@ def sweep(sel: Selection, world: int, sink: str, deadline: float = 900.0) -> Non
 
 def _record_crash(progress, sink, err, name):
     """Record the case the world died on; return where to resume (None: give up on the op)."""
-    head = str(err).splitlines()[0]
-    first = next((ln for ln in str(err).splitlines()[1:] if ln and not ln.startswith((" ", "=", "-"))), "")
-    msg = f"{head} {first}".strip()[:400]
+    import distpool
+
+    why = "; ".join(f"rank {r}: " + (distpool._last_exc_line(tb) if tb.startswith("Traceback") else tb.split(";")[0])
+                    for r, tb in sorted(err.failures.items()))
+    head = str(err).splitlines()[0].split(": ", 1)[-1].split(". The pool was killed")[0]
+    msg = f"{head} ({why})"[:300]
     try:
         with open(progress) as f:
             p = json.load(f)
     except (OSError, ValueError):
-        with open(sink, "a") as f:
-            f.write(json.dumps({"bench": "opinfo", "op": name, "lib": "reference", "class": "skip",
-                                "msg": "world died outside a case: " + msg}) + "\n")
-        return None
+        p = {"unit": None, "step": -1, "case": {"bench": "opinfo", "op": name, "lib": "reference"}, "kinds": []}
     with open(sink, "a") as f:
+        if p["step"] < 0:  # outside any case (drawing the samples)
+            f.write(json.dumps(dict(p["case"], **{"class": "skip"}, msg="world died: " + msg)) + "\n")
+            return None if p["unit"] is None else (p["unit"] + 1, 0)
         for kind in p["kinds"]:
             f.write(json.dumps(dict(p["case"], kind=kind, **{"class": "crash"}, max_err=None, msg=msg,
                                     fallback=[], shape_only=False)) + "\n")
@@ -724,56 +789,113 @@ def _norm(msg: str) -> str:
     return re.sub(r"\d+", "#", msg)[:120]
 
 
-def summary(env: dict, recs: list, top: int = 25) -> str:
-    """The Markdown summary: counts, wrong cases, grouped errors, fallback ops."""
+def _case_key(r) -> tuple:
+    return (r["op"], r["dtype"], r["sample"], r["placement"], r["kind"])
+
+
+def summary(env: dict, recs: list, top: int = 25, grouped: bool = False) -> str:
+    """The Markdown summary: counts per class and library, the two libraries side by side on
+    the same cases, then per library the wrong (and crashed) cases, the errors grouped by
+    message and the aten ops autopar's fallback ran.  `grouped`: wrong cases one row per op,
+    dtype and kind."""
     cases = [r for r in recs if r["class"] != "skip"]
-    skips = {(r["op"], r["dtype"], r.get("sample")) for r in recs if r["class"] == "skip"}
     libs = [lib for lib in LIBS if any(r["lib"] == lib for r in cases)]
-    out = [f"autopar {env.get('autopar_commit', '?')}, torch {env.get('torch', '?')}, "
-           f"{env.get('ranks', '?')} ranks, {env.get('samples', '?')} samples per op, {env.get('date', '?')}", ""]
-    keys = {lib: {(r["op"], r["dtype"], r["sample"], r["placement"], r["kind"]) for r in cases if r["lib"] == lib}
-            for lib in libs}
+    out = []
+    if env:
+        out += [f"autopar {env.get('autopar_commit')}, torch {env.get('torch')}, {env.get('ranks')} ranks, "
+                f"{env.get('samples')} samples per op and dtype, {env.get('date')}", ""]
     out += ["| | " + " | ".join(SEVERITY[::-1]) + " | cases | ops |", "|---" * (len(SEVERITY) + 3) + "|"]
     for lib in libs:
-        c = collections.Counter(r["class"] for r in cases if r["lib"] == lib)
-        ops = len({r["op"] for r in cases if r["lib"] == lib})
-        out.append(f"| {lib} | " + " | ".join(f"{c[k]:,}" for k in SEVERITY[::-1]) + f" | {len(keys[lib]):,} | {ops} |")
-    n_random = len({(r["op"], r["dtype"]) for r in cases if r.get("shape_only")})
-    out += ["", f"{len(skips)} samples skipped (the single process raised on them, or no samples); "
-            f"{n_random} op/dtype pairs draw random numbers or leave memory uninitialised (compared by "
-            "shape and dtype)."]
+        mine = [r for r in cases if r["lib"] == lib]
+        c = collections.Counter(r["class"] for r in mine)
+        out.append(f"| {lib} | " + " | ".join(f"{c[k]:,}" for k in SEVERITY[::-1])
+                   + f" | {len({_case_key(r) for r in mine}):,} | {len({r['op'] for r in mine})} |")
+    if len(libs) == 2:
+        out += [""] + _side_by_side(cases, *libs)
+    out += ["", _notes(recs, cases)]
     for lib in libs:
         mine = [r for r in cases if r["lib"] == lib]
-        wrong = sorted((r for r in mine if r["class"] in ("wrong", "crash")),
-                       key=lambda r: (r["op"], r["dtype"], r["sample"], r["placement"], r["kind"]))
-        out += ["", f"### {lib}: wrong and crashed cases ({len(wrong)})", ""]
-        if wrong:
-            out += ["| op | dtype | sample | placement | kind | class | max error | what |", "|---" * 8 + "|"]
-            for r in wrong:
-                err = "" if r["max_err"] is None else f"{r['max_err']:.3g}"
-                out.append(f"| {r['op']} | {r['dtype']} | {r['sample']} | {r['placement']} | {r['kind']} | "
-                           f"{r['class']} | {err} | {(r['msg'] or '').replace('|', '/')} |")
-        groups = collections.Counter(_norm(r["msg"] or "") for r in mine if r["class"] == "error")
-        ops_of = collections.defaultdict(set)
-        for r in mine:
-            if r["class"] == "error":
-                ops_of[_norm(r["msg"] or "")].add(r["op"])
-        out += ["", f"### {lib}: errors grouped ({sum(groups.values())} cases, {len(groups)} messages; top {top})", "",
-                "| cases | ops | message | e.g. |", "|---|---|---|---|"]
-        for msg, n in groups.most_common(top):
-            eg = ", ".join(sorted(ops_of[msg])[:3])
-            out.append(f"| {n} | {len(ops_of[msg])} | {msg.replace('|', '/')} | {eg} |")
-        fb = collections.Counter(f for r in mine for f in r.get("fallback", []))
-        if fb:
-            fb_ops = collections.defaultdict(set)
-            for r in mine:
-                for f in r.get("fallback", []):
-                    fb_ops[f].add(r["op"])
-            out += ["", f"### {lib}: aten ops run by the replicated fallback ({len(fb)})", "",
-                    "| aten op | cases | OpInfo ops |", "|---|---|---|"]
-            for f, n in fb.most_common():
-                out.append(f"| {f} | {n} | {', '.join(sorted(fb_ops[f])[:4])}{' ...' if len(fb_ops[f]) > 4 else ''} |")
+        out += _wrong_table(lib, mine, grouped) + _error_table(lib, mine, top) + _fallback_table(lib, mine)
     return "\n".join(out)
+
+
+def _side_by_side(cases, a, b) -> list:
+    """Rows: the class under a; columns: the class of the same case under b."""
+    by = collections.defaultdict(dict)
+    for r in cases:
+        by[_case_key(r)][r["lib"]] = r["class"]
+    both = collections.Counter((v[a], v[b]) for v in by.values() if len(v) == 2)
+    rows = [f"| {a} \\ {b} | " + " | ".join(SEVERITY[::-1]) + " |", "|---" * (len(SEVERITY) + 1) + "|"]
+    return rows + [f"| {x} | " + " | ".join(f"{both[x, y]:,}" for y in SEVERITY[::-1]) + " |" for x in SEVERITY[::-1]]
+
+
+def _notes(recs, cases) -> str:
+    skips = {(r["op"], r["dtype"], r.get("sample")) for r in recs if r["class"] == "skip"}
+    differ = sum(1 for r in cases if r.get("per_rank") and r["kind"] == "fwd")
+    restarts = sum(1 for r in cases if r.get("restarted") and r["kind"] == "fwd")
+    shape_only = len({(r["op"], r["dtype"]) for r in cases if r.get("shape_only")})
+    return (f"{len(skips)} samples skipped (the single process raised on them, or no samples); {shape_only} "
+            f"op/dtype pairs draw random numbers or leave memory uninitialised (compared by shape and dtype); "
+            f"{differ} cases raised differently on the ranks (per_rank in the records), {restarts} of them left "
+            f"collectives unmatched (the world restarted).")
+
+
+def _wrong_table(lib, mine, grouped) -> list:
+    wrong = sorted((r for r in mine if r["class"] in ("wrong", "crash")), key=_case_key)
+    out = ["", f"### {lib}: wrong and crashed cases ({len(wrong)})", ""]
+    if not wrong:
+        return out + ["none"]
+    if grouped:
+        groups = collections.defaultdict(list)
+        for r in wrong:
+            groups[r["op"], r["dtype"], r["kind"], r["class"]].append(r)
+        out += ["| op | dtype | kind | class | cases | placements | max error | e.g. |", "|---" * 8 + "|"]
+        for (op, dt, kind, cls), rs in sorted(groups.items()):
+            errs = [r["max_err"] for r in rs if r["max_err"] is not None]
+            places = ", ".join(p for p in PLACEMENTS if any(r["placement"] == p for r in rs))
+            out.append(f"| {op} | {dt} | {kind} | {cls} | {len(rs)} | {places} | "
+                       f"{f'{max(errs):.3g}' if errs else ''} | {(rs[0]['msg'] or '').replace('|', '/')} |")
+        return out
+    out += ["| op | dtype | sample | placement | kind | class | max error | what |", "|---" * 8 + "|"]
+    for r in wrong:
+        err = "" if r["max_err"] is None else f"{r['max_err']:.3g}"
+        out.append(f"| {r['op']} | {r['dtype']} | {r['sample']} | {r['placement']} | {r['kind']} | "
+                   f"{r['class']} | {err} | {(r['msg'] or '').replace('|', '/')} |")
+    return out
+
+
+def _error_table(lib, mine, top) -> list:
+    ops_of = collections.defaultdict(set)
+    groups = collections.Counter()
+    for r in mine:
+        if r["class"] == "error":
+            groups[_norm(r["msg"] or "")] += 1
+            ops_of[_norm(r["msg"] or "")].add(r["op"])
+    out = ["", f"### {lib}: errors grouped ({sum(groups.values())} cases, {len(groups)} messages"
+           + (f", the {top} commonest)" if len(groups) > top else ")"), ""]
+    if not groups:
+        return out + ["none"]
+    out += ["| cases | ops | message | e.g. |", "|---|---|---|---|"]
+    for msg, n in groups.most_common(top):
+        eg = ", ".join(sorted(ops_of[msg])[:3])
+        out.append(f"| {n} | {len(ops_of[msg])} | {msg.replace('|', '/')} | {eg} |")
+    return out
+
+
+def _fallback_table(lib, mine) -> list:
+    fb = collections.Counter(f for r in mine for f in r.get("fallback", []))
+    if not fb:
+        return []
+    fb_ops = collections.defaultdict(set)
+    for r in mine:
+        for f in r.get("fallback", []):
+            fb_ops[f].add(r["op"])
+    out = ["", f"### {lib}: aten ops run by the replicated fallback ({len(fb)})", "",
+           "| aten op | cases | OpInfo ops |", "|---|---|---|"]
+    for f, n in fb.most_common():
+        names = sorted(fb_ops[f])
+        out.append(f"| {f} | {n} | {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''} |")
+    return out
 
 
 def _default_out(world: int, commit: str) -> str:
@@ -790,24 +912,26 @@ def main(argv=None) -> None:
     p.add_argument("--ops", default=None, help="comma-separated OpInfo names (full or bare): rerun a few ops")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--libs", default=",".join(LIBS))
+    p.add_argument("--sparse", action="store_true", help="run the samples holding sparse tensors too (slow)")
     p.add_argument("--out", default=None, help="JSON lines (default: benchmarks/results/opinfo_<N>ranks.<commit>-<run>"
                    ".jsonl for a full sweep, a file under /tmp with --ops)")
     p.add_argument("--summary", nargs="*", default=None, metavar="JSONL", help="only summarise these result files")
+    p.add_argument("--grouped", action="store_true", help="wrong cases one row per op, dtype and kind")
     a = p.parse_args(argv)
     if a.summary:
-        print(summary(*load(a.summary)))
+        print(summary(*load(a.summary), grouped=a.grouped))
         return
     sys.path.insert(0, _HERE)
     import _common
 
     env = {"bench": "env", **_common.env_info(), "ranks": a.ranks, "samples": a.samples}
     ops = tuple(a.ops.split(",")) if a.ops else None
-    out = a.out or (_default_out(a.ranks, env["autopar_commit"]) if ops is None
+    out = os.path.abspath(a.out) if a.out else (_default_out(a.ranks, env["autopar_commit"]) if ops is None
                     else f"/tmp/opinfo_{a.ranks}ranks.{env['autopar_commit']}.{os.getpid()}.jsonl")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         f.write(json.dumps(env) + "\n")
-    sel = Selection(ops=ops, samples=a.samples, libs=tuple(a.libs.split(",")))
+    sel = Selection(ops=ops, samples=a.samples, libs=tuple(a.libs.split(",")), sparse=a.sparse)
     t0 = time.time()
     sweep(sel, a.ranks, out)
     print(summary(*load([out])))
