@@ -43,10 +43,24 @@ GLOBAL_VALUE_OPS = {
     aten.is_nonzero.default,
     aten.allclose.default,
 }
-# Views that set a lazy bit (torch's conj and neg views): inside __torch_dispatch__ torch's
-# kernels ignore those bits, so a local piece must never carry one: these run as the op
-# that applies it
+# Views that set a lazy bit (torch's conj and neg views): inside __torch_dispatch__ torch
+# turns off the dispatch keys that apply those bits, so a local piece must never carry one:
+# these run as the op that applies it
 _APPLY_LAZY = {aten._conj.default: torch.conj_physical, aten._neg_view.default: torch.neg}
+_LAZY_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative)
+
+
+def _honouring_lazy_bits(call):
+    """`call` run with torch's conj/neg keys back on: a complex kernel that conjugates lazily
+    inside (linalg_lstsq's QR, a composite's `.mH`) or a plain conjugate operand would
+    otherwise be computed unconjugated."""
+
+    def run(*args, **kwargs):
+        with torch._C._SetExcludeDispatchKeyGuard(_LAZY_KEYS[0], False), \
+                torch._C._SetExcludeDispatchKeyGuard(_LAZY_KEYS[1], False):
+            return call(*args, **kwargs)
+
+    return run
 
 
 class Decision:
@@ -56,7 +70,7 @@ class Decision:
 
     __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "out_alias", "kind",
                  "member", "coord", "positions", "single", "out_local_shapes", "direct", "fast", "moved", "call",
-                 "inplace_view", "lazy_plain")
+                 "inplace_view")
 
     def __init__(self, mesh, in_specs, out_specs, kernel, local_args, mutated, out_alias, kind="op"):
         self.mesh = mesh
@@ -76,7 +90,6 @@ class Decision:
         self.call = None  # the local op (op_call.fast_op), where no kernel replaces it
         self.moved: tuple = ()  # inputs sent here from another mesh (they need no gradient)
         self.inplace_view = None  # the op, for unsqueeze_, transpose_, ...: it changes its input's shape
-        self.lazy_plain: tuple = ()  # plain complex inputs: a lazy conj/neg bit is applied before the local op
         self.single = (
             out_alias is not None and out_alias[0] == "value" and isinstance(out_alias[1], torch.Tensor)
         )
@@ -306,11 +319,10 @@ def decide(func, args, kwargs, flat) -> Decision:
     )
     dec.moved = moved
     dec.inplace_view = func if torch.Tag.inplace_view in func.tags else None
-    dec.lazy_plain = tuple(
-        i for i, t in enumerate(flat) if type(t) is not DistTensor and t.is_complex() and i not in mutated
-    )
     if dec.member and kernel is None:
         dec.call = _APPLY_LAZY.get(func) or fast_op(func, args, kwargs)
+        if any(m.dtype.is_complex for m in in_metas + out_metas):  # decided once: real ops pay nothing
+            dec.call = _honouring_lazy_bits(dec.call)
     # the key holds each input's spec, so "no input moves" holds for every call with this key
     dec.direct = all(type(t) is DistTensor and t._spec is s for t, s in zip(flat, in_specs))
     if not kwargs or not any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values()):
@@ -476,8 +488,6 @@ def _inputs_in_place(dec: Decision, flat, written=()) -> list:
         else:
             loc = _plain_to(t, spec, _rank())
         locals_.append(loc)
-    for i in dec.lazy_plain:  # torch's kernels ignore a lazy conj/neg bit under __torch_dispatch__
-        locals_[i] = locals_[i].resolve_conj().resolve_neg()
     if dec.inplace_view is not None:
         for i in dec.mutated:
             t = flat[i]
@@ -547,11 +557,12 @@ def _reduced_view(t: DistTensor, spec: DistSpec):
     """The reduced piece of `t`, a view of a Partial base tensor, taken from the base reduced
     once for all its views (backward uses a gradient and its transpose: one all-reduce, not
     two), or None when `t` is not such a view.  Only Partial -> Replicate reductions: the
-    view's elements keep their places in the base's contiguous piece."""
+    view's elements keep their places in the base's contiguous piece (in the base's dtype: a
+    real view of a complex base, `.real`, counts its strides in other units)."""
     if not t._is_view() or any(type(b) is not Replicate for a, b in zip(t._spec.placements, spec.placements) if a != b):
         return None
     base = t._base
-    if type(base) is not DistTensor or base._spec.mesh != spec.mesh:
+    if type(base) is not DistTensor or base._spec.mesh != spec.mesh or base.dtype != t.dtype:
         return None
     view = t._local
     ptr = storage_key(view)
@@ -633,11 +644,7 @@ def _dense_inputs(flat) -> list:
     """Every input's global value, on every rank of the job (collective over the job)."""
     from .api.tensor import gather_everywhere
 
-    return [
-        readable(gather_everywhere(t._local, t._spec)) if type(t) is DistTensor
-        else readable(t).resolve_conj().resolve_neg() if t.is_complex() else readable(t)
-        for t in flat
-    ]
+    return [readable(gather_everywhere(t._local, t._spec)) if type(t) is DistTensor else readable(t) for t in flat]
 
 
 def _run_on_dense(func, args, kwargs, flat):
@@ -645,7 +652,7 @@ def _run_on_dense(func, args, kwargs, flat):
     Below autograd (the wrapper-level graph already holds the op), so the gather need not be
     differentiable: `loss.item()` costs the gather and the read, no autograd Function."""
     dargs, dkwargs = _substitute(args, kwargs, _dense_inputs(flat))
-    return func(*dargs, **dkwargs)
+    return _honouring_lazy_bits(func)(*dargs, **dkwargs)
 
 
 def _run_gathered(func, args, kwargs, flat, dec: Decision):
@@ -659,7 +666,7 @@ def _run_gathered(func, args, kwargs, flat, dec: Decision):
     with value_read(str(func)):
         dense = _dense_inputs(flat)
     dargs, dkwargs = _substitute(args, kwargs, dense)
-    out = func(*dargs, **dkwargs)
+    out = _honouring_lazy_bits(func)(*dargs, **dkwargs)
     rank = _rank()
     for i in dec.mutated:
         t = flat[i]

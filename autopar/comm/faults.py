@@ -32,7 +32,7 @@ _FAILED = [False]
 _EXIT_STATUS: list = [None]  # the status this rank leaves with, when the launcher's worker knows it
 _GRACE = 3.0  # seconds to wait for peers' reports after a failure, and for peers at exit
 _NAMES: dict = {}  # (ranks, value read?) -> the group's name in messages and reports
-_RAISED: dict = {}  # (generation, mesh ranks) -> ops that raised on this rank while running on that mesh
+_RAISED: dict = {}  # (generation, mesh ranks) -> how many ops raised on this rank while running on that mesh
 
 
 def _group_name(ranks) -> str:
@@ -95,7 +95,7 @@ def _absence(peer: int, state, name: str, seq: int) -> str | None:
             f"{where['op']} #{where['seq']} over {where['group']}")
 
 
-def peer_states(op: str, ranks, seq: int) -> dict:
+def _peer_states(op: str, ranks, seq: int) -> dict:
     """After collective #`seq` over `ranks` failed here: publish where this rank is, then read
     the peers' reports for up to a few seconds: {peer: its state (see `_peer_state`)}."""
     store = _store()
@@ -170,7 +170,7 @@ def raised(op: str, err: Exception, ranks: tuple) -> None:
     there at once (`fail`) instead of waiting or pairing wrongly, and every rank makes its
     groups anew.  Only after an op raised; nothing on the way of ops that do not."""
     store = _store()
-    if store is None or len(ranks) == 1 or getattr(err, "_autopar_told", False):
+    if store is None or len(ranks) == 1 or backend.SIMULATING[0] or getattr(err, "_autopar_told", False):
         return
     err._autopar_told = True  # a list op's dispatch runs inside another's: tell once
     me = get_rank()
@@ -206,7 +206,7 @@ def fail(op: str, ranks, seq: int, err: Exception):
             f"{where}: rank {told['rank']} raised {told['error']}, in {told['op']}, and went on without this "
             f"collective. Every rank raises it; the groups are made anew, so the job may catch it and go on."
         ) from err
-    states = peer_states(op, ranks, seq)
+    states = _peer_states(op, ranks, seq)
     absent = {r: why for r, state in states.items() if (why := _absence(r, state, name, seq)) is not None} if seq else {}
     if not seq:
         who = "A peer may have crashed or not reached this transfer."
