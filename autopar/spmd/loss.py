@@ -10,6 +10,8 @@ dims it lacks), so they shard alike on any dim:
 Backward: 'none' keeps the shard; 'sum' and 'mean' take the Replicate scalar grad, and 'mean'
 scales by the global count (the local op would divide by the local one).
 The losses are not linear in their inputs: Partial inputs are reduced first.
+Per-sample losses of (N, C) scores (multi-margin, multilabel margin) split N only, and their mean
+divides by N.
 """
 from __future__ import annotations
 
@@ -68,6 +70,35 @@ def loss_backward_rule(call: OpCall) -> list[Strategy]:
     ]
 
 
+# losses of one sample's scores (N, C): the mean divides by N, only the batch dim splits (their
+# backwards have no meta kernel: the dispatcher runs them whole)
+PER_SAMPLE = {aten.multi_margin_loss.default: 5, aten.multilabel_margin_loss_forward.default: 2}
+FORWARD.update(PER_SAMPLE)
+
+
+def _per_sample(call: OpCall) -> tuple:
+    """Scores and target split on the batch, a class weight whole."""
+    n, weight = call.inputs[0].shape[0], call.arg(4, "weight")
+    return tuple(Shard(0) if m.shape and m.shape[0] == n and m is not weight else Replicate() for m in call.inputs)
+
+
+@register(list(PER_SAMPLE))
+def per_sample_loss_rule(call: OpCall) -> list[Strategy]:
+    """(N, C) scores split on N: 'none' keeps the split, 'sum' leaves Partial(sum), 'mean'
+    Partial(avg) by the kernel (is_target, multilabel's second output, keeps the split)."""
+    if len(call.inputs[0].shape) != 2 or call.inputs[0].shape[0] == 1:
+        return []
+    reduction = call.arg(PER_SAMPLE[call.func], "reduction", MEAN)
+    loss = {SUM: Partial("sum"), MEAN: Partial("avg")}.get(reduction, Shard(0))
+    return [Strategy((loss,) + (Shard(0),) * (len(call.outputs) - 1), _per_sample(call),
+                     kernel="loss_mean" if reduction == MEAN else None)]
+
+
+def _count(func, spec) -> int:
+    """How many terms the mean divides by: the elements, or the samples of a per-sample loss."""
+    return spec.shape[0] if func in PER_SAMPLE else math.prod(spec.shape)
+
+
 def _as_sum(func, args, kwargs, position: int):
     """Run the local op with reduction='sum'."""
     if position < len(args):
@@ -81,10 +112,11 @@ def _as_sum(func, args, kwargs, position: int):
 @register_kernel("loss_mean")
 def loss_mean_kernel(func, args, kwargs, in_specs, out_specs, coord):
     spec = in_specs[0]
-    dims = range(spec.ndim)
-    count = math.prod(spec.shape)
-    k = len(shard_group(spec, set(dims), coord))
-    return _as_sum(func, args, kwargs, FORWARD[func]).mul_(k / count)
+    k = len(shard_group(spec, set(range(spec.ndim)), coord))
+    out = _as_sum(func, args, kwargs, FORWARD[func])
+    if isinstance(out, tuple):  # multilabel_margin_loss: (loss, is_target)
+        return (out[0].mul_(k / _count(func, spec)),) + out[1:]
+    return out.mul_(k / _count(func, spec))
 
 
 @register_kernel("loss_mean_backward")
