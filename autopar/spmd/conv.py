@@ -31,7 +31,7 @@ from ..placement import Partial, ReduceType, Replicate, Shard
 from .einsum import einsum_strategies
 from .halo import Window, keep, narrow_back, pad_back, spatially_split, split_dims, widen
 from .registry import register, register_kernel
-from .spatial import per_dim, spatial_dims
+from .spatial import per_dim, schema_args, spatial_dims
 from .strategy import OpCall, Strategy
 
 aten = torch.ops.aten
@@ -110,11 +110,11 @@ def _dual(p):
     return p
 
 
-def _conv_of(call: OpCall, backward: bool) -> _Conv:
-    a = 1 if backward else 0  # the backward's arguments are the forward's shifted by grad_output
-    x, w = call.inputs[a], call.inputs[a + 1]
-    return _Conv(x.shape, w.shape, call.arg(a + 3, "stride"), call.arg(a + 4, "padding"), call.arg(a + 5, "dilation"),
-                 call.arg(a + 7, "output_padding"), call.arg(a + 6, "transposed"), call.arg(a + 8, "groups"))
+def _conv_of(args, at: int) -> _Conv:
+    """The convolution of a call whose input is argument `at` (0 forward; 1 backward, whose
+    arguments are the forward's shifted by grad_output); tensors or their metas."""
+    x, w = args[at], args[at + 1]
+    return _Conv(x.shape, w.shape, *args[at + 3:at + 6], args[at + 7], args[at + 6], args[at + 8])
 
 
 def _local_groups(x_channels: int, out_channels: int, w_shape, transposed: bool, groups: int) -> int:
@@ -142,7 +142,7 @@ def _backward_local_args(args, kwargs, out_shapes):
 
 @register([aten.convolution, aten._convolution], local_args=_forward_local_args)
 def convolution_rule(call: OpCall) -> list[Strategy]:
-    conv = _conv_of(call, backward=False)
+    conv = _conv_of(schema_args(call.func, call.args, call.kwargs), 0)
     has_bias = call.arg(2, "bias") is not None
     return [
         Strategy((out,), (x, w, b) if has_bias else (x, w), even=even, kernel=kernel)
@@ -153,7 +153,7 @@ def convolution_rule(call: OpCall) -> list[Strategy]:
 @register(aten.convolution_backward, local_args=_backward_local_args)
 def convolution_backward_rule(call: OpCall) -> list[Strategy]:
     """Inputs (grad_output, input, weight); outputs the gradients that output_mask asks for."""
-    conv = _conv_of(call, backward=True)
+    conv = _conv_of(schema_args(call.func, call.args, call.kwargs), 1)
     wanted = [i for i, w in enumerate(call.arg(10, "output_mask")) if w]
     strategies = []
     for x, w, b, out, even, kernel in conv.letter_strategies(call.inputs[0].shape[1]):
@@ -169,12 +169,6 @@ def convolution_backward_rule(call: OpCall) -> list[Strategy]:
 
 
 # -- kernels -----------------------------------------------------------------------------------
-def _settings(args, at: int) -> _Conv:
-    """The convolution of a call whose input is argument `at` (0 forward, 1 backward)."""
-    x, w = args[at], args[at + 1]
-    return _Conv(x.shape, w.shape, *args[at + 3:at + 6], args[at + 7], args[at + 6], args[at + 8])
-
-
 def _is_plain(func, in_specs, coord) -> bool:
     """No spatial dim split and every piece holds channels: the kernels run the plain op."""
     at = 1 if func._schema.name == "aten::convolution_backward" else 0
@@ -200,7 +194,7 @@ def convolution_kernel(func, args, kwargs, in_specs, out_specs, coord):
     """The op on this rank's input piece widened by its halo, cut to its output piece; a piece
     without channels gives its term: zeros, plus the bias this rank holds."""
     x, w, bias = args[0], args[1], args[2]
-    conv = _settings(args, 0)
+    conv = _conv_of(args, 0)
     splits = split_dims(in_specs[0], out_specs[0], coord, conv.halo_dims())
     windows = conv.windows(splits)
     out_shape = out_specs[0].local_shape(coord)
@@ -223,7 +217,7 @@ def convolution_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
     its shape alone)."""
     g, x, w = args[0], args[1], args[2]
     mask = args[10]
-    conv = _settings(args, 1)
+    conv = _conv_of(args, 1)
     splits = split_dims(in_specs[1], in_specs[0], coord, conv.halo_dims())
     windows = conv.windows(splits)
     if _empty(x, w, g.shape, splits):
