@@ -72,9 +72,9 @@ _ROOT = os.path.dirname(_HERE)
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """Which cases to run.  `ops`: full names ("softmax.with_dtype"; a name no op has as its
-    full name selects every variant of that op); None is every op.
-    `chunk` (i, n): ops i, i + n, i + 2n... of that list.  `fast`: the suite's selection (two samples,
-    see `fast_plan`).  `libs`: the libraries run on each case.  `sparse`: run the samples holding
+    full name selects every variant of that op); None is every op.  `chunk` (i, n): ops i,
+    i + n, i + 2n... of that list.  `fast`: the suite's selection (two samples, see
+    `fast_plan`).  `libs`: the libraries run on each case.  `sparse`: run the samples holding
     sparse tensors too (else each is recorded as a skip, see SPARSE)."""
 
     ops: tuple | None = None
@@ -662,7 +662,11 @@ def _run_units(sel, start, sink, progress) -> dict:
             with open(progress, "w") as f:
                 json.dump({"unit": u, "step": step, "case": case, "kinds": kinds}, f)
 
-    units = [(op, dt, k == 0) for op in select_ops(sel) for k, dt in enumerate(dtypes_for(op))]
+    ops = select_ops(sel)
+    if start == (0, 0):
+        emit([{"bench": "opinfo", "op": full_name(op), "lib": "reference", "class": "skip",
+               "msg": "no CPU dtype"} for op in ops if not dtypes_for(op)])
+    units = [(op, dt, k == 0) for op in ops for k, dt in enumerate(dtypes_for(op))]
     for u, (op, dtype, first_dtype) in enumerate(units):
         if u < start[0]:
             continue
@@ -830,14 +834,22 @@ def _side_by_side(cases, a, b) -> list:
 
 
 def _notes(recs, cases) -> str:
-    skips = {(r["op"], r["dtype"], r.get("sample")) for r in recs if r["class"] == "skip"}
+    skipped = collections.defaultdict(set)
+    for r in recs:
+        if r["class"] == "skip":
+            m = r["msg"] or ""
+            why = ("no CPU dtype" if m == "no CPU dtype" else "sparse" if m == SPARSE
+                   else "single process" if m.startswith("single process") else "other")
+            skipped[why].add((r["op"], r.get("dtype"), r.get("sample")))
     differ = sum(1 for r in cases if r.get("per_rank") and r["kind"] == "fwd")
     restarts = sum(1 for r in cases if r.get("restarted") and r["kind"] == "fwd")
     shape_only = len({(r["op"], r["dtype"]) for r in cases if r.get("shape_only")})
-    return (f"{len(skips)} samples skipped (the single process raised on them, or no samples); {shape_only} "
-            f"op/dtype pairs draw random numbers or leave memory uninitialised (compared by shape and dtype); "
-            f"{differ} cases raised differently on the ranks (per_rank in the records), {restarts} of them left "
-            f"collectives unmatched (the world restarted).")
+    return (f"Not run: {len(skipped['no CPU dtype'])} ops without a CPU dtype, {len(skipped['single process'])} "
+            f"samples the single process raised on, {len(skipped['sparse'])} samples holding sparse tensors "
+            f"(--sparse runs them), {len(skipped['other'])} other (samples not drawn, a world lost outside a "
+            f"case).  {shape_only} op/dtype pairs draw random numbers or leave memory uninitialised: compared "
+            f"by shape and dtype.  {differ} cases raised differently on the ranks (each rank's message in "
+            f"per_rank), {restarts} of them left collectives unmatched (the world restarted).")
 
 
 def _wrong_table(lib, mine, grouped) -> list:
