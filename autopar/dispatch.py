@@ -6,12 +6,12 @@ local op, wrap (a decision whose inputs never move runs as unwrap + C++ op + wra
 A rank outside the op's mesh computes nothing and returns empty pieces with the right meta
 (random ops still draw, so its generator stays on the single-process stream).
 
-Exact or refused: an input the op writes keeps its storage and placement (a write made on a
-moved copy is written back into its pieces; a Partial input the op needs reduced keeps the
-reduced piece, as a read does), a write that cannot reach the tensor is refused, an op whose
-output shape depends on values runs on the gathered inputs on every rank, and an op that
-raises while it runs on this rank's pieces is told to the other ranks (`comm.faults.raised`)
-so that none of them waits for it.
+Exact or refused: a write made on a moved copy of an input goes back into the piece that
+the tensor and whatever shares its storage hold (where nothing does, the tensor takes the new
+placement), a write that cannot reach the tensor is refused, an op whose output shape
+depends on values runs on the gathered inputs on every rank, and an op that raises while it
+runs on this rank's pieces is told to the other ranks (`comm.faults.raised`) so that none of
+them waits for it.
 """
 from __future__ import annotations
 
@@ -407,7 +407,7 @@ def dispatch(func, args, kwargs):
         if dec.direct:
             locals_ = [t._local for t in flat]
         else:
-            if dec.mutated and dec.inplace_view is None:
+            if dec.mutated and dec.inplace_view is None:  # an in-place shape op changes the tensor itself
                 written = _moved_writes(dec, flat)
             locals_ = _inputs_in_place(dec, flat, written or ())
         if dec.mutated:
@@ -460,8 +460,8 @@ def _local_of(a):
 
 def _inputs_in_place(dec: Decision, flat, written=()) -> list:
     """Each input's local piece where the decision wants it (resharding what must move).
-    An input in `written` is moved as a copy (the op's write goes back into its own pieces
-    afterwards); an in-place shape op's input takes the new placement itself."""
+    An input the op writes takes the new placement, unless it is in `written` (a copy is
+    moved and the write goes back into its own piece afterwards: `_moved_writes`)."""
     if dec.moved and torch.is_grad_enabled() and any(flat[i].requires_grad for i in dec.moved):
         raise ValueError(
             f"an input on {flat[dec.moved[0]]._spec.mesh} needs a gradient but the op runs on {dec.mesh}: "
@@ -488,25 +488,28 @@ def _inputs_in_place(dec: Decision, flat, written=()) -> list:
         else:
             loc = _plain_to(t, spec, _rank())
         locals_.append(loc)
-    if dec.inplace_view is not None:
-        for i in dec.mutated:
-            t = flat[i]
-            if type(t) is DistTensor and t._spec is not dec.in_specs[i]:
-                t._local, t._spec = locals_[i], dec.in_specs[i]
+    for i in dec.mutated:
+        t = flat[i]
+        if type(t) is DistTensor and t._spec is not dec.in_specs[i] and i not in written:
+            t._local, t._spec = locals_[i], dec.in_specs[i]
     return locals_
 
 
 def _moved_writes(dec: Decision, flat) -> dict:
-    """{flat index: (piece, spec)} of the inputs the op writes that must move for it: the op
-    writes a moved copy, and `_write_back` puts the result into these pieces.  A Partial input
-    the op needs reduced is not one: it takes its reduced piece for good, as a read does
-    (`keep_reduced`; a gradient is reduced once, and putting a sum back into terms costs a
-    gather where the op wants it sharded)."""
-    return {
-        i: (t._local, t._spec)
-        for i in dec.mutated
-        if type(t := flat[i]) is DistTensor and t._spec is not dec.in_specs[i] and not _only_reduces(t._spec, dec.in_specs[i])
-    }
+    """{flat index: (piece, spec)} of the inputs the op writes that must move for it while
+    something else holds their piece's storage (a view, a `detach()` alias, a Parameter made
+    from the tensor, a flat buffer): the op writes a moved copy and `_write_back` puts the
+    result into that piece.  An input whose piece nothing else holds takes the new placement
+    for good (nobody can tell, and an optimizer's state then follows its parameter), and so
+    does a Partial input the op needs reduced, as a read does (`keep_reduced`)."""
+    written = {}
+    for i in dec.mutated:
+        t = flat[i]
+        if type(t) is DistTensor and t._spec is not dec.in_specs[i] and not _only_reduces(t._spec, dec.in_specs[i]):
+            piece = t._local
+            if torch._C._storage_Use_Count(piece.untyped_storage()._cdata) > 2:  # piece + this storage object
+                written[i] = (piece, t._spec)
+    return written
 
 
 def _write_back(dec: Decision, locals_, written: dict) -> None:

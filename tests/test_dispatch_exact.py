@@ -61,8 +61,8 @@ def test_max_norm_renormalises_a_sharded_weight_as_one_process_does(kind, dim):
 
 def _module_and_views():
     """A distributed Parameter written through nn.Embedding(max_norm=); an op without a rule
-    writing a view of a Shard(0) tensor, a Shard(1) tensor and a Partial one (which takes its
-    reduced piece for good, as a read does)."""
+    writing a view of a Shard(0) tensor, a Shard(1) tensor with a detach() alias, one that
+    nothing else holds and a Partial one (these two take the placement the op ran on)."""
     w0 = _weight()
     mesh = _mesh()
     emb = torch.nn.Embedding(6, 4, max_norm=1.0)
@@ -75,6 +75,8 @@ def _module_and_views():
     s = dist.shard_tensor(torch.arange(24.0).reshape(6, 4), mesh, [Shard(1)])
     alias = s.detach()
     returned = running_sum_(s)
+    alone = dist.shard_tensor(torch.arange(24.0).reshape(6, 4), mesh, [Shard(1)])
+    running_sum_(alone)  # nothing else holds its piece: it takes the placement the op ran on
     a = dist.shard_tensor(torch.arange(12.0).reshape(3, 4), mesh, [Shard(1)])
     b = dist.shard_tensor(torch.ones(4, 2), mesh, [Shard(0)])
     p = a @ b
@@ -82,7 +84,8 @@ def _module_and_views():
     running_sum_(p)
     return (dist.unshard_dtensor(emb.weight), isinstance(emb.weight, torch.nn.Parameter), dist.unshard_dtensor(out),
             dist.unshard_dtensor(t), dist.unshard_dtensor(s), dist.unshard_dtensor(alias), returned is s,
-            list(s.placements), p_placements, dist.unshard_dtensor(p), list(p.placements))
+            list(s.placements), p_placements, dist.unshard_dtensor(p), list(p.placements),
+            dist.unshard_dtensor(alone), list(alone.placements))
 
 
 def test_an_op_without_a_rule_writes_a_parameter_a_view_an_alias_and_a_partial_tensor():
@@ -95,7 +98,8 @@ def test_an_op_without_a_rule_writes_a_parameter_a_view_an_alias_and_a_partial_t
     running_sum_(t[:, 1:3])
     s = running_sum_(torch.arange(24.0).reshape(6, 4))
     p = running_sum_(torch.arange(12.0).reshape(3, 4) @ torch.ones(4, 2))
-    for w, is_param, out, t_d, s_d, alias, same, s_pl, p_before, p_d, p_after in run_dist(_module_and_views, 2):
+    for (w, is_param, out, t_d, s_d, alias, same, s_pl, p_before, p_d, p_after, alone,
+         alone_pl) in run_dist(_module_and_views, 2):
         torch.testing.assert_close(w, emb.weight.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out, ref_out.detach(), rtol=1e-5, atol=1e-6)
         assert is_param
@@ -105,6 +109,8 @@ def test_an_op_without_a_rule_writes_a_parameter_a_view_an_alias_and_a_partial_t
         assert same and s_pl == [Shard(1)]
         assert p_before == [Partial()] and p_after == [Replicate()]
         torch.testing.assert_close(p_d, p)
+        torch.testing.assert_close(alone, s)
+        assert alone_pl == [Replicate()]
 
 
 def _write_to_a_copy():
@@ -137,15 +143,17 @@ def _complex_cases():
         "hfftn": (lambda x: torch.fft.hfftn(x.to(torch.complex64)), [x]),
         # eigenvectors up to their phase: their moduli
         "eig": (lambda a: (torch.view_as_real(torch.linalg.eig(a)[0]), torch.linalg.eig(a)[1].abs()), [a]),
+        # kernels that conjugate lazily inside; the real and imaginary parts of a complex input
+        "lstsq_gels": (lambda ar, ai, b: [torch.view_as_real(o) if o.is_complex() else o for o in torch.linalg.lstsq(
+            torch.complex(ar, ai), b.to(torch.complex64), driver="gels")[:2]], [x[:4, :3], x[2:, 1:], x[:4, 2:]]),
+        "corrcoef": (lambda xr, xi: torch.view_as_real(torch.corrcoef(torch.complex(xr, xi))), [x[:3], x[3:]]),
     }
 
 
 def _run_complex(placement):
     out = {}
     for name, (fn, inputs) in _complex_cases().items():
-        placements = [[placement]] + [None] * (len(inputs) - 1)
-        if name == "conj_of_a_plain_operand":  # the second factor is made plain inside fn
-            placements = [[placement]]
+        placements = [[placement]] * len(inputs)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
