@@ -936,6 +936,7 @@ def main(argv=None) -> None:
     sys.path.insert(0, _HERE)
     import _common
 
+    torch.set_num_threads(1)  # as the ranks run (env_info reads it here)
     env = {"bench": "env", **_common.env_info(), "ranks": a.ranks, "samples": a.samples}
     ops = tuple(a.ops.split(",")) if a.ops else None
     out = os.path.abspath(a.out) if a.out else (_default_out(a.ranks, env["autopar_commit"]) if ops is None
