@@ -260,6 +260,7 @@ def test_a_hidden_rank_that_fails_is_quoted_in_the_summary(tmp_path):
     r = launch("--nproc_per_node", "2", "--log-ranks", "0", str(SCRIPTS / "fail_rank1.py"),
                str(tmp_path / "pid"), "sleep")
     assert r.returncode == 1
+    assert r.stderr.count("its output was not shown; the end of its stderr:") == 1, r.stderr
     shown, summary = r.stderr.split("its output was not shown; the end of its stderr:")
     assert "rank 1 exited with code 1; the other ranks were stopped (" in shown[-200:]
     assert "[rank1]" not in r.stdout + shown
@@ -493,3 +494,15 @@ def test_exit_times_are_noted_when_a_child_ends_not_when_it_is_reaped():
     assert exits.ended[first.pid] - start == pytest.approx(0.2, abs=0.25)
     assert exits.ended[second.pid] - start == pytest.approx(0.8, abs=0.25)
     assert exits.ended[first.pid] < exits.ended[second.pid]
+
+
+@pytest.mark.parametrize("master_addr, message", [
+    ("0.0.0.0", "refusing to host a store on '0.0.0.0': it would listen on every interface"),
+    ("192.0.2.200", "cannot host a store on 192.0.2.200:{port} (192.0.2.200): Cannot assign requested address"),
+])
+def test_node_0_hosts_its_store_on_an_address_of_its_own_only(master_addr, message):
+    port = free_port()
+    r = launch("--nnodes", "2", "--master_addr", master_addr, "--master_port", str(port), "--join_timeout", "3",
+               str(SCRIPTS / "allreduce.py"))
+    assert r.returncode == 1
+    assert message.format(port=port) in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

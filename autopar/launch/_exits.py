@@ -49,39 +49,46 @@ class ExitTimes:
 
     Children are found in ``/proc/<pid>/task/*/children`` every `poll_s` seconds; an exit
     wakes the watcher at once (a pidfd turns readable when its process ends, before it is
-    reaped), so ``ended[pid]`` is the time of the exit to within a few milliseconds."""
+    reaped), so ``ended[pid]`` is the time of the exit to within a few milliseconds. Exits
+    the watcher had not noted yet when it is closed are noted then: late, never early."""
 
     def __init__(self, poll_s: float = 0.02):
         self.ended: dict[int, float] = {}  # pid -> when it ended
         self._fds: dict[int, int] = {}  # pidfd -> pid, of the children still running
         self._poll_s = poll_s
+        self._poller = select.poll() if hasattr(os, "pidfd_open") else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autopar-exit-times", daemon=True)
 
     def start(self) -> None:
-        if hasattr(os, "pidfd_open"):
+        if self._poller is not None:
             self._thread.start()
 
     def close(self) -> None:
+        """Stop watching (idempotent), noting the exits not noted yet."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        if self._fds:
+            self._note(0)
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
 
     def _run(self) -> None:
-        poller = select.poll()
         while not self._stop.is_set():
             for pid, fd in self._find_children():
                 self._fds[fd] = pid
-                poller.register(fd, select.POLLIN)
-            ready = poller.poll(self._poll_s * 1000)
-            now = time.time()
-            for fd, _ in ready:
-                self.ended[self._fds.pop(fd)] = now
-                poller.unregister(fd)
-                os.close(fd)
+                self._poller.register(fd, select.POLLIN)
+            self._note(self._poll_s)
+
+    def _note(self, timeout_s: float) -> None:
+        ready = self._poller.poll(timeout_s * 1000)
+        now = time.time()
+        for fd, _ in ready:
+            self.ended[self._fds.pop(fd)] = now
+            self._poller.unregister(fd)
+            os.close(fd)
 
     def _find_children(self) -> list[tuple[int, int]]:
         """``(pid, pidfd)`` of the children not watched yet."""

@@ -18,6 +18,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing import SignalException
@@ -44,10 +45,13 @@ def _launch(config: LaunchConfig, executable: str, argv: list[str], output: Rank
 
 def _time_failures(error: ChildFailedError, output: RankOutput, exits: ExitTimes) -> None:
     """Each failure's time: when the rank stamped its failure, else when its process ended,
-    else elastic's whole second (see :mod:`._exits`)."""
+    else now (see :mod:`._exits`; elastic's whole second, rounded down, could put a rank its
+    agent stopped before the rank that failed)."""
+    exits.close()  # every rank has ended: note the exits the watcher has not yet
+    now = time.time()
     for rank, failure in error.failures.items():
         stamp = _stamp(output, rank)
-        failure.timestamp = stamp[0] if stamp else exits.ended.get(failure.pid, failure.timestamp)
+        failure.timestamp = stamp[0] if stamp else exits.ended.get(failure.pid, now)
 
 
 def _stamp(output: RankOutput, rank: int) -> tuple[float, int] | None:
