@@ -272,6 +272,31 @@ def test_an_op_raising_on_every_rank_raises_its_own_error_and_keeps_the_groups()
         assert after[0] == 56.0 and made_anew == 0
 
 
+def _raises_on_one_rank_of_a_pair():
+    """3 ranks: the embedding runs on ranks 0 and 1 and raises on rank 1; every rank then reads
+    a value over all three (rank 2 is not in the op's mesh)."""
+    comm.reset_groups()
+    z = dist.shard_tensor(torch.arange(6.0), dist.ProcessMesh([0, 1, 2]), [Shard(0)])
+    z.sum().item()  # the world's groups exist on every rank
+    x = dist.shard_tensor(torch.tensor([[0, 1], [9, 3]]), _mesh(), [Shard(0)])
+    w = dist.shard_tensor(torch.arange(20.0).reshape(5, 4), _mesh(), [Replicate()])
+    try:
+        F.embedding(x, w)
+        caught = "no error", (z * 2).sum().item()
+    except (IndexError, dist.CommError) as e:
+        caught = type(e).__name__, str(e)
+    return caught, (z + 1).sum().item()
+
+
+def test_an_op_raising_on_one_rank_raises_outside_its_mesh_too():
+    results = run_dist(_raises_on_one_rank_of_a_pair, 3)
+    assert results[1][0][0] == "IndexError"
+    for rank in (0, 2):
+        kind, msg = results[rank][0]
+        assert kind == "CommError" and "rank 1 raised IndexError" in msg and "aten.embedding.default" in msg, msg
+    assert [after for _, after in results] == [21.0] * 3
+
+
 # -- the decision cache ----------------------------------------------------------------------
 def _many_shapes(n):
     t = dist.shard_tensor(torch.zeros(n + 1), dist.ProcessMesh([0]), [Shard(0)])
