@@ -206,14 +206,15 @@ def fail(op: str, ranks, seq: int, err: Exception):
             f"{where}: rank {told['rank']} raised {told['error']}, in {told['op']}, and went on without this "
             f"collective. Every rank raises it; the groups are made anew, so the job may catch it and go on."
         ) from err
-    states = _peer_states(op, ranks, seq)
-    absent = {r: why for r, state in states.items() if (why := _absence(r, state, name, seq)) is not None} if seq else {}
+    read = reading()
+    states = _peer_states(op, ranks, seq) if seq or read else {}
+    absent = {}
     if not seq:
         who = "A peer may have crashed or not reached this transfer."
     else:
+        absent = {r: why for r, state in states.items() if (why := _absence(r, state, name, seq)) is not None}
         who = (f"Ranks that did not arrive: {'; '.join(absent.values())}." if absent
                else "Every peer reached this collective; one may have crashed in it.")
-    read = reading()
     # a read made on some ranks only leaves the others alive elsewhere; a peer that left is no sign of one
     alive = [r for r in (absent if seq else states) if states[r] is None or states[r][0] != "left"]
     hint = (f" This collective belongs to a value read ({read}): value reads are collective over the job, "
