@@ -52,9 +52,9 @@ class DistTensor(torch.Tensor):
     """A distributed tensor: global meta + this rank's local piece.
 
     Build one with `shard_tensor`, `dtensor_from_local` or `dtensor_from_fn`.  Its local piece
-    never carries a lazy conjugate or negation bit (torch's kernels ignore them inside
-    `__torch_dispatch__`): a piece given with one has it applied, and the ops that would set
-    one (`conj()`, `_neg_view`) apply it (see `dispatch`).
+    never carries a lazy conjugate or negation bit (inside `__torch_dispatch__` torch turns off
+    the keys that apply them): a piece given with one has it applied, and the ops that would
+    set one (`conj()`, `_neg_view`) apply it (see `dispatch`).
     """
 
     _local: torch.Tensor

@@ -173,14 +173,19 @@ def test_conjugates_and_their_gradients_are_the_single_process_ones(placement):
 def _plain_conj_operand():
     c = torch.tensor([1 + 2j, 3 - 1j, -2 + 1j, 1j])
     d = dist.shard_tensor(c, _mesh(), [Shard(0)])
-    return dist.unshard_dtensor(d * c.conj()), dist.unshard_dtensor(d.conj()).is_conj()
+    piece = c.conj()[2 * dist.get_rank():2 * dist.get_rank() + 2]  # a lazy conjugate given as the piece
+    given = dist.dtensor_from_local(piece, _mesh(), [Shard(0)], shape=c.shape)
+    return (dist.unshard_dtensor(d * c.conj()), dist.unshard_dtensor(d.conj()).is_conj(),
+            dist.unshard_dtensor(torch.view_as_real(given)), dist.unshard_dtensor(torch.sqrt(d.conj())))
 
 
-def test_a_plain_conjugate_operand_is_applied():
+def test_a_plain_conjugate_operand_and_a_conjugate_given_are_applied():
     c = torch.tensor([1 + 2j, 3 - 1j, -2 + 1j, 1j])
-    for prod, lazy in run_dist(_plain_conj_operand, 2):
+    for prod, lazy, given, root in run_dist(_plain_conj_operand, 2):
         torch.testing.assert_close(prod, c * c.conj())
         assert not lazy
+        torch.testing.assert_close(given, torch.view_as_real(c.conj().resolve_conj()))
+        torch.testing.assert_close(root, torch.sqrt(c.conj()))
 
 
 # -- output shapes that depend on values ----------------------------------------------------
