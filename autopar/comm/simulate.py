@@ -248,7 +248,9 @@ def filling() -> bool:
 
 
 @contextlib.contextmanager
-def _filling():
+def filling_outputs():
+    """The ops run inside write a simulated transfer's outputs (the fake group's own copies
+    of the input, or `plausible`'s values): see `filling`."""
     _FILLING[0] = True
     try:
         yield
@@ -264,7 +266,7 @@ def plausible(op: str, tensors: tuple, logs: tuple) -> None:
     as allocated they could hold NaNs, which a local region's trial run never matches, or
     not, from one run to the next), reductions keep this rank's terms (a pair's small all-reduce,
     gathered and reduced locally, reduces copies of them)."""
-    with _filling():
+    with filling_outputs():
         _fill(op, tensors, logs)
 
 
@@ -299,7 +301,7 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def received(buf: torch.Tensor) -> torch.Tensor:
     """A simulated receive's buffer, zeroed (see `plausible`)."""
-    with _filling():
+    with filling_outputs():
         return buf.zero_()
 
 

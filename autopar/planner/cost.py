@@ -426,6 +426,7 @@ def _spawn(target, world: int, *args, timeout: float = 300.0):
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
+    answer = None
     try:
         while True:
             try:
@@ -441,9 +442,10 @@ def _spawn(target, world: int, *args, timeout: float = 300.0):
                                        f"{timeout:.0f} s") from None
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if answer is not None else 0)  # after a failure, stop the rest now
             if p.is_alive():
                 p.kill()
+                p.join()
     return answer
 
 
