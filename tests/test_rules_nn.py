@@ -8,30 +8,15 @@ import torch.nn.functional as F
 
 import autopar as dist
 from autopar import Partial, ProcessMesh, Replicate, Shard
-from autopar.spec import TensorMeta
 from autopar.spmd import engine
-from autopar.spmd.strategy import OpCall
 from distpool import run_dist
 from opcheck import check
+from rulecheck import meta as _m, op_call as _call
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
 MESH_2D = [[2, 0], [1, 3]]
 MY_OPS = ("softmax", "nll_loss", "mse_loss", "smooth_l1", "huber", "binary_cross_entropy", "flash_attention", "dropout", "bernoulli", "uniform", "normal", "rand")
-
-
-def _call(op, *args, **kwargs):
-    """An OpCall built by running `op` on meta tensors of the given shapes (tensors given as meta)."""
-    flat = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-    outs = op(*args, **kwargs)
-    outs = [outs] if isinstance(outs, torch.Tensor) else list(outs)
-    meta = lambda a: TensorMeta.of(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
-    return OpCall(op, tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()},
-                  [TensorMeta.of(t) for t in flat], [TensorMeta.of(t) for t in outs])
-
-
-def _m(*shape, dtype=torch.float32):
-    return torch.empty(shape, device="meta", dtype=dtype)
 
 
 def _comm(log):

@@ -13,12 +13,11 @@ import torch.nn.functional as F
 
 import autopar as dist
 from autopar import Partial, Replicate, Shard
-from autopar.spec import TensorMeta
 from autopar.spmd import engine
 from autopar.spmd.registry import rule_for
-from autopar.spmd.strategy import OpCall
 from distpool import run_dist
 from opcheck import check
+from rulecheck import meta as _m, op_call as _call
 
 aten = torch.ops.aten
 R, S0, S1, S2, P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
@@ -68,29 +67,6 @@ def _grad_placements(fn, arg, seen):
         return fn(*xs)
 
     return wrapped
-
-
-def _call(func, *args, **kwargs) -> OpCall:
-    """OpCall of func on these (meta) tensors, as the dispatcher builds it."""
-    metas = []
-
-    def meta(a):
-        if isinstance(a, torch.Tensor):
-            metas.append(TensorMeta.of(a))
-            return metas[-1]
-        if isinstance(a, (list, tuple)):
-            return type(a)(meta(x) for x in a)
-        return a
-
-    out = func(*args, **kwargs)
-    outs = out if isinstance(out, (list, tuple)) else [out]
-    margs = tuple(meta(a) for a in args)
-    mkwargs = {k: meta(v) for k, v in kwargs.items()}
-    return OpCall(func, margs, mkwargs, metas, [TensorMeta.of(o) for o in outs])
-
-
-def _m(*shape, dtype=torch.float32):
-    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 # -- pure rule tests -------------------------------------------------------------------------------

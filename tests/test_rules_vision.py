@@ -6,34 +6,14 @@ import pytest
 import torch
 
 from autopar import Partial, ProcessMesh, Replicate, Shard
-from autopar.spec import TensorMeta
 from autopar.spmd import engine
 from autopar.spmd.registry import KERNEL_PLAIN_WHEN, KERNELS, LOCAL_ARGS, MODULE_RULES, UNDECLARED_WRITES, rule_for
-from autopar.spmd.strategy import OpCall
+from rulecheck import meta as _m, op_call as _call
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
 S0, S1, S2, S3 = Shard(0), Shard(1), Shard(2), Shard(3)
 MESH = ProcessMesh([0, 1])
-
-
-def _m(*shape, dtype=torch.float32):
-    return torch.empty(shape, device="meta", dtype=dtype)
-
-
-def _call(op, *args):
-    """An OpCall from running `op` on meta tensors (outputs None where the meta kernel makes none)."""
-    outs = op(*args)
-    outs = [outs] if isinstance(outs, torch.Tensor) else [o for o in outs if isinstance(o, torch.Tensor)]
-    meta = lambda a: TensorMeta.of(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
-    flat = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            flat.append(a)
-        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-            flat.extend(a)
-    return OpCall(op, tuple(meta(a) if not isinstance(a, (list, tuple)) else a for a in args), {},
-                  [TensorMeta.of(t) for t in flat], [TensorMeta.of(t) for t in outs])
 
 
 def _choose(call, *current, mesh=MESH):
