@@ -49,6 +49,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 import traceback
@@ -381,7 +382,8 @@ def compare_grads(got: list, want: list, rtol, atol):
 
 
 class Autopar:
-    """autopar's side: shard_tensor, full_value, the loss as tests/opcheck.py builds it."""
+    """autopar's side: shard_tensor, unshard_dtensor (the global value, differentiable), the loss
+    as tests/opcheck.py builds it."""
 
     name = "autopar"
 
@@ -397,9 +399,7 @@ class Autopar:
         return d.shard_tensor(t.detach().clone(), self.mesh, [p], stop_gradient=not requires_grad)
 
     def full(self, x):
-        from autopar.api.tensor import full_value
-
-        return full_value(x) if self.dist.is_dist_tensor(x) else x
+        return self.dist.unshard_dtensor(x) if self.dist.is_dist_tensor(x) else x
 
     def weight(self, o, w):
         return o.clone() * w  # through a copy: a Partial output keeps its own placements
@@ -579,7 +579,6 @@ def _in_step(step) -> bool:
     import torch.distributed as tdist
 
     import autopar
-    from autopar.api.tensor import full_value
 
     rank, world = tdist.get_rank(), tdist.get_world_size()
     mine = torch.tensor([step[0], step[1], rank], dtype=torch.int64)
@@ -591,7 +590,7 @@ def _in_step(step) -> bool:
         ok = all(g.tolist() == [step[0], step[1], r] for r, g in enumerate(got))
         values = torch.arange(2.0 * world) + step[1]
         mesh = autopar.ProcessMesh(list(range(world)))
-        ok = ok and torch.equal(full_value(autopar.shard_tensor(values, mesh, [autopar.Shard(0)])), values)
+        ok = ok and torch.equal(autopar.unshard_dtensor(autopar.shard_tensor(values, mesh, [autopar.Shard(0)])), values)
     except Exception:
         ok = False
     finally:
@@ -611,6 +610,31 @@ def _libs(names, world):
     if (names, world) not in _LIBS:
         _LIBS[names, world] = [{"autopar": Autopar, "dtensor": DTensorLib}[n](world) for n in names]
     return _LIBS[names, world]
+
+
+CASE_SECONDS = 120  # a case still running after this is interrupted and recorded as a crash
+
+
+class CaseTimeout(BaseException):
+    """Raised into a case that runs too long (a BaseException: libraries' `except Exception`
+    must not swallow it)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds):
+    """Interrupt the block after `seconds` (a Python loop that never ends: DTensor's unflatten of
+    one sample spun for good on both ranks).  A rank blocked inside a collective is left to the
+    collective's own timeout."""
+    def expire(signum, frame):
+        raise CaseTimeout(f"hung: interrupted after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 SPARSE = ("sparse layout: not run without --sparse (autopar's shard_tensor of a sparse CSR tensor succeeds "
@@ -699,7 +723,11 @@ def _run_units(sel, start, sink, progress) -> dict:
                     result = {"fwd": _outcome("skip", None, ref if ref is SPARSE else "single process: " + ref, [])}
                 else:
                     try:
-                        result = run_lib(lib, op, samples[i], placement, ref, tol, seed)
+                        with _time_limit(CASE_SECONDS):
+                            result = run_lib(lib, op, samples[i], placement, ref, tol, seed)
+                    except CaseTimeout as e:
+                        hung = _outcome("crash", None, str(e), [])
+                        result = {"fwd": hung, **({"grad": hung} if ref.grads is not None else {})}
                     except BaseException as e:  # a bug in the sweep: keep the ranks in step
                         traceback.print_exc()
                         result = {"fwd": _outcome("error", None, "sweep: " + _first_line(e), [])}
@@ -715,9 +743,9 @@ def _run_units(sel, start, sink, progress) -> dict:
 # -- the parent: the sweep, its world restarts, the summary ---------------------------------
 
 
-def sweep(sel: Selection, world: int, sink: str, deadline: float = 900.0) -> None:
-    """Run the selection op by op on a pool of `world` ranks, restarting the world after a
-    crash or a desync and recording the case it happened on."""
+def sweep(sel: Selection, world: int, sink: str, deadline: float = 900.0, start_op: str | None = None) -> None:
+    """Run the selection op by op (from `start_op`) on a pool of `world` ranks, restarting the
+    world after a crash or a desync and recording the case it happened on."""
     sys.path.insert(0, os.path.join(_ROOT, "tests"))
     os.environ.setdefault("AUTOPAR_TEST_TIMEOUT", "20")  # a library's collective left unmatched
     os.environ.setdefault("AUTOPAR_TIMEOUT", "20")  # autopar's own groups likewise
@@ -726,6 +754,7 @@ def sweep(sel: Selection, world: int, sink: str, deadline: float = 900.0) -> Non
 
     self_mod = sys.modules.get("opinfo_sweep") or __import__("opinfo_sweep")
     names = [full_name(op) for op in select_ops(sel)]
+    names = names[names.index(start_op):] if start_op is not None else names
     progress = sink + ".progress"
     t0 = time.monotonic()
     for k, name in enumerate(names):
@@ -771,12 +800,15 @@ def _record_crash(progress, sink, err, name):
 
 
 def load(paths) -> tuple[dict, list]:
+    """(the first env line, with "resumed": [(op, date)] of any later ones; the case records)."""
     env, recs = {}, []
     for path in paths:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
-                if r.get("bench") == "env":
+                if r.get("bench") == "env" and env:
+                    env.setdefault("resumed", []).append((r.get("resumed_from"), r.get("date")))
+                elif r.get("bench") == "env":
                     env = r
                 elif r.get("bench") == "opinfo":
                     recs.append(r)
@@ -807,7 +839,8 @@ def summary(env: dict, recs: list, top: int = 25, grouped: bool = False) -> str:
     out = []
     if env:
         out += [f"autopar {env.get('autopar_commit')}, torch {env.get('torch')}, {env.get('ranks')} ranks, "
-                f"{env.get('samples')} samples per op and dtype, {env.get('date')}", ""]
+                f"{env.get('samples')} samples per op and dtype, {env.get('date')}"
+                + "".join(f" (resumed at {op} on {date})" for op, date in env.get("resumed", [])), ""]
     out += ["| | " + " | ".join(SEVERITY[::-1]) + " | cases | ops |", "|---" * (len(SEVERITY) + 3) + "|"]
     for lib in libs:
         mine = [r for r in cases if r["lib"] == lib]
@@ -927,6 +960,8 @@ def main(argv=None) -> None:
     p.add_argument("--sparse", action="store_true", help="run the samples holding sparse tensors too (slow)")
     p.add_argument("--out", default=None, help="JSON lines (default: benchmarks/results/opinfo_<N>ranks.<commit>-<run>"
                    ".jsonl for a full sweep, a file under /tmp with --ops)")
+    p.add_argument("--from", dest="start", default=None, metavar="OP",
+                   help="resume an interrupted sweep at this op (full name), appending to --out")
     p.add_argument("--summary", nargs="*", default=None, metavar="JSONL", help="only summarise these result files")
     p.add_argument("--grouped", action="store_true", help="wrong cases one row per op, dtype and kind")
     a = p.parse_args(argv)
@@ -942,11 +977,20 @@ def main(argv=None) -> None:
     out = os.path.abspath(a.out) if a.out else (_default_out(a.ranks, env["autopar_commit"]) if ops is None
                     else f"/tmp/opinfo_{a.ranks}ranks.{env['autopar_commit']}.{os.getpid()}.jsonl")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(json.dumps(env) + "\n")
     sel = Selection(ops=ops, samples=a.samples, libs=tuple(a.libs.split(",")), sparse=a.sparse)
+    names = [full_name(op) for op in select_ops(sel)]
+    kept = []
+    if a.start is not None:  # keep the records of the ops before it, the env line first
+        if not (a.out and os.path.exists(out)) or a.start not in names:
+            p.error("--from needs the --out of the interrupted sweep and an op of its selection")
+        later = set(names[names.index(a.start):])
+        with open(out) as f:
+            kept = [ln for ln in f if json.loads(ln).get("op") not in later]
+        env["resumed_from"] = a.start
+    with open(out, "w") as f:
+        f.writelines(kept + [json.dumps(env) + "\n"])
     t0 = time.time()
-    sweep(sel, a.ranks, out)
+    sweep(sel, a.ranks, out, start_op=a.start)
     print(summary(*load([out])))
     print(f"\n{out} ({time.time() - t0:.0f}s)")
 
