@@ -31,7 +31,7 @@ from .api.optimizer import (
     ShardingStage3,
     shard_optimizer,
 )
-from .api.tensor import (
+from .api.tensors import (
     dtensor_from_fn,
     dtensor_from_local,
     is_dist_tensor,
@@ -41,16 +41,17 @@ from .api.tensor import (
 )
 from .checkpoint import CheckpointError, CheckpointNotFoundError, load_state_dict, save_state_dict
 from .comm import CommError, comm_log, get_rank, get_world_size
-from .comm.simulate import representative_ranks, simulate
-from .explain import explain
-from .dtensor import DistTensor
+from .tools.simulate import representative_ranks, simulate
+from .tools.explain import explain
+from .runtime.local_region import local_regions
+from .tensor.dtensor import DistTensor
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard
 from .planner import plan
 from .static import CaptureError, DistModel, Strategy, to_static
 from . import auto_parallel  # noqa: F401  (dist.auto_parallel.set_mesh)
 from . import pipelining  # noqa: F401  (dist.pipelining.PipelineStage, schedules)
-from . import dispatch as _dispatch  # noqa: F401  (installs the op dispatcher)
+from .tensor import dispatch as _dispatch  # noqa: F401  (installs the op dispatcher)
 
 __all__ = [
     "ColWiseParallel",
@@ -93,6 +94,7 @@ __all__ = [
     "simulate",
     "representative_ranks",
     "explain",
+    "local_regions",
     "dtensor_from_fn",
     "dtensor_from_local",
     "get_rank",

@@ -23,7 +23,7 @@ C++ -> Python entry and one wrapper allocation.
 Each repetition is `--inner` ops in a loop; us/op = time / inner.
 
 Also checks: results equal the plain op; no communication; and the "second call does no
-planning" claim: `autopar.dispatch.decide` is wrapped with a counter, it must run on the
+planning" claim: `autopar.tensor.dispatch.decide` is wrapped with a counter, it must run on the
 first call of each (op, specs) and never inside the timed loops.
 """
 from __future__ import annotations
@@ -41,8 +41,8 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Replicate as DR, Shard as DS, distribute_tensor  # noqa: E402
 
 import autopar as dist  # noqa: E402
-import autopar.dispatch as ap_dispatch  # noqa: E402
-from autopar.op_call import fast_op  # noqa: E402
+import autopar.tensor.dispatch as ap_dispatch  # noqa: E402
+from autopar.tensor.op_call import fast_op  # noqa: E402
 
 DECIDE_CALLS = [0]
 _orig_decide = ap_dispatch.decide

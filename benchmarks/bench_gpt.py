@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import autopar as dist  # noqa: E402
 import train_gpt as G  # noqa: E402
-from autopar.local_region import local_regions  # noqa: E402
+from autopar.runtime.local_region import local_regions  # noqa: E402
 
 
 def local_heads_attention(tp):

@@ -102,7 +102,7 @@ def _pieces(tensors):
 
 def gathered_bytes(model) -> int:
     """Bytes of the parameters ZeRO-3 (autopar's units) or FSDP2 holds gathered right now."""
-    from autopar.api import zero3
+    from autopar.runtime.zero import zero3
 
     units = {id(u): u for u in (ref() for ref in zero3._UNIT_OF.values()) if u is not None}.values()
     total = sum(w.untyped_storage().nbytes() for u in units for w in u.writes

@@ -984,8 +984,8 @@ def main(argv=None) -> None:
         if not (a.out and os.path.exists(out)) or a.start not in names:
             p.error("--from needs the --out of the interrupted sweep and an op of its selection")
         later = set(names[names.index(a.start):])
-        with open(out) as f:
-            kept = [ln for ln in f if json.loads(ln).get("op") not in later]
+        with open(out) as f:  # an earlier resume at or after it goes too
+            kept = [ln for ln in f if json.loads(ln).get("op", json.loads(ln).get("resumed_from")) not in later]
         env["resumed_from"] = a.start
     with open(out, "w") as f:
         f.writelines(kept + [json.dumps(env) + "\n"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import autopar as dist
-from autopar.api.tensor import full_value
+from autopar.api.tensors import full_value
 
 
 def _leaves(out):

@@ -11,7 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import autopar as dist
-import autopar.local_region as lr
+import autopar.runtime.local_region as lr
 from autopar.placement import Replicate, Shard
 from distpool import run_dist
 from hf_llama import assert_matches, batches, mp_plan, optimizer, reference, tiny_llama, train

@@ -4,7 +4,7 @@ import torch
 
 import autopar as dist
 from autopar.placement import Partial, Replicate, Shard, normalize_placements
-from autopar.reshard.plan import plan_bytes, plan_steps
+from autopar.redistribute.plan import plan_bytes, plan_steps
 from autopar.spec import DistSpec, TensorMeta, split_range
 
 R = Replicate()

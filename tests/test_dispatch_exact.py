@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import autopar as dist
-from autopar import comm, dispatch
+from autopar import comm
+from autopar.tensor import dispatch
 from autopar.comm import backend
 from autopar.placement import Partial, Replicate, Shard
 from distpool import run_dist

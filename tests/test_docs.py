@@ -13,7 +13,7 @@ def _doctest_all():
     for name in names:
         if name.startswith("autopar.launch"):
             continue  # the launcher's examples are shell commands
-        if name == "autopar.comm.simulate":
+        if name == "autopar.tools.simulate":
             continue  # simulating needs a process outside any job: test_simulate runs its example
         result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS, report=False)
         attempted[name] = result.attempted
@@ -25,6 +25,6 @@ def _doctest_all():
 def test_docstring_examples_run():
     failed, attempted = run_dist(_doctest_all, 1)[0]
     assert not failed, failed
-    for name in ("autopar", "autopar.api.tensor", "autopar.api.optimizer", "autopar.static.dist_model",
-                 "autopar.comm.log", "autopar.api.parallelize", "autopar.api.plans", "autopar.local_region"):
+    for name in ("autopar", "autopar.api.tensors", "autopar.api.optimizer", "autopar.static.dist_model",
+                 "autopar.comm.log", "autopar.api.parallelize", "autopar.api.plans", "autopar.runtime.local_region"):
         assert attempted[name] > 0, (name, attempted)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autopar as dist
-from autopar import dispatch
+from autopar.tensor import dispatch
 from autopar.placement import Partial, Replicate, Shard
 from distpool import run_dist
 

@@ -5,7 +5,7 @@ import re
 import torch
 
 import autopar as dist
-from autopar.dispatch import _no_meta_kernel
+from autopar.tensor.dispatch import _no_meta_kernel
 from autopar.placement import Partial, Replicate, Shard
 from distpool import run_dist
 

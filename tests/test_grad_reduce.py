@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autopar as dist
-from autopar import grad_reduce
+from autopar.runtime import grad_reduce
 from autopar.placement import Partial, Replicate, Shard
 from distpool import run_dist
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import autopar as dist
 from autopar import ProcessMesh, Replicate, Shard
-from autopar.reshard.halo import parts, transfers
+from autopar.redistribute.halo import parts, transfers
 from autopar.spec import DistSpec, TensorMeta, split_range
 from autopar.spmd.halo import (Piece, Window, interpolation_map, padding_map, probed_map, split_dims)
 from distpool import run_dist

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import autopar as dist
-from autopar import dispatch, local_region
+from autopar.tensor import dispatch
+from autopar.runtime import local_region
 from autopar.placement import Partial, Replicate, Shard
 from distpool import run_dist
 

@@ -3,7 +3,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import autopar as dist
-from autopar.op_call import fast_op
+from autopar.tensor.op_call import fast_op
 from distpool import run_dist
 
 aten = torch.ops.aten

@@ -80,7 +80,7 @@ def test_simulate_refuses_a_rank_outside_the_world():
 
 
 def test_the_docstring_example_runs_in_a_plain_process():
-    code = ("import doctest, autopar.comm.simulate as m\n"
+    code = ("import doctest, autopar.tools.simulate as m\n"
             "r = doctest.testmod(m, optionflags=doctest.ELLIPSIS)\n"
             "assert r.attempted > 0 and not r.failed, r\n")
     run_plain(code)

@@ -49,7 +49,7 @@ def held(kind: str, device: str = "cpu") -> list:
     """A 4-rank job's memory after its second backward (AdamW, stepped once so that its
     states exist), as [parameters, gradients, optimizer states, activation peak] bytes of
     this rank."""
-    from autopar.comm.simulate import SavedActivations, memory
+    from autopar.tools.simulate import SavedActivations, memory
 
     if kind == "dpmp":
         mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
@@ -203,7 +203,7 @@ def scheduled_peak(mode: str, device: str = "cpu") -> int:
     rotary embedding runs on every stage (`global_spec`): registered after the layers, it
     would sit on the last stage while the first calls it, and micro-batches in flight would
     cross its transfers with the stages' own."""
-    from autopar.comm.simulate import SavedActivations, memory
+    from autopar.tools.simulate import SavedActivations, memory
     from autopar.pipelining import build_schedule
 
     mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"])

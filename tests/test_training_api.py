@@ -208,7 +208,7 @@ def test_data_and_tensor_parallel_step_reduces_in_one_collective_per_bucket():
 
 def _optimizer_step_dispatches(opt_name):
     """Counts the distributed ops an elementwise optimizer's step sends through the dispatch."""
-    import autopar.dispatch as D
+    import autopar.tensor.dispatch as D
 
     mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
     model = dist.shard_layer(_mlp(), mesh, lambda name, sub, mesh: setattr(
@@ -259,7 +259,7 @@ def test_elementwise_optimizers_step_local_pieces_without_dispatch(opt_name):
 def _local_step_on_a_mesh_dim_of_size_one():
     """A gradient placed Replicate where its parameter says Shard, on a mesh dim of size 1:
     the same local pieces, so the step still runs on them."""
-    import autopar.dispatch as D
+    import autopar.tensor.dispatch as D
 
     mesh = dist.ProcessMesh([[0, 1]], dim_names=["dp", "mp"])
     torch.manual_seed(0)

@@ -17,12 +17,12 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .. import rng
+from ..tensor import rng
 from ..comm import get_rank
 from ..mesh import ProcessMesh
 from ..placement import Replicate, Shard
 from ..spec import split_range
-from .tensor import dtensor_from_local, shard_tensor
+from .tensors import dtensor_from_local, shard_tensor
 
 
 _INFERRED = object()  # a batch item's global size comes from every rank's piece

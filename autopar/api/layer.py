@@ -7,12 +7,12 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .. import local_region
+from ..runtime import local_region
 from ..checkpoint import pretrained
-from ..dtensor import DistTensor
+from ..tensor.dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Replicate
-from .tensor import GradToPlacement, shard_tensor
+from .tensors import GradToPlacement, shard_tensor
 
 
 def replicate_params(module: torch.nn.Module, mesh: ProcessMesh) -> None:

@@ -33,18 +33,18 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm import all_gather_into, get_rank
-from ..dispatch import PARTIAL_READ_HOOKS, storage_key
-from ..dtensor import DistTensor, new_dist
-from ..flat_shards import FlatShards
-from .. import grad_reduce
-from ..grad_reduce import grad_plan, reduce_grads, reduce_in_backward
+from ..tensor.dispatch import PARTIAL_READ_HOOKS, storage_key
+from ..tensor.dtensor import DistTensor, new_dist
+from ..runtime.zero.flat_shards import FlatShards
+from ..runtime import grad_reduce
+from ..runtime.grad_reduce import grad_plan, reduce_grads, reduce_in_backward
 from ..mesh import ProcessMesh
 from ..placement import Replicate, Shard
 from ..spec import DistSpec, TensorMeta
-from . import zero3
+from ..runtime.zero import zero3
 from .layer import convert_in_place
-from .local_step import LocalStep, whole_piece
-from .tensor import _piece_of_full, reshard
+from ..runtime.zero.local_step import LocalStep, whole_piece
+from .tensors import _piece_of_full, reshard
 
 
 class ShardingStage:

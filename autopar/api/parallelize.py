@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .. import local_region
-from ..dtensor import DistTensor
+from ..runtime import local_region
+from ..tensor.dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Placement, Shard, StridedShard
 from ..spec import split_range
@@ -30,7 +30,7 @@ from .global_mesh import get_mesh
 from .layer import convert_in_place, register_model, replicate_params, weak_refs_released
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
-from .tensor import reshard, shard_tensor
+from .tensors import reshard, shard_tensor
 
 if TYPE_CHECKING:
     from ..planner import Plan

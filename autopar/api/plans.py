@@ -24,10 +24,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ..dtensor import DistTensor
+from ..tensor.dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Placement, Replicate, Shard, StridedShard
-from .tensor import reshard
+from .tensors import reshard
 
 
 class SplitPoint(enum.Enum):

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from ..comm import current_device
-from ..dtensor import DistTensor
+from ..tensor.dtensor import DistTensor
 from ..placement import Partial, ReduceType
-from ..reshard import redistribute_local
+from ..redistribute import redistribute_local
 from ..spec import DistSpec, TensorMeta
 from . import sync
 from .errors import Problems

@@ -15,8 +15,8 @@ import types
 
 import torch
 
-from ..api.tensor import full_value
-from ..dtensor import DistTensor
+from ..api.tensors import full_value
+from ..tensor.dtensor import DistTensor
 from . import sync
 from .errors import CheckpointError, Problems
 

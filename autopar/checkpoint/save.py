@@ -37,9 +37,9 @@ import uuid
 import numpy as np
 import torch
 
-from ..dtensor import DistTensor
+from ..tensor.dtensor import DistTensor
 from ..placement import Partial, Replicate
-from ..reshard import redistribute_local
+from ..redistribute import redistribute_local
 from . import claim, sync
 from .errors import CheckpointError, Problems
 from .flatten import Leaf, flatten

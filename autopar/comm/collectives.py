@@ -18,7 +18,7 @@ from ..placement import ReduceType
 from .backend import SIMULATING, current_device, get_rank, group_for
 from .faults import arrive, check_signature, debugging, fail
 from .log import record
-from .simulate import filling_outputs, plausible
+from .fake import filling_outputs, plausible
 
 _TORCH_OP = {
     ReduceType.SUM: tdist.ReduceOp.SUM,

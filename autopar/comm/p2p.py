@@ -22,7 +22,7 @@ import torch.distributed as tdist
 from .backend import SIMULATING, CommError, channel_group, get_rank
 from .collectives import CAPTURE_HOOKS, _nbytes, _real, _sendable, send_recv
 from .log import record
-from .simulate import received
+from .fake import received
 
 
 class P2PWork:

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
-from ..dtensor import DistTensor
+from ..tensor.dtensor import DistTensor
 from ..mesh import ProcessMesh
 from .microbatch import split_batch
 from .orders import fthenb, format_orders, one_f_one_b

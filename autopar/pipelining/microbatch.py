@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..comm import get_rank
-from ..dtensor import DistTensor, new_dist
+from ..tensor.dtensor import DistTensor, new_dist
 from ..spec import DistSpec, TensorMeta
 
 

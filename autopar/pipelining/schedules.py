@@ -12,8 +12,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .. import comm
-from ..dtensor import DistTensor
-from ..api.tensor import reshard
+from ..tensor.dtensor import DistTensor
+from ..api.tensors import reshard
 from ..placement import Replicate
 from .microbatch import split_batch
 from .orders import Orders, fthenb, format_orders, interleaved, one_f_one_b, zbh1

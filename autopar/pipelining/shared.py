@@ -14,8 +14,8 @@ import json
 import torch
 
 from .. import comm
-from ..api.tensor import reshard
-from ..dtensor import DistTensor, new_dist
+from ..api.tensors import reshard
+from ..tensor.dtensor import DistTensor, new_dist
 from .agree import Problem, gather_text, agree
 
 

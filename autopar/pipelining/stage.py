@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .. import comm
-from ..dtensor import DistTensor
+from ..tensor.dtensor import DistTensor
 from ..mesh import ProcessMesh
 from .agree import Problem, agree
 from .split_backward import backward_input, backward_weight

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from .. import comm
-from ..dtensor import DistTensor, new_dist
+from ..tensor.dtensor import DistTensor, new_dist
 from ..mesh import ProcessMesh
 from ..placement import Partial, Placement, Replicate, Shard
 from ..spec import DistSpec, TensorMeta

@@ -296,8 +296,8 @@ class _Recorder(TorchDispatchMode):
         self._note(("start", op, ranks))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from ..comm.simulate import filling
-        from ..dtensor import DistTensor
+        from ..comm.fake import filling
+        from ..tensor.dtensor import DistTensor
 
         kwargs = kwargs or {}
         if filling():  # simulate's stand-in for bytes a transfer writes: priced with the transfer
@@ -327,7 +327,7 @@ def record_step(make_step: Callable[[], Callable[[], object]], world_size: int, 
     `settle` steps), then once more recorded."""
     from ..comm import collectives
     from ..comm.log import comm_log
-    from ..comm.simulate import simulate
+    from ..tools.simulate import simulate
 
     recording = Recording(rank)
     with simulate(world_size, rank):
@@ -641,7 +641,7 @@ def predict_step(make_step: Callable[[], Callable[[], object]], world_size: int,
     profile = load_profile(device)
     if mesh is None:
         return job_time([record_step(make_step, world_size, r, warmup) for r in range(world_size)], profile, load)
-    from ..comm.simulate import rank_roles
+    from ..tools.simulate import rank_roles
 
     roles = rank_roles(mesh)
     recordings = [record_step(make_step, world_size, r, warmup) for r in sorted(set(roles.values()))]
@@ -678,7 +678,7 @@ def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
 
     from ..api.parallelize import parallelize
     from ..api.plans import ColWiseParallel, RowWiseParallel
-    from ..comm.simulate import simulate
+    from ..tools.simulate import simulate
     from ..mesh import ProcessMesh
 
     profile = dataclasses.replace(profile, op_latency=0.0)

@@ -2,7 +2,7 @@
 
 A rank holding rows [a, b) of an input and computing rows [c, e) of the output (both cut by the
 split rule) needs the input rows that those outputs read: its own and a few of its neighbours'
-(the halo).  `autopar.reshard.halo` moves them point to point; this module says which rows and
+(the halo).  `autopar.redistribute.halo` moves them point to point; this module says which rows and
 how the local op then computes exactly its output rows:
 
 - a sliding window (convolution, pooling, adaptive pooling whose windows tile the input) runs
@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..reshard.halo import fetch_rows, return_rows
+from ..redistribute.halo import fetch_rows, return_rows
 from ..placement import Shard
 
 

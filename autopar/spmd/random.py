@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..api.tensor import _piece_of_full
+from ..api.tensors import _piece_of_full
 from ..placement import Partial, Replicate, Shard
 from .pointwise import shard_strategies
 from .registry import DRAWS_RANDOM, register, register_kernel

@@ -28,7 +28,7 @@ import torch
 
 from .. import comm
 from ..placement import Partial, ReduceType, Replicate, Shard
-from ..reshard.execute import _identity
+from ..redistribute.execute import _identity
 from .registry import register, register_kernel
 from .strategy import OpCall, Strategy
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..placement import Partial, Replicate, Shard
-from ..reshard.halo import fetch_rows
+from ..redistribute.halo import fetch_rows
 from .halo import interpolation_map, map_rows, map_rows_backward, padding_map, probed_map, split_dims
 from .registry import register, register_kernel
 from .spatial import gathered, leading_strategies, schema_args, spatial_dims, split_alike

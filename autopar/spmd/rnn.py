@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dtensor import DistTensor
+from ..tensor.dtensor import DistTensor
 from ..placement import Partial, Replicate, Shard
 from ..spec import DistSpec, TensorMeta
 from .registry import MODULE_RULES, register

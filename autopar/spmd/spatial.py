@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 
 from ..placement import Partial, Replicate, Shard
-from ..reshard import redistribute_local
+from ..redistribute import redistribute_local
 from .registry import register_kernel
 from .strategy import OpCall, Strategy
 

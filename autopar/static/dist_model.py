@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..dtensor import DistTensor, local_piece, new_dist
+from ..tensor.dtensor import DistTensor, local_piece, new_dist
 from ..pipelining.microbatch import split_batch
 from .pipeline import capture as capture_pipeline
 from .pipeline import check_settings as check_pipeline

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
-from ..dtensor import DistTensor, local_piece
+from ..tensor.dtensor import DistTensor, local_piece
 from ..pipelining.agree import Problem, agree
 from ..pipelining.annotated import stage_position
 from ..pipelining.orders import fthenb, interleaved, one_f_one_b, zbh1

@@ -24,8 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm import collectives
-from ..dtensor import DistTensor
-from ..op_call import fast_op
+from ..tensor.dtensor import DistTensor
+from ..tensor.op_call import fast_op
 
 aten = torch.ops.aten
 

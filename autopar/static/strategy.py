@@ -117,7 +117,7 @@ class Strategy:
         if not self.sharding.enable:
             return optimizer
         from ..api.optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
-        from ..dtensor import DistTensor
+        from ..tensor.dtensor import DistTensor
 
         stage = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}.get(self.sharding.stage)
         if stage is None:

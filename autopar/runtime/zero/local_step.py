@@ -22,8 +22,8 @@ import operator
 
 import torch
 
-from ..dtensor import DistTensor, local_piece
-from ..spec import DistSpec
+from ...tensor.dtensor import DistTensor, local_piece
+from ...spec import DistSpec
 
 ELEMENTWISE = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,

@@ -40,17 +40,17 @@ from typing import Any, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import dispatch
-from .api.tensor import GradToPlacement
-from .comm import collectives
-from .comm.simulate import observes_only, same_values
-from .dtensor import DistTensor, local_piece, new_dist
+from ..tensor import dispatch
+from ..api.tensors import GradToPlacement
+from ..comm import collectives
+from ..comm.fake import same_values
+from ..tensor.dtensor import DistTensor, local_piece, new_dist
 from . import grad_reduce
 from .grad_reduce import BackwardReduction, BucketPlan
-from .placement import Partial, ReduceType, Replicate
-from .reshard import piece_of_replicated, redistribute_local
-from .spec import DistSpec, TensorMeta
-from .spmd.registry import DRAWS_RANDOM, KERNEL_PLAIN_WHEN, MODULE_RULES
+from ..placement import Partial, ReduceType, Replicate
+from ..redistribute import piece_of_replicated, redistribute_local
+from ..spec import DistSpec, TensorMeta
+from ..spmd.registry import DRAWS_RANDOM, KERNEL_PLAIN_WHEN, MODULE_RULES
 
 MIN_OPS = 8  # below this many ops the boundary costs more than the dispatch it saves
 
@@ -61,8 +61,8 @@ _STATE = {"enabled": True, "inside": 0}
 def local_regions(enabled: bool):
     """Turn local regions on or off (on by default), e.g. to compare with the op-by-op path.
 
-    >>> import autopar.local_region as lr
-    >>> with lr.local_regions(False):
+    >>> import autopar as dist
+    >>> with dist.local_regions(False):
     ...     pass
     """
     before = _STATE["enabled"]
@@ -126,13 +126,16 @@ class RegionForward:
 
 
 _UNSEEN = object()
+# a saved-tensor pack function with this attribute set only observes (`simulate`'s memory
+# accounting): the hooks are taken for absent, a region runs as without them
+OBSERVES_ONLY = "observes_only"
 
 
 def _saved_tensor_hooks():
     """The innermost active saved-tensor hooks (activation checkpointing's), or None when
     there are none or they only observe (`simulate`'s memory accounting)."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return None if hooks is None or observes_only(hooks) else hooks
+    return None if hooks is None or getattr(hooks[0], OBSERVES_ONLY, False) else hooks
 
 
 def _call_key(module, args, kwargs) -> Optional[tuple]:
@@ -358,7 +361,7 @@ def _trial(module, inner, slots, settings, args, kwargs) -> Optional[list]:
     if any(t._version != v for t, v in zip(params, versions)):
         raise RuntimeError(
             f"autopar local regions: {type(module).__name__}.forward writes a parameter in place; such a module "
-            f"cannot be verified as a local region. Run it with autopar.local_region.local_regions(False)."
+            f"cannot be verified as a local region. Run it within autopar.local_regions(False)."
         )
     return list(out) if isinstance(out, (tuple, list)) else [out]
 

@@ -38,12 +38,12 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..comm import all_gather_start, collectives, get_rank
-from ..dtensor import DistTensor, new_dist
-from ..flat_shards import FlatShards
+from ...comm import all_gather_start, collectives, get_rank
+from ...tensor.dtensor import DistTensor, new_dist
+from .flat_shards import FlatShards
 from ..grad_reduce import GradReduction, grad_plan
-from ..placement import Replicate
-from .layer import models
+from ...placement import Replicate
+from ...api.layer import models
 
 _resize = torch.ops.inductor.resize_storage_bytes_
 

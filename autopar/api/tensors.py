@@ -10,10 +10,10 @@ import torch
 from .. import comm
 from ..comm import get_rank, get_world_size
 from ..comm.backend import value_read
-from ..dtensor import DistTensor
+from ..tensor.dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Partial, Placement, Replicate, Shard, normalize_placements
-from ..reshard import piece_of_replicated, redistribute_local
+from ..redistribute import piece_of_replicated, redistribute_local
 from ..spec import DistSpec, TensorMeta, global_shape_of_pieces
 
 
@@ -342,7 +342,7 @@ def _probe(fn: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
 def reshard(t: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Placement]) -> torch.Tensor:
     """Move `t` to `placements` on `mesh` (same mesh or another one), differentiably.
 
-    Uses the cheapest collective for each transition (see `autopar.reshard.plan`); across
+    Uses the cheapest collective for each transition (see `autopar.redistribute.plan`); across
     meshes the pieces travel point to point.
 
     >>> import torch, autopar as dist

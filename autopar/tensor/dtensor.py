@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch.utils import _foreach_utils
 
-from .comm.backend import value_read
-from .comm.collectives import reading_values as _reading_values
-from .comm.simulate import readable
-from .spec import DistSpec
+from ..comm.backend import value_read
+from ..comm.collectives import reading_values as _reading_values
+from ..comm.fake import readable
+from ..spec import DistSpec
 
 
 _MAKE_WRAPPER = torch.Tensor._make_wrapper_subclass
@@ -93,7 +93,7 @@ class DistTensor(torch.Tensor):
 
     def local_value(self) -> torch.Tensor:
         """This rank's piece as a plain tensor (differentiable; empty off the mesh)."""
-        from .api.tensor import local_value
+        from ..api.tensors import local_value
 
         return local_value(self)
 
@@ -106,7 +106,7 @@ class DistTensor(torch.Tensor):
     # Collective over the job: each runs on the value-read groups (`comm.value_read`), so
     # a read made on some ranks only is reported instead of pairing with training traffic.
     def full_value(self) -> torch.Tensor:
-        from .api.tensor import full_value
+        from ..api.tensors import full_value
 
         with value_read("full_value()"):
             return full_value(self)
@@ -144,7 +144,7 @@ class DistTensor(torch.Tensor):
     def __deepcopy__(self, memo):
         new = DistTensor(self._local.detach().clone(), self._spec, requires_grad=self.requires_grad)
         if isinstance(self, torch.nn.Parameter) or getattr(self, "_is_param", False):
-            from .api.tensor import distributed_parameter
+            from ..api.tensors import distributed_parameter
 
             new = distributed_parameter(new, self.requires_grad)
         memo[id(self)] = new

@@ -36,13 +36,13 @@ from typing import Optional
 
 import torch
 
-from .comm import all_reduce_start, get_rank, reduce_scatter_start
-from .dispatch import keep_reduced
-from .dtensor import DistTensor, new_dist
-from .flat_shards import FlatShards
-from .placement import Partial, ReduceType, Replicate, Shard
-from .reshard import redistribute_local
-from .spec import DistSpec
+from ..comm import all_reduce_start, get_rank, reduce_scatter_start
+from ..tensor.dispatch import keep_reduced
+from ..tensor.dtensor import DistTensor, new_dist
+from .zero.flat_shards import FlatShards
+from ..placement import Partial, ReduceType, Replicate, Shard
+from ..redistribute import redistribute_local
+from ..spec import DistSpec
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's: the last layers' gradients start moving early
 BUCKET_BYTES = 25 << 20
@@ -120,7 +120,7 @@ class GradReduction:
     once its bucket has been packed."""
 
     def __init__(self, grads: list, plans: list):
-        from .api.tensor import reshard
+        from ..api.tensors import reshard
 
         self.out: list = list(grads)
         filling: dict = {}  # (mesh, collective, dtype) -> the bucket being filled

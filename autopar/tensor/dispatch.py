@@ -20,19 +20,21 @@ from typing import Any
 
 import torch
 
-from . import comm, rng
-from .comm import faults
-from .comm.backend import CommError, value_read
-from .comm.collectives import reading_values
-from .comm.simulate import readable
+from .. import comm
+
+from . import rng
+from ..comm import faults
+from ..comm.backend import CommError, value_read
+from ..comm.collectives import reading_values
+from ..comm.fake import readable
 from .dtensor import DistTensor, local_piece, new_dist
 from .op_call import fast_op, meta_like
-from .placement import Partial, Replicate
-from .reshard import piece_of_replicated, redistribute_local
-from .spec import DistSpec, TensorMeta
-from .spmd import engine
-from .spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS, UNDECLARED_WRITES
-from .spmd.strategy import OpCall
+from ..placement import Partial, Replicate
+from ..redistribute import piece_of_replicated, redistribute_local
+from ..spec import DistSpec, TensorMeta
+from ..spmd import engine
+from ..spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS, UNDECLARED_WRITES
+from ..spmd.strategy import OpCall
 
 aten = torch.ops.aten
 
@@ -351,7 +353,7 @@ def _plain_to(t: torch.Tensor, spec: DistSpec, rank: int) -> torch.Tensor:
 def _densify_grad(grad):
     """A plain leaf used with distributed tensors gets a plain, fully reduced gradient."""
     if type(grad) is DistTensor:
-        from .api.tensor import full_value
+        from ..api.tensors import full_value
 
         return full_value(grad)
     return grad
@@ -645,7 +647,7 @@ def _reshape_wrapper(func, t: DistTensor, spec: DistSpec, args, kwargs) -> None:
 # -- ops handled outside the rule path -------------------------------------------------------
 def _dense_inputs(flat) -> list:
     """Every input's global value, on every rank of the job (collective over the job)."""
-    from .api.tensor import gather_everywhere
+    from ..api.tensors import gather_everywhere
 
     return [readable(gather_everywhere(t._local, t._spec)) if type(t) is DistTensor else readable(t) for t in flat]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import dispatch
-from .comm.log import comm_log
-from .local_region import local_regions
+from ..tensor import dispatch
+from ..comm.log import comm_log
+from ..runtime.local_region import local_regions
 
 
 def _short(placements) -> str:

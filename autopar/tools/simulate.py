@@ -22,7 +22,11 @@ import torch.distributed as tdist
 
 import torch
 
-from . import backend
+from ..comm import backend
+from ..runtime.local_region import OBSERVES_ONLY
+from ..runtime.zero import zero3
+from ..tensor import dispatch
+from ..tensor.dispatch import storage_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +53,6 @@ class SavedActivations:
         self._hooks = None
 
     def __enter__(self) -> "SavedActivations":
-        from ..dispatch import storage_key  # (dispatch imports this module)
-
         events = self.events
 
         def pack(t):
@@ -61,7 +63,7 @@ class SavedActivations:
             weakref.finalize(saved, events.append, (key, nbytes, -1))
             return saved
 
-        pack.observes_only = True
+        setattr(pack, OBSERVES_ONLY, True)  # local regions take these hooks for absent
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _Saved.unpack)
         self._hooks.__enter__()
         return self
@@ -103,15 +105,8 @@ class _Saved:
         return self.tensor
 
 
-def observes_only(hooks) -> bool:
-    """Whether saved-tensor hooks (pack, unpack) are a `SavedActivations`' (which change nothing)."""
-    return getattr(hooks[0], "observes_only", False)
-
-
 def _storage_bytes(tensors) -> tuple[dict, int]:
     """{storage key: bytes} of the local pieces of `tensors`, and their sum (each storage once)."""
-    from ..dispatch import storage_key  # (dispatch imports this module)
-
     held = {}
     for t in tensors:
         local = getattr(t, "_local", t)
@@ -124,8 +119,6 @@ def memory(model: torch.nn.Module, optimizer=None, activations: "SavedActivation
     gradients), with the activation peak `activations` saw (0 without).  Buffers, and the
     full parameters ZeRO-3 gathers around a layer's use, count neither as parameters nor
     as activations."""
-    from ..api import zero3  # (the api imports this package)
-
     params, param_bytes = _storage_bytes(model.parameters())
     gathered = [g for g in map(zero3.gathered_piece, model.parameters()) if g is not None]
     held = {**params, **_storage_bytes(model.buffers())[0], **_storage_bytes(gathered)[0]}
@@ -238,76 +231,7 @@ def simulate(world_size: int, rank: int):
                 os.environ[k] = v
 
 
-_FILLING = [False]  # inside `plausible` or `received`: ops the real rank's transfer does not run
-
-
-def filling() -> bool:
-    """Whether the ops running now fill a simulated transfer's outputs (a step's recorder
-    leaves them out: in the real job the transfer writes those bytes, priced as its own)."""
-    return _FILLING[0]
-
-
-@contextlib.contextmanager
-def filling_outputs():
-    """The ops run inside write a simulated transfer's outputs (the fake group's own copies
-    of the input, or `plausible`'s values): see `filling`."""
-    _FILLING[0] = True
-    try:
-        yield
-    finally:
-        _FILLING[0] = False
-
-
-def plausible(op: str, tensors: tuple, logs: tuple) -> None:
-    """Give a simulated transfer's outputs values a program can go on with (the fake group
-    leaves them as allocated): gathered pieces are copies of this rank's own (shapes a rank
-    gathers from its peers agree in an SPMD program), received data is zeros (ids index
-    tables), and so is a broadcast's on its receivers (the source's values are not here; left
-    as allocated they could hold NaNs, which a local region's trial run never matches, or
-    not, from one run to the next), reductions keep this rank's terms (a pair's small all-reduce,
-    gathered and reduced locally, reduces copies of them)."""
-    with filling_outputs():
-        _fill(op, tensors, logs)
-
-
-def _fill(op: str, tensors: tuple, logs: tuple) -> None:
-    # a pair's small all-reduce gathers its terms (collectives.gathered_all_reduce): copies too
-    if op == "all_gather" or (op == "all_reduce" and len(tensors) == 2):
-        out, t = tensors
-        out.view((-1,) + tuple(t.shape)).copy_(t.unsqueeze(0).expand((out.numel() // max(t.numel(), 1),) + tuple(t.shape)))
-    elif op in ("reduce_scatter", "all_to_all"):
-        out, t = tensors
-        out.copy_(t.reshape(-1)[: out.numel()].view(out.shape)) if out.numel() <= t.numel() else out.zero_()
-    elif op == "broadcast":
-        if logs[0][3]:  # this rank received it
-            tensors[0].zero_()
-    elif op == "send/recv":
-        for buf in tensors[len(tensors) - sum(log[0] == "recv" for log in logs):]:
-            buf.zero_()
-
-
-def readable(t: torch.Tensor) -> torch.Tensor:
-    """A tensor whose values are read (`.item()`, `bool(t)`, `.tolist()`): under `simulate`
-    a meta tensor reads as zeros of its shape and dtype (the made-up value of a simulation
-    on the meta device); anything else as it is (torch refuses meta reads elsewhere)."""
-    return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta and backend.SIMULATING[0] else t
-
-
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """`torch.equal`, except that meta tensors hold no values to differ: they agree (a local
-    region's trial on the meta device is taken to match, as it does on real tensors)."""
-    return a.is_meta or b.is_meta or torch.equal(a, b)
-
-
-def received(buf: torch.Tensor) -> torch.Tensor:
-    """A simulated receive's buffer, zeroed (see `plausible`)."""
-    with filling_outputs():
-        return buf.zero_()
-
-
 def _forget_job() -> None:
     """Drop what this process cached about its job: its rank, groups and decisions."""
-    from .. import dispatch
-
     backend.forget_job()
     dispatch.clear_cache()

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .spec import split_range
+from ...spec import split_range
 
 
 class FlatShards:

@@ -8,7 +8,7 @@ distributed random op, and from then on every rank advances it alike.  A shuffle
 loader takes rank 0's generator state before every epoch (`shard_dataloader`).
 
 >>> import torch
->>> from autopar import rng
+>>> from autopar.tensor import rng
 >>> rng.agree_with_rank0(torch.Generator().manual_seed(3))   # one rank: nothing to agree on
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from .comm import broadcast, collectives, current_device, get_rank, get_world_size
+from ..comm import broadcast, collectives, current_device, get_rank, get_world_size
 
 _AGREED: weakref.WeakSet = weakref.WeakSet()  # generators whose state was taken from rank 0
 
