@@ -43,6 +43,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import gzip
 import itertools
 import json
 import math
@@ -800,10 +801,11 @@ def _record_crash(progress, sink, err, name):
 
 
 def load(paths) -> tuple[dict, list]:
-    """(the first env line, with "resumed": [(op, date)] of any later ones; the case records)."""
+    """(the first env line, with "resumed": [(op, date)] of any later ones; the case records).
+    A file ending in .gz is read gzipped (the committed results are)."""
     env, recs = {}, []
     for path in paths:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             for line in f:
                 r = json.loads(line)
                 if r.get("bench") == "env" and env:
