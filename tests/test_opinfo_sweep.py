@@ -17,7 +17,7 @@ from distpool import run_dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import opinfo_sweep as sweep  # noqa: E402
 
-# (OpInfo name, placement, "fwd" | "grad"): why it is wrong, one line.  Empty at 20db911: the
+# (OpInfo name, placement, "fwd" | "grad"): why it is wrong, one line.  Empty at cb93751: the
 # conj views, hfftn/hfft2, eig's gradient, embedding(max_norm) and complex pinv/lstsq cases wrong
 # before are right now.
 KNOWN_WRONG: dict = {}
