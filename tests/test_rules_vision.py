@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from autopar import Partial, ProcessMesh, Replicate, Shard
+from autopar.spec import DistSpec, TensorMeta
 from autopar.spmd import engine
 from autopar.spmd.registry import KERNEL_PLAIN_WHEN, KERNELS, LOCAL_ARGS, MODULE_RULES, UNDECLARED_WRITES, rule_for
 from rulecheck import meta as _m, op_call as _call
@@ -249,22 +250,27 @@ def test_recurrent_ops_of_each_backend():
     assert _choose(call, S0)[1] == [S0, S0, S0]
 
 
-def test_recurrent_modules_over_a_split_batch_are_vouched_for():
-    import autopar as dist
+def _specs(placements, *shape):
+    return DistSpec(ProcessMesh([0, 1]), placements, TensorMeta.contiguous(shape, torch.float32))
 
-    mesh = ProcessMesh([0])
+
+def test_recurrent_modules_over_a_split_batch_are_vouched_for():
     rule = MODULE_RULES[torch.nn.RNNBase]
-    gru = dist.shard_layer(torch.nn.GRU(3, 6, num_layers=2, batch_first=True, bidirectional=True), mesh)
-    x = dist.shard_tensor(torch.randn(4, 5, 3), mesh, [S0])
-    out, h = rule(gru, (x,), {})
+    gru = torch.nn.GRU(3, 6, num_layers=2, batch_first=True, bidirectional=True)
+    whole = [_specs([R], *p.shape) for p in gru.parameters()]
+    x = _specs([S0], 4, 5, 3)
+    out, h = rule(gru, (x,), {}, whole)
     assert (out.shape, out.placements, out.meta.stride) == ((4, 5, 12), (S0,), (12, 48, 1))  # as torch's
     assert (h.shape, h.placements) == ((4, 4, 6), (S1,))
-    assert rule(gru, (dist.shard_tensor(torch.randn(4, 5, 3), mesh, [S1]),), {}) is None  # time split
-    assert rule(gru, (x, dist.shard_tensor(torch.zeros(4, 4, 6), mesh, [R])), {}) is None  # whole state
+    assert rule(gru, (_specs([S1], 4, 5, 3),), {}, whole) is None  # time split
+    assert rule(gru, (x, _specs([R], 4, 4, 6)), {}, whole) is None  # whole state
+    assert rule(gru, (None,), {}, whole) is None  # a plain input
+    assert rule(gru, (x,), {}, [None] + whole[1:]) is None  # a plain parameter
+    assert rule(gru, (x,), {}, [_specs([S0], *whole[0].shape)] + whole[1:]) is None  # a split one
     gru.dropout = 0.5
-    assert rule(gru, (x,), {}) is None  # dropout between layers draws per rank
-    lstm = dist.shard_layer(torch.nn.LSTM(3, 6, batch_first=True), mesh)
-    assert rule(lstm, (x,), {}) is None  # op by op: its fused op has a rule
+    assert rule(gru, (x,), {}, whole) is None  # dropout between layers draws per rank
+    lstm = torch.nn.LSTM(3, 6, batch_first=True)
+    assert rule(lstm, (x,), {}, [_specs([R], *p.shape) for p in lstm.parameters()]) is None  # its fused op has a rule
 
 
 # -- coverage ----------------------------------------------------------------------------------

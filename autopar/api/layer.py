@@ -12,7 +12,8 @@ from ..checkpoint import pretrained
 from ..tensor.dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Replicate
-from .tensors import GradToPlacement, shard_tensor
+from ..tensor.convert import GradToPlacement
+from .tensors import shard_tensor
 
 
 def replicate_params(module: torch.nn.Module, mesh: ProcessMesh) -> None:

@@ -42,9 +42,10 @@ from ..mesh import ProcessMesh
 from ..placement import Replicate, Shard
 from ..spec import DistSpec, TensorMeta
 from ..runtime.zero import zero3
-from .layer import convert_in_place
+from .layer import convert_in_place, models
 from ..runtime.zero.local_step import LocalStep, whole_piece
-from .tensors import _piece_of_full, reshard
+from ..redistribute import piece_of_full
+from .tensors import reshard
 
 
 class ShardingStage:
@@ -221,10 +222,10 @@ class _OptimizerSharding:
                     p._local = _piece_within(p._local, spec, target).clone()
                 p._spec = target
             else:
-                new = torch.nn.Parameter(new_dist(_piece_of_full(p.detach(), target), target), p.requires_grad)
+                new = torch.nn.Parameter(new_dist(piece_of_full(p.detach(), target), target), p.requires_grad)
                 convert_in_place(p, new, f"#{n} of the optimizer")
             sharded.append(p)
-        zero3.install(sharded, self.shard_fn.sharding_mesh_dim)
+        zero3.install(sharded, self.shard_fn.sharding_mesh_dim, models())
 
     # -- where each parameter is stepped ----------------------------------------------------
     def step_spec(self, p: torch.Tensor) -> Optional[DistSpec]:
@@ -375,7 +376,7 @@ def _placed(value: torch.Tensor, spec: DistSpec) -> DistTensor:
     `spec`, in its own dtype."""
     target = DistSpec(spec.mesh, spec.placements, TensorMeta.contiguous(spec.shape, value.dtype))
     if type(value) is not DistTensor:
-        return new_dist(_piece_of_full(value.detach(), target), target)
+        return new_dist(piece_of_full(value.detach(), target), target)
     if value._spec.same_pieces(target):
         return value
     return reshard(value.detach(), target.mesh, target.placements)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -32,8 +32,16 @@ from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_opt
 from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
 from .tensors import reshard, shard_tensor
 
-if TYPE_CHECKING:
-    from ..planner import Plan
+class PlannedLayout(Protocol):
+    """What `config=` takes besides a dict and "auto": a layout the planner chose (`dist.plan`'s
+    result)."""
+
+    config: dict
+
+    def mesh(self, ranks: Optional[list] = None) -> ProcessMesh: ...
+
+    def apply_recompute(self, model: torch.nn.Module) -> None: ...
+
 
 _CONFIG_DIMS = {"dp_config": "dp", "mp_config": "mp", "pp_config": "pp"}
 _STAGES = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}
@@ -352,7 +360,7 @@ def parallelize(
     model: torch.nn.Module,
     optimizer: Optional[torch.optim.Optimizer] = None,
     mesh: Optional[ProcessMesh] = None,
-    config: Union[dict, str, "Plan", None] = None,
+    config: Union[dict, str, "PlannedLayout", None] = None,
 ) -> tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]:
     """Make `model` and `optimizer` distributed with one config (in place; both are returned).
 
@@ -437,8 +445,9 @@ def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: st
         raise ValueError(f"parallelize config must be a dict or 'auto', got {config!r}")
     if mesh is None:
         raise ValueError("parallelize(config='auto') needs a mesh (argument or set_mesh) to know the ranks")
-    from ..planner import plan
-
+    plan = _AUTO_PLANNER[0]
+    if plan is None:
+        raise RuntimeError("parallelize(config='auto') needs autopar.planner: import autopar (which imports it)")
     sizes = dict(zip(mesh.dim_names, mesh.shape))
     fixed = {"vpp": 1}  # the dynamic schedules of an annotated model are 1F1B and FThenB
     named = any(dim in sizes for dim in _CONFIG_DIMS.values())
@@ -447,6 +456,17 @@ def _auto_config(model: torch.nn.Module, mesh: Optional[ProcessMesh], config: st
     chosen = plan(model, world_size=len(mesh.process_ids), global_batch=len(mesh.process_ids), device="cpu",
                   precision="fp32", fixed=fixed)
     return _planned(model, mesh, chosen, keep_mesh=named)
+
+
+# config="auto" asks the planner (`autopar.planner.plan`), which lies above this layer and names
+# itself here when it is imported (`use_auto_planner`): this module may not import it
+_AUTO_PLANNER: list = [None]
+
+
+def use_auto_planner(plan: Callable) -> None:
+    """Let `parallelize(..., config="auto")` ask `plan(model, world_size=, global_batch=, device=,
+    precision=, fixed=)` for a layout (a `PlannedLayout`)."""
+    _AUTO_PLANNER[0] = plan
 
 
 def _planned(model: torch.nn.Module, mesh: Optional[ProcessMesh], plan, keep_mesh: bool = False):

@@ -127,7 +127,7 @@ class PlanBase:
         return f"{type(self).__name__}({args})"
 
 
-def _is_hf_conv1d(layer: torch.nn.Module) -> bool:
+def is_hf_conv1d(layer: torch.nn.Module) -> bool:
     """HF transformers' Conv1D (GPT-2's projections): a linear layer computing x @ w + b with
     its weight laid out [in, out], the transpose of nn.Linear's.  Looked up only once
     transformers is loaded: autopar does not depend on it."""
@@ -150,7 +150,7 @@ class _SplitWeights(PlanBase):
             layout = self.LINEAR
         elif isinstance(layer, torch.nn.Embedding):
             layout = self.EMBEDDING
-        elif _is_hf_conv1d(layer):
+        elif is_hf_conv1d(layer):
             layout = self.RAW
         else:
             raise TypeError(

@@ -1,7 +1,6 @@
 """Creating, resharding and dissolving distributed tensors (all differentiable)."""
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import numpy as np
@@ -10,11 +9,12 @@ import torch
 from .. import comm
 from ..comm import get_rank, get_world_size
 from ..comm.backend import value_read
-from ..tensor.dtensor import DistTensor
 from ..mesh import ProcessMesh
-from ..placement import Partial, Placement, Replicate, Shard, normalize_placements
-from ..redistribute import piece_of_replicated, redistribute_local
+from ..placement import Partial, Placement, Replicate, normalize_placements
+from ..redistribute import piece_of_full, redistribute_local
 from ..spec import DistSpec, TensorMeta, global_shape_of_pieces
+from ..tensor.convert import FromLocal, distributed_parameter, full_value, local_value, reshard_to
+from ..tensor.dtensor import DistTensor
 
 
 def _check_mesh(mesh: ProcessMesh, what: str) -> None:
@@ -42,21 +42,12 @@ def _placements(placements, mesh: ProcessMesh, ndim: int, dtype: torch.dtype, wh
     return out
 
 
-def _piece_of_full(full: torch.Tensor, spec: DistSpec) -> torch.Tensor:
-    """This rank's piece of `spec` cut from the full value (no communication), as its own
-    storage: a cut piece must not pin the full tensor, each rank holds only its shard.
-    Contiguous, as `spec`'s meta says (a strided input, like seq[:, 1:], would otherwise
-    make a later view valid on the global meta fail on the local piece)."""
-    out = piece_of_replicated(full, spec, get_rank())
-    return out.clone(memory_format=torch.contiguous_format) if out.shape != full.shape else out.contiguous()
-
-
 def _piece_from_source(full: torch.Tensor, spec: DistSpec, src: int | None) -> torch.Tensor:
     """This rank's piece of `spec` cut from rank `src`'s `full` (None: from this rank's own
     copy, no communication).  Ranks receive only their pieces, point to point (a broadcast
     when every rank needs the whole); a Partial is then made locally from the value."""
     if src is None or spec.mesh.size == 1:
-        return _piece_of_full(full, spec)
+        return piece_of_full(full, spec)
     flat = spec.without_partial()
     rank = get_rank()
     if flat.is_replicated():
@@ -80,104 +71,6 @@ class _FromFull(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return full_value(grad), None, None
-
-
-class _Reshard(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, spec):
-        ctx.src = x._spec
-        return DistTensor(redistribute_local(x._local, x._spec, spec), spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        target = ctx.src.without_partial()
-        if type(grad) is not DistTensor:
-            return DistTensor(_piece_of_full(grad, target), target), None
-        return DistTensor(redistribute_local(grad._local, grad._spec, target), target), None
-
-
-class _ToLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.spec = x._spec
-        return x._local.view_as(x._local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return DistTensor(grad, ctx.spec)
-
-
-class _FromLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local, spec):
-        ctx.spec = spec
-        return DistTensor(local.view_as(local), spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        target = ctx.spec.without_partial()
-        if type(grad) is DistTensor:
-            return redistribute_local(grad._local, grad._spec, target), None
-        return _piece_of_full(grad, target), None
-
-
-class _FullValue(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.spec = x._spec
-        return gather_everywhere(x._local, x._spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        target = ctx.spec.without_partial()
-        return DistTensor(_piece_of_full(grad, target), target)
-
-
-@functools.lru_cache(maxsize=None)
-def _world_mesh(world: int) -> ProcessMesh:
-    return ProcessMesh(list(range(world)), dim_names=["world"])
-
-
-def gather_everywhere(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
-    """The global value on every rank of the job (not differentiable: `full_value` is)."""
-    world = _world_mesh(get_world_size())
-    if set(spec.mesh.process_ids) == set(world.process_ids):
-        target = spec.with_placements([Replicate()] * spec.mesh.ndim)
-    else:
-        target = DistSpec(world, [Replicate()], spec.meta)
-    return redistribute_local(local, spec, target)
-
-
-class GradToPlacement:
-    """The gradient hook of a distributed Parameter: a gradient that arrives Replicate on a
-    mesh dim where the parameter is sharded (the sum of a sharded output, say) is cut to the
-    parameter's piece there, which needs no communication, so that a gradient is never
-    larger than its parameter.  Partial dims stay Partial (the optimizer or the
-    data-parallel buckets reduce them), and nothing here moves bytes."""
-
-    __slots__ = ("param",)
-
-    def __init__(self, param: torch.Tensor):
-        self.param = param  # (a cycle through the hook dict, which the garbage collector sees)
-
-    def __call__(self, grad):
-        spec = getattr(self.param, "_spec", None)
-        if type(grad) is not DistTensor or spec is None or grad._spec.mesh != spec.mesh:
-            return None
-        have = grad._spec.placements
-        target = [
-            q if type(p) is Replicate and type(q) is Shard and k > 1 else p
-            for p, q, k in zip(have, spec.placements, spec.mesh.shape)
-        ]
-        return None if tuple(target) == tuple(have) else reshard(grad, spec.mesh, target)
-
-
-def distributed_parameter(t: DistTensor, requires_grad: bool) -> torch.nn.Parameter:
-    """`t` as a Parameter whose gradients arrive placed like it (see GradToPlacement)."""
-    p = torch.nn.Parameter(t, requires_grad=requires_grad)
-    if requires_grad:
-        p.register_hook(GradToPlacement(p))
-    return p
 
 
 # -- public API ----------------------------------------------------------------------------
@@ -286,7 +179,7 @@ def dtensor_from_local(
             f"on {mesh} of a {global_shape} tensor gives it {list(spec.local_shape(mesh.coordinate(rank)))}"
         )
     if local.requires_grad:
-        return _FromLocal.apply(local, spec)
+        return FromLocal.apply(local, spec)
     return DistTensor(local, spec)
 
 
@@ -315,7 +208,7 @@ def dtensor_from_fn(fn: Callable, mesh: ProcessMesh, placements: Sequence[Placem
     else:
         local = fn(*local_shape, *args[probe.dim():], **kwargs)
     if spec.partial_dims():
-        local = _piece_of_full(local, spec.with_placements([p if type(p) is Partial else Replicate() for p in placements]))
+        local = piece_of_full(local, spec.with_placements([p if type(p) is Partial else Replicate() for p in placements]))
     return DistTensor(local, spec, requires_grad=bool(kwargs.get("requires_grad", False)))
 
 
@@ -355,24 +248,7 @@ def reshard(t: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Placement])
     if not isinstance(t, DistTensor):
         return shard_tensor(t, mesh, placements)
     placements = _placements(placements, mesh, t.dim(), t.dtype, f"reshard of a tensor of shape {list(t.shape)}")
-    spec = DistSpec(mesh, placements, t._spec.meta)
-    if spec == t._spec:
-        return t
-    return _Reshard.apply(t, spec)
-
-
-def local_value(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `t` as a plain tensor (differentiable)."""
-    if not isinstance(t, DistTensor):
-        return t
-    return _ToLocal.apply(t)
-
-
-def full_value(t: torch.Tensor) -> torch.Tensor:
-    """The global value of `t` as a plain tensor on every rank (collective over the job)."""
-    if not isinstance(t, DistTensor):
-        return t
-    return _FullValue.apply(t)
+    return reshard_to(t, DistSpec(mesh, placements, t._spec.meta))
 
 
 def unshard_dtensor(t: torch.Tensor) -> torch.Tensor:

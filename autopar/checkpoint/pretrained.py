@@ -15,7 +15,7 @@ import types
 
 import torch
 
-from ..api.tensors import full_value
+from ..tensor.convert import full_value
 from ..tensor.dtensor import DistTensor
 from . import sync
 from .errors import CheckpointError, Problems

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..api import plans
+from ..api.plans import is_hf_conv1d
 from .model import Layout, TransformerSpec
 
 # linear layers of a block split by output features (column) or input features (row)
@@ -53,11 +55,10 @@ def _layer_list(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
 def describe(model: torch.nn.Module, seq: Optional[int] = None) -> tuple[TransformerSpec, ModelNames]:
     """The transformer dimensions of `model` and the names of its parts.  `seq` defaults to
     the model's position table (learned, or HF's max_position_embeddings)."""
-    from ..api.plans import _is_hf_conv1d
 
     layers_name, blocks = _layer_list(model)
     block = blocks[0]
-    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear) or _is_hf_conv1d(m)}
+    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear) or is_hf_conv1d(m)}
     leaf = lambda n: n.rpartition(".")[2]  # noqa: E731
     column = tuple(n for n in linears if leaf(n) in _COLUMN)
     row = tuple(n for n in linears if leaf(n) in _ROW)
@@ -165,26 +166,24 @@ def parallelize_config(names: ModelNames, layout: Layout) -> dict:
     head on vocabulary; sequence parallel between
     the blocks when the layout says so, on the [batch, seq, hidden] activations the model
     passes, no transposes), 1F1B stages over "pp" cut where the layout cuts."""
-    import autopar as dist
-
     shape = layout.shape
     config: dict = {"dp_config": {"sharding_level": shape.zero}} if shape.dp > 1 else {}
     if shape.tp > 1:
         each = f"{names.layers}.*."
-        plan = {each + n: dist.ColWiseParallel(fused=3 if n in names.fused else 1) for n in names.column}
-        plan.update({each + n: dist.RowWiseParallel() for n in names.row})
+        plan = {each + n: plans.ColWiseParallel(fused=3 if n in names.fused else 1) for n in names.column}
+        plan.update({each + n: plans.RowWiseParallel() for n in names.row})
         # a head tied to the embedding splits both by vocabulary (the embedding's output then
         # comes out Partial and is reduced where it is next needed)
-        embedding = dist.RowWiseParallel() if names.tied else dist.ColWiseParallel()
+        embedding = plans.RowWiseParallel() if names.tied else plans.ColWiseParallel()
         plan[names.embedding] = embedding
-        plan[names.head] = dist.ColWiseParallel()
+        plan[names.head] = plans.ColWiseParallel()
         if shape.sequence_parallel:
-            plan[names.embedding] = [embedding, dist.SequenceParallelBegin(need_transpose=False)]
+            plan[names.embedding] = [embedding, plans.SequenceParallelBegin(need_transpose=False)]
             for part in sorted({n.partition(".")[0] for n in names.column + names.row if "." in n}):
-                plan[each + part] = dist.SequenceParallelDisable(need_transpose=False)
+                plan[each + part] = plans.SequenceParallelDisable(need_transpose=False)
             if names.final_norm:
-                plan[names.final_norm] = dist.SequenceParallelEnable()
-            plan[names.head] = [dist.ColWiseParallel(), dist.SequenceParallelEnd(need_transpose=False)]
+                plan[names.final_norm] = plans.SequenceParallelEnable()
+            plan[names.head] = [plans.ColWiseParallel(), plans.SequenceParallelEnd(need_transpose=False)]
         config["mp_config"] = {"parallelize_plan": plan}
     if shape.pp > 1:
         starts, at = [], 0
@@ -192,7 +191,7 @@ def parallelize_config(names: ModelNames, layout: Layout) -> dict:
             at += n
             starts.append(at)
         config["pp_config"] = {
-            "split_spec": {f"{names.layers}.{i}": dist.SplitPoint.BEGINNING for i in starts},
+            "split_spec": {f"{names.layers}.{i}": plans.SplitPoint.BEGINNING for i in starts},
             "schedule_mode": "1F1B" if shape.vpp == 1 else "VPP", "accumulate_steps": shape.micro_batches,
         }
         if shape.vpp > 1:

@@ -15,7 +15,7 @@ from .cross_mesh import cross_mesh
 from .execute import run_steps
 from .plan import Step, plan, plan_bytes, step_kind
 
-__all__ = ["Step", "piece_of_replicated", "plan", "plan_bytes", "redistribute_local", "step_kind"]
+__all__ = ["Step", "piece_of_full", "piece_of_replicated", "plan", "plan_bytes", "redistribute_local", "step_kind"]
 
 
 def piece_of_replicated(full: torch.Tensor, spec: DistSpec, rank: int) -> torch.Tensor:
@@ -37,6 +37,15 @@ def piece_of_replicated(full: torch.Tensor, spec: DistSpec, rank: int) -> torch.
         if type(p) is Partial and p.reduce_type is ReduceType.SUM and coord[m] != 0:
             return torch.zeros_like(out)
     return out
+
+
+def piece_of_full(full: torch.Tensor, spec: DistSpec) -> torch.Tensor:
+    """This rank's piece of `spec` cut from the full value (no communication), as its own
+    storage: a cut piece must not pin the full tensor, each rank holds only its shard.
+    Contiguous, as `spec`'s meta says (a strided input, like seq[:, 1:], would otherwise
+    make a later view valid on the global meta fail on the local piece)."""
+    out = piece_of_replicated(full, spec, get_rank())
+    return out.clone(memory_format=torch.contiguous_format) if out.shape != full.shape else out.contiguous()
 
 
 def _same_mesh(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tensor:

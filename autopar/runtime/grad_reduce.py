@@ -43,6 +43,7 @@ from .zero.flat_shards import FlatShards
 from ..placement import Partial, ReduceType, Replicate, Shard
 from ..redistribute import redistribute_local
 from ..spec import DistSpec
+from ..tensor.convert import reshard_to
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's: the last layers' gradients start moving early
 BUCKET_BYTES = 25 << 20
@@ -120,8 +121,6 @@ class GradReduction:
     once its bucket has been packed."""
 
     def __init__(self, grads: list, plans: list):
-        from ..api.tensors import reshard
-
         self.out: list = list(grads)
         filling: dict = {}  # (mesh, collective, dtype) -> the bucket being filled
         buckets: list = []
@@ -129,7 +128,7 @@ class GradReduction:
             if not moves:
                 continue
             if how is None:
-                self.out[n] = reshard(g.detach(), placed.mesh, placed.placements)
+                self.out[n] = reshard_to(g.detach(), placed)
             else:
                 local = g._local
                 b = _bucket_for(filling, buckets, (placed.mesh, how, g.dtype), local.numel() * local.element_size(),

@@ -41,7 +41,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..tensor import dispatch
-from ..api.tensors import GradToPlacement
+from ..tensor.convert import GradToPlacement
 from ..comm import collectives
 from ..comm.fake import same_values
 from ..tensor.dtensor import DistTensor, local_piece, new_dist
@@ -313,8 +313,13 @@ def _declared_out_specs(module, args, kwargs):
     for cls in type(module).__mro__:
         rule = MODULE_RULES.get(cls)
         if rule is not None:
-            return rule(module, args, kwargs)
+            specs = [_spec_of(a) if isinstance(a, torch.Tensor) else a for a in args]
+            return rule(module, specs, kwargs, [_spec_of(p) for p in module.parameters()])
     return None
+
+
+def _spec_of(t: torch.Tensor):
+    return t._spec if type(t) is DistTensor else None
 
 
 def _agrees(out, trial: Optional[list]) -> bool:

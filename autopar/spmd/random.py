@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..api.tensors import _piece_of_full
+from ..redistribute import piece_of_full
 from ..placement import Partial, Replicate, Shard
 from .pointwise import shard_strategies
 from .registry import DRAWS_RANDOM, register, register_kernel
@@ -90,7 +90,7 @@ def random_full(func, args, kwargs, in_specs, out_specs, coord):
     written into self)."""
     meta = in_specs[0].meta
     full = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=args[0].device)
-    piece = _piece_of_full(func(full, *args[1:], **kwargs), out_specs[0])
+    piece = piece_of_full(func(full, *args[1:], **kwargs), out_specs[0])
     return args[0].copy_(piece) if func in _FILL_SET else piece
 
 
@@ -109,7 +109,7 @@ def native_dropout_kernel(func, args, kwargs, in_specs, out_specs, coord):
         return func(x, p, train)
     meta = in_specs[0].meta
     full = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=x.device).fill_(1)
-    mask = _piece_of_full(func(full, p, train)[1], out_specs[1])
+    mask = piece_of_full(func(full, p, train)[1], out_specs[1])
     scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
     return x.mul(mask).mul_(scale), mask
 

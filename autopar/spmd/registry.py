@@ -13,9 +13,11 @@ KERNEL_PLAIN_WHEN: dict = {}
 # op -> fn(args, kwargs): names of the arguments the op writes although its schema does not
 # say so (native_batch_norm updates the running statistics it is given in training)
 UNDECLARED_WRITES: dict = {}
-# module type -> fn(module, args, kwargs): the specs of the outputs (a DistSpec or a tuple of them)
-# when the module's forward on the local pieces computes exactly the local pieces of its global
-# result for these inputs (it then runs as a local region unverified; see local_region), else None
+# module type -> fn(module, args, kwargs, param_specs): the specs of the outputs (a DistSpec or a
+# tuple of them) when the module's forward on the local pieces computes exactly the local pieces
+# of its global result for these inputs (it then runs as a local region unverified; see
+# local_region), else None.  Rules see specs, not tensors: each tensor argument is its DistSpec
+# (None for a plain tensor), `param_specs` the module's parameters' (None for a plain one).
 MODULE_RULES: dict = {}
 # ops that draw from the random generator: a rank outside their mesh still draws (and
 # discards) the same numbers, so every rank's stream stays the single-process stream

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from ..tensor.dtensor import DistTensor
 from ..placement import Partial, Replicate, Shard
 from ..spec import DistSpec, TensorMeta
 from .registry import MODULE_RULES, register
@@ -115,33 +114,34 @@ def fused_cell_rule(call: OpCall) -> list[Strategy]:
 
 
 # -- nn.RNN / nn.GRU / nn.LSTM as a whole ---------------------------------------------------------
-def recurrent_module_rule(module: torch.nn.RNNBase, args, kwargs):
+def recurrent_module_rule(module: torch.nn.RNNBase, args, kwargs, param_specs):
     """nn.RNN/GRU/LSTM over a batch split on its batch dim (every other dim and the parameters
     whole, no dropout drawn between layers): each rank's layer runs on its own sequences, so the
     output is split on its batch dim and the final state on its dim 1, alike.  An LSTM's nested
     (h, c) output and explicit state stay op by op (its fused ops have rules)."""
     if kwargs or len(args) not in (1, 2) or isinstance(module, torch.nn.LSTM):
         return None
-    x, hx = args[0], (args[1] if len(args) == 2 else None)
-    if type(x) is not DistTensor or x.dim() != 3 or (module.dropout and module.training and module.num_layers > 1):
+    spec, hx = args[0], (args[1] if len(args) == 2 else None)
+    if not isinstance(spec, DistSpec) or spec.ndim != 3 or (
+            module.dropout and module.training and module.num_layers > 1):
         return None
-    spec, bd = x._spec, (0 if module.batch_first else 1)
+    bd = 0 if module.batch_first else 1
     if any(type(p) is Partial or (type(p) is Shard and p.dim != bd) for p in spec.placements):
         return None
     if not any(type(p) is Shard for p in spec.placements):
         return None  # nothing split: verification decides
     state_placements = tuple(Shard(1) if type(p) is Shard else _R for p in spec.placements)
-    if hx is not None and (type(hx) is not DistTensor or hx._spec.placements != state_placements):
+    if hx is not None and (not isinstance(hx, DistSpec) or hx.placements != state_placements):
         return None
-    if any(type(p) is not DistTensor or not p._spec.is_replicated() for p in module.parameters()):
+    if any(p is None or not p.is_replicated() for p in param_specs):
         return None
     directions = 2 if module.bidirectional else 1
     width = module.proj_size or module.hidden_size
-    steps, batch = x.shape[1 - bd], x.shape[bd]
-    time_major = TensorMeta.contiguous((steps, batch, directions * width), x.dtype)
+    steps, batch, dtype = spec.shape[1 - bd], spec.shape[bd], spec.meta.dtype
+    time_major = TensorMeta.contiguous((steps, batch, directions * width), dtype)
     out = time_major if not module.batch_first else TensorMeta(
-        (batch, steps, directions * width), _swap01(time_major.stride), x.dtype)
-    h_n = TensorMeta.contiguous((directions * module.num_layers, batch, width), x.dtype)
+        (batch, steps, directions * width), _swap01(time_major.stride), dtype)
+    h_n = TensorMeta.contiguous((directions * module.num_layers, batch, width), dtype)
     return DistSpec(spec.mesh, spec.placements, out), DistSpec(spec.mesh, state_placements, h_n)
 
 

@@ -353,7 +353,7 @@ def _plain_to(t: torch.Tensor, spec: DistSpec, rank: int) -> torch.Tensor:
 def _densify_grad(grad):
     """A plain leaf used with distributed tensors gets a plain, fully reduced gradient."""
     if type(grad) is DistTensor:
-        from ..api.tensors import full_value
+        from .convert import full_value  # (convert imports this module)
 
         return full_value(grad)
     return grad
@@ -647,7 +647,7 @@ def _reshape_wrapper(func, t: DistTensor, spec: DistSpec, args, kwargs) -> None:
 # -- ops handled outside the rule path -------------------------------------------------------
 def _dense_inputs(flat) -> list:
     """Every input's global value, on every rank of the job (collective over the job)."""
-    from ..api.tensors import gather_everywhere
+    from .convert import gather_everywhere  # (convert imports this module)
 
     return [readable(gather_everywhere(t._local, t._spec)) if type(t) is DistTensor else readable(t) for t in flat]
 
@@ -750,12 +750,3 @@ def _run_groups(func, args, kwargs, groups):
                 results[i] = o
     return results if any_out else None
 
-
-_NO_KWARGS: dict = {}
-
-
-def _torch_dispatch(cls, func, types, args=(), kwargs=None):
-    return dispatch(func, args, kwargs or _NO_KWARGS)
-
-
-DistTensor.__torch_dispatch__ = classmethod(_torch_dispatch)

@@ -74,7 +74,7 @@ class DistTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError("autopar.dispatch was not imported")  # replaced by dispatch.py
+        return _ops.dispatch(func, args, kwargs or _NO_KWARGS)
 
     # -- the distributed view -------------------------------------------------------
     @property
@@ -93,7 +93,7 @@ class DistTensor(torch.Tensor):
 
     def local_value(self) -> torch.Tensor:
         """This rank's piece as a plain tensor (differentiable; empty off the mesh)."""
-        from ..api.tensors import local_value
+        from .convert import local_value  # (convert builds on this class)
 
         return local_value(self)
 
@@ -106,7 +106,7 @@ class DistTensor(torch.Tensor):
     # Collective over the job: each runs on the value-read groups (`comm.value_read`), so
     # a read made on some ranks only is reported instead of pairing with training traffic.
     def full_value(self) -> torch.Tensor:
-        from ..api.tensors import full_value
+        from .convert import full_value
 
         with value_read("full_value()"):
             return full_value(self)
@@ -144,7 +144,7 @@ class DistTensor(torch.Tensor):
     def __deepcopy__(self, memo):
         new = DistTensor(self._local.detach().clone(), self._spec, requires_grad=self.requires_grad)
         if isinstance(self, torch.nn.Parameter) or getattr(self, "_is_param", False):
-            from ..api.tensors import distributed_parameter
+            from .convert import distributed_parameter
 
             new = distributed_parameter(new, self.requires_grad)
         memo[id(self)] = new
@@ -157,3 +157,9 @@ class DistTensor(torch.Tensor):
 # sharded gradient's norm would be an all-reduce of its own
 if DistTensor not in _foreach_utils._foreach_supported_types:
     _foreach_utils._foreach_supported_types.append(DistTensor)
+
+
+_NO_KWARGS: dict = {}
+# every aten op on a DistTensor: `dispatch.dispatch` (which builds on this class, so it is
+# bound as a module and looked up when an op runs)
+from . import dispatch as _ops  # noqa: E402

@@ -43,7 +43,6 @@ from ...tensor.dtensor import DistTensor, new_dist
 from .flat_shards import FlatShards
 from ..grad_reduce import GradReduction, grad_plan
 from ...placement import Replicate
-from ...api.layer import models
 
 _resize = torch.ops.inductor.resize_storage_bytes_
 
@@ -68,11 +67,12 @@ def gathered_piece(p: torch.Tensor) -> Optional[torch.Tensor]:
     return None if unit is None else next(w for q, w in zip(unit.params, unit.writes) if q is p)
 
 
-def install(params: list, mesh_dim) -> None:
-    """Cut the models holding these sharded parameters into units (see the module doc).
-    Parameters in no converted model are left to the op-by-op dispatch."""
+def install(params: list, mesh_dim, models: list) -> None:
+    """Cut the `models` (those `shard_layer` or `parallelize` converted) that hold these
+    sharded parameters into units (see the module doc).  Parameters in none of them are left
+    to the op-by-op dispatch."""
     wanted = {id(p): p for p in params}
-    for model in models():
+    for model in models:
         owners: dict = {}  # id(parameter) -> [(layer name, layer, attribute)]
         for name, layer in model.named_modules():
             for attr, p in layer._parameters.items():
