@@ -1,6 +1,6 @@
 """Collectives keep every value: a NaN through max/min on any number of ranks and wherever it
-sits (as torch.amax/amin keep it), and complex tensors through every transfer (moved as their
-(re, im) pairs, the bytes they hold).
+sits (as torch.amax/amin keep it), complex tensors through every transfer (moved as their
+(re, im) pairs, the bytes they hold), and the integer dtypes the backends refuse.
 
 Every rank can build every rank's term (`_term`), so each rank checks its result against the
 single-process reduction of all the terms itself.
@@ -339,3 +339,44 @@ def _captured_max(nan_ranks):
 def test_a_captured_max_keeps_a_nan_when_replayed():
     for got, want in run_dist(_captured_max, 3, [None, 0, 1, 2, None]):
         assert all(g == w or (math.isnan(g) and math.isnan(w)) for g, w in zip(got, want)), (got, want)
+
+
+# -- integer dtypes the backends refuse -----------------------------------------------------------
+NARROW = (torch.int16, torch.uint16, torch.uint32)
+
+
+def _narrow_ints():
+    """int16 / uint16 / uint32 (gloo and NCCL refuse them) through a gather, an all-to-all, a
+    Partial sum reduced to Replicate and to Shard (wrapping as one process's sum does), a max and
+    a value read; uneven pieces.  Every rank checks the single-process values."""
+    k, me = dist.get_world_size(), dist.get_rank()
+    mesh = dist.ProcessMesh(list(range(k)))
+    out = []
+    for dtype in NARROW:
+        full = (torch.arange(7 * 5) * 9001 % 65000).reshape(7, 5).to(dtype)
+        t = dist.shard_tensor(full, mesh, [dist.Shard(0)])
+        whole = dist.reshard(t, mesh, [dist.Replicate()])._local
+        cols = dist.reshard(t, mesh, [dist.Shard(1)])
+        terms = [(full.to(torch.int64) * (r + 1) * 7).to(dtype) for r in range(k)]  # sums wrap in dtype
+        total = terms[0]
+        for term in terms[1:]:
+            total = (total.to(torch.int64) + term.to(torch.int64)).to(dtype)
+        part = dist.dtensor_from_local(terms[me].clone(), mesh, [dist.Partial("sum")])
+        summed = dist.reshard(part, mesh, [dist.Replicate()])._local
+        split = dist.unshard_dtensor(dist.reshard(part, mesh, [dist.Shard(0)]))
+        highest = dist.dtensor_from_local(terms[me].clone(), mesh, [dist.Partial("max")])
+        out.append((
+            torch.equal(whole, full), torch.equal(dist.unshard_dtensor(cols), full),
+            torch.equal(summed, total), torch.equal(split, total),
+            torch.equal(dist.reshard(highest, mesh, [dist.Replicate()])._local,
+                        torch.stack([x.to(torch.int64) for x in terms]).amax(0).to(dtype)),
+            dist.unshard_dtensor(t).tolist() == full.tolist(),
+        ))
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_integer_dtypes_the_backends_refuse_move_and_reduce(k):
+    for rank, results in enumerate(run_dist(_narrow_ints, k)):
+        for dtype, checks in zip(NARROW, results):
+            assert all(checks), (rank, dtype, checks)

@@ -32,10 +32,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# integer dtypes gloo and NCCL refuse ("Invalid scalar type"): moved as their bytes, reduced in
+# a wider integer (the same bits come back: integer sums wrap alike)
+_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64, torch.uint64: torch.int64}
+
+
 def _real(t: torch.Tensor) -> torch.Tensor:
     """`t` as the backend moves it: a complex tensor as a real view of its (re, im) pairs (gloo
-    and NCCL know no complex dtype; torch.distributed's own API views them the same way)."""
-    return torch.view_as_real(t) if t.is_complex() else t
+    and NCCL know no complex dtype; torch.distributed's own API views them the same way), an
+    integer dtype they refuse as its bytes in a trailing dim (every leading dim, the one
+    gathers and all-to-alls split included, stays as it is)."""
+    if t.is_complex():
+        return torch.view_as_real(t)
+    return t.unsqueeze(-1).view(torch.uint8) if t.dtype in _WIDER else t
+
+
+def _widened(reduce, t: torch.Tensor, *args) -> torch.Tensor:
+    """`reduce(t, *args)` run on `t` in a wider integer dtype (see _WIDER), back in `t`'s."""
+    return reduce(t.to(_WIDER[t.dtype]), *args).to(t.dtype)
 
 
 def _sendable(t: torch.Tensor) -> torch.Tensor:
@@ -194,6 +208,9 @@ def all_reduce(
     `t` itself with `inplace=True` when it is contiguous, without a lazy conjugate, and the
     caller owns it).  Every member gets the same bits."""
     _check_ordered("all_reduce", t, reduce_type, ranks)
+    if t.dtype in _WIDER:
+        out = _widened(all_reduce, t, ranks, reduce_type)
+        return t.copy_(out) if inplace and t.is_contiguous() else out
     k = len(ranks)
     out = _sendable(t)
     if out is t and not inplace:
@@ -354,7 +371,7 @@ def all_reduce_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Re
     """Start reducing `t` (contiguous and the caller's: reduced in place) over the members and
     return at once, so that computation goes on while the bytes move."""
     _check_ordered("all_reduce", t, reduce_type, ranks)
-    if _synchronous(ranks) or _sendable(t) is not t:
+    if _synchronous(ranks) or _sendable(t) is not t or t.dtype in _WIDER:
         return _done("all_reduce", all_reduce(t, ranks, reduce_type, inplace=True), ranks)
     k = len(ranks)
     moved = _all_reduce_bytes(t, k)
@@ -374,7 +391,7 @@ def reduce_scatter_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType 
     """`reduce_scatter`, started: `wait()` returns this member's piece."""
     _check_ordered("reduce_scatter", t, reduce_type, ranks)
     k = len(ranks)
-    if _synchronous(ranks) or reduce_type not in (ReduceType.SUM, ReduceType.AVG):
+    if _synchronous(ranks) or reduce_type not in (ReduceType.SUM, ReduceType.AVG) or t.dtype in _WIDER:
         return _done("reduce_scatter", reduce_scatter(t, ranks, reduce_type), ranks)
     out = _reduce_scatter_out(t, k)
     t = _sendable(t)
@@ -413,6 +430,8 @@ def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Redu
     k = len(ranks)
     if k == 1:
         return t.clone()
+    if t.dtype in _WIDER:
+        return _widened(reduce_scatter, t, ranks, reduce_type)
     out = _reduce_scatter_out(t, k)
     t = _sendable(t)
     moved = (k - 1) * _nbytes(out)
