@@ -297,3 +297,25 @@ def test_operands_without_gradient_follow_the_op_to_its_mesh():
         assert ("send" in ops) == (rank in (0, 1)) and ("recv" in ops) == (rank in (2, 3)), (rank, ops)
         assert "each holds tensors that need gradients" in errors["both_graded"]
         assert "dist.reshard" in errors["both_graded"]
+
+
+def _sparse_refused():
+    mesh = dist.ProcessMesh([0, 1])
+    dense = torch.eye(4)
+    msgs = []
+    for sparse in (dense.to_sparse_csr(), dense.to_sparse()):
+        for make in (lambda: dist.shard_tensor(sparse, mesh, [S0]), lambda: dist.dtensor_from_local(sparse, mesh, [S0])):
+            try:
+                make()
+                msgs.append(None)
+            except TypeError as e:
+                msgs.append(str(e))
+    after = dist.unshard_dtensor(dist.shard_tensor(dense, mesh, [S0]))  # the ranks are still in step
+    return msgs, after
+
+
+def test_a_sparse_tensor_is_refused_on_every_rank_and_the_job_goes_on():
+    for msgs, after in run_dist(_sparse_refused, 2):
+        assert len(msgs) == 4 and all(m and "cannot be split into pieces; pass t.to_dense()" in m for m in msgs), msgs
+        assert "torch.sparse_csr tensor of shape [4, 4]" in msgs[0] and "torch.sparse_coo" in msgs[2]
+        assert torch.equal(after, torch.eye(4))

@@ -110,6 +110,7 @@ def shard_tensor(
             data = torch.as_tensor(data)
         else:
             raise TypeError(f"shard_tensor needs a tensor, ndarray or list, got {type(data).__name__}")
+    _refuse_sparse(data, "shard_tensor")
     if dtype is not None and data.dtype != dtype:
         data = data.to(dtype)
     placements = _placements(placements, mesh, data.dim(), data.dtype, f"shard_tensor of shape {list(data.shape)}")
@@ -122,6 +123,15 @@ def shard_tensor(
     if is_param:
         return distributed_parameter(out, requires_grad)
     return out
+
+
+def _refuse_sparse(t: torch.Tensor, what: str) -> None:
+    """A sparse or otherwise non-strided tensor has no rows to cut: refused on every rank before
+    anything moves (rank 0 sending its pieces while the others failed to receive them left the
+    job out of step)."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{what}: a {t.layout} tensor of shape {list(t.shape)} cannot be split into pieces; "
+                        f"pass t.to_dense()")
 
 
 def _source_rank(mesh: ProcessMesh, index: int | None) -> int | None:
@@ -163,6 +173,7 @@ def dtensor_from_local(
     torch.Size([2, 2])
     """
     _check_mesh(mesh, "dtensor_from_local")
+    _refuse_sparse(local, "dtensor_from_local")
     placements = _placements(placements, mesh, local.dim(), local.dtype,
                              f"dtensor_from_local of a piece of shape {list(local.shape)}")
     if shape is not None:
