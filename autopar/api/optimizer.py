@@ -92,6 +92,10 @@ class ShardingStage3(ShardingStage):
     stage = 3
 
 
+# by stage number: dp_config's sharding_level and Strategy.sharding.stage
+SHARDING_STAGES = {cls.stage: cls for cls in (ShardingStage1, ShardingStage2, ShardingStage3)}
+
+
 def _param_spec(p: torch.Tensor, fallback_mesh: Optional[ProcessMesh]) -> DistSpec:
     if isinstance(p, DistTensor):
         return p._spec
