@@ -49,6 +49,7 @@ def _cases(world):
         (lambda u, v: u * v, [a, a], [[P], [R]], [P], False),
         (lambda u: u * 3 - 1.5, [a], [[P]], None, True),  # a number added to a Partial(sum)
         (lambda u: torch.where(u > 0, u, u * 0.1), [a], [[S1]], [S1], False),
+        (torch.where, [a > 0, a, a.flip(0)], [[R], [P], [P]], [P], False),  # linear in (u, v) together
         (lambda u: F.gelu(u).tanh().sigmoid().exp(), [a], [[S0]], [S0], False),
         (lambda u: F.silu(u) + F.relu(u), [a], [[P]], [R], True),  # non-linear: reduce first
         (lambda u: u.clone().contiguous() * 2, [a], [[P]], [P], False),

@@ -5,16 +5,19 @@ one row, out= overloads (linear_cross_entropy's chunks write the logits with mm(
 Pure tests check the rules' strategies; numeric ones run on a real 2-rank world against the
 single process (tests/opcheck.py), on Shard(0), Shard(-1) and Replicate inputs.
 """
+import subprocess
+import sys
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import autopar as dist
 from autopar import Partial, Replicate, Shard
 from autopar.spmd import engine
-from autopar.spmd.registry import rule_for
-from autopar.spmd.strategy import Strategy
+from autopar.spmd.registry import RULE_FNS, RULES, register, rule_for
+from autopar.spmd.strategy import OpStrategy
 from distpool import run_dist
 from opcheck import check
 from rulecheck import meta as _m, op_call as _call
@@ -65,6 +68,53 @@ def test_out_overloads_place_the_out_tensor_as_the_output():
     assert _choose(call, [(R,), (S1,), (S1,)])[1] == [(S1,)]
     # an out tensor torch resizes stays whole
     assert rule_for(aten.mm.out)(_call(aten.mm.out, a, b, out=_m(0))) == []
+
+
+def test_where_keeps_partial_values_under_a_whole_condition():
+    """where(c, a, b) is linear in (a, b) together: Partial a and b stay Partial (out= too)."""
+    c, a, b, out = _m(4, 3, dtype=torch.bool), _m(4, 3), _m(4, 3), _m(4, 3)
+    assert _choose(_call(aten.where.self, c, a, b), [(R,), (P,), (P,)])[:2] == ([(R,), (P,), (P,)], [(P,)])
+    call = _call(aten.where.self_out, c, a, b, out=out)
+    assert _choose(call, [(R,), (P,), (P,), (R,)])[:2] == ([(R,), (P,), (P,), (P,)], [(P,)])
+    # a number in place of a or b would join every rank's term: only splits
+    assert all(P not in s.inputs for s in rule_for(aten.where.ScalarOther)(_call(aten.where.ScalarOther, c, a, 2.0)))
+
+
+_LIB = torch.library.Library("autopar_rules_test", "DEF")
+_LIB.define("twice(Tensor t) -> Tensor")
+_LIB.impl("twice", lambda t: t * 2, "CompositeExplicitAutograd")
+
+
+def test_a_second_rule_for_an_op_overload_raises_naming_both():
+    op = torch.ops.autopar_rules_test.twice.default
+
+    def first_rule(call):
+        return []
+
+    def second_rule(call):
+        return []
+
+    register(op)(first_rule)
+    try:
+        with pytest.raises(ValueError, match=r"autopar_rules_test\.twice\.default .*first_rule.*second_rule"):
+            register(op)(second_rule)
+        assert rule_for(op) is first_rule
+    finally:
+        del RULES[op], RULE_FNS[op]
+
+
+def test_every_rule_module_registers_on_import_and_claims_its_ops_alone():
+    """A fresh process imports autopar.spmd (every rule module must be among its imports) and
+    then every module in the package: register raises on an overload claimed twice."""
+    script = (
+        "import importlib, pkgutil, sys, autopar.spmd as spmd\n"
+        "names = [m.name for m in pkgutil.iter_modules(spmd.__path__)]\n"
+        "print([n for n in names if 'autopar.spmd.' + n not in sys.modules])\n"
+        "for n in names: importlib.import_module('autopar.spmd.' + n)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"rule modules autopar.spmd does not import: {done.stdout}"
 
 
 # -- numeric tests on 2 ranks ------------------------------------------------------------------------
@@ -156,8 +206,8 @@ def test_order_statistics_split_every_other_dim():
 
 def test_batched_linear_algebra_splits_batch_dims_only():
     call, got = _strategies(aten._linalg_solve_ex.default, _m(4, 3, 3), _m(4, 3))  # B a batch of vectors
-    assert got[0] == Strategy((S0,) * 4, (S0, S0)) and len(got) == 3  # + Partial(sum/avg) through B
-    assert got[1] == Strategy((P, R, R, R), (R, P))
+    assert got[0] == OpStrategy((S0,) * 4, (S0, S0)) and len(got) == 3  # + Partial(sum/avg) through B
+    assert got[1] == OpStrategy((P, R, R, R), (R, P))
     # broadcast batch (2, 5): A's LU keeps A's batch (2, 1), so only the batch dim A has splits
     _, got = _strategies(aten._linalg_solve_ex.default, _m(2, 1, 3, 3), _m(5, 3, 2))
     assert [(s.inputs, s.outputs[:2]) for s in got if type(s.outputs[0]) is Shard] == [((S0, R), (S0, S0))]

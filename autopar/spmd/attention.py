@@ -22,7 +22,7 @@ import torch
 
 from ..placement import Partial, Replicate, Shard
 from .registry import register, register_kernel
-from .strategy import OpCall, Strategy
+from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -36,7 +36,7 @@ def _mask_placement(mask, scores: tuple, dim: int):
     return Shard(j) if j >= 0 and mask.shape[j] == scores[dim] != 1 else Replicate()
 
 
-def _strategies(q, k, mask, backward: bool) -> list[Strategy]:
+def _strategies(q, k, mask, backward: bool) -> list[OpStrategy]:
     """The forward (inputs q, k, v, [mask]; outputs out, lse) or the backward (inputs
     grad_out, q, k, v, out, lse, [mask]; outputs grad_q, grad_k, grad_v) strategies."""
     scores = (q.shape[_B], q.shape[_H], q.shape[_L], k.shape[2])
@@ -55,23 +55,23 @@ def _strategies(q, k, mask, backward: bool) -> list[Strategy]:
         m = (_mask_placement(mask, scores, dim),) if mask is not None else ()
         if backward:
             grads = (row, kv, kv) if kv_sharded else (row, Partial(), Partial())
-            strategies.append(Strategy(grads, (row, row, kv, kv, row, row) + m, "sdpa", even))
+            strategies.append(OpStrategy(grads, (row, row, kv, kv, row, row) + m, "sdpa", even))
         else:
-            strategies.append(Strategy((row, row), (row, kv, kv) + m, "sdpa", even))
+            strategies.append(OpStrategy((row, row), (row, kv, kv) + m, "sdpa", even))
     if backward:
         rest = (Replicate(),) * (5 + (mask is not None))
-        strategies += [Strategy((p, p, p), (p,) + rest) for p in (Partial("sum"), Partial("avg"))]
+        strategies += [OpStrategy((p, p, p), (p,) + rest) for p in LINEAR_PARTIALS]
     return strategies
 
 
 @register(_FWD)
-def sdpa_rule(call: OpCall) -> list[Strategy]:
+def sdpa_rule(call: OpCall) -> list[OpStrategy]:
     mask = call.inputs[3] if len(call.inputs) > 3 else None
     return _strategies(call.inputs[0], call.inputs[1], mask, False)
 
 
 @register(_BWD)
-def sdpa_backward_rule(call: OpCall) -> list[Strategy]:
+def sdpa_backward_rule(call: OpCall) -> list[OpStrategy]:
     mask = call.inputs[6] if len(call.inputs) > 6 else None
     return _strategies(call.inputs[1], call.inputs[2], mask, True)
 

@@ -34,7 +34,7 @@ from .. import comm
 from ..placement import Partial, Replicate, Shard
 from .reduction import shard_group
 from .registry import register, register_kernel
-from .strategy import OpCall, Strategy
+from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -92,11 +92,11 @@ def _flag(call: OpCall, where) -> bool:
     return where if isinstance(where, bool) else bool(call.args[where])
 
 
-def _strategy(call: OpCall, kinds: dict, out_kinds: tuple, places: dict, kernel=None) -> Strategy:
+def _strategy(call: OpCall, kinds: dict, out_kinds: tuple, places: dict, kernel=None) -> OpStrategy:
     """Placements by kind: `kinds` maps argument positions to a kind ('x' activation, 'dy' its
     gradient, 'c' per-channel tensor, 'r' reserve); `places` maps kinds to placements."""
     ins = tuple(places[kinds[i]] for i, a in enumerate(call.args) if i in kinds and a is not None)
-    return Strategy(tuple(places[k] for k in out_kinds), ins, kernel=kernel)
+    return OpStrategy(tuple(places[k] for k in out_kinds), ins, kernel=kernel)
 
 
 def _dims(shape) -> list[int]:
@@ -108,7 +108,7 @@ _R, _P = Replicate(), Partial()
 
 
 # -- rules -------------------------------------------------------------------------------------
-def batch_norm_rule(call: OpCall) -> list[Strategy]:
+def batch_norm_rule(call: OpCall) -> list[OpStrategy]:
     """(x, per-channel tensors) -> (out, mean, invstd[, reserve][, running_mean, running_var])."""
     form = FORWARD[call.func]
     training = _flag(call, form.training)
@@ -129,13 +129,13 @@ def _running_stats_written(args, kwargs) -> tuple:
     return ("running_mean", "running_var") if args[5] else ()
 
 
-register(list(FORWARD))(batch_norm_rule)
-register([aten.native_batch_norm.default, aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default],
-         writes=_running_stats_written)(batch_norm_rule)
+_WRITE_STATS = [aten.native_batch_norm.default, aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default]
+register([op for op in FORWARD if op not in _WRITE_STATS])(batch_norm_rule)
+register(_WRITE_STATS, writes=_running_stats_written)(batch_norm_rule)
 
 
 @register(list(BACKWARD))
-def batch_norm_backward_rule(call: OpCall) -> list[Strategy]:
+def batch_norm_backward_rule(call: OpCall) -> list[OpStrategy]:
     """(grad_out, x, per-channel tensors[, reserve]) -> the masked (grad_input, grad_weight, grad_bias)."""
     form = BACKWARD[call.func]
     training = _flag(call, form.training)
@@ -155,7 +155,7 @@ def batch_norm_backward_rule(call: OpCall) -> list[Strategy]:
     if call.inputs[form.input].shape[1] != 1:
         channel = {"dy": Shard(1), "x": Shard(1), "dx": Shard(1), "c": Shard(0), "r": _R, "g": Shard(0)}
         strategies.append(_strategy(call, kinds, out_kinds, channel))
-    for p in (Partial("sum"), Partial("avg")):  # linear in grad_out
+    for p in LINEAR_PARTIALS:  # linear in grad_out
         strategies.append(_strategy(call, kinds, out_kinds, {"dy": p, "x": _R, "dx": p, "c": _R, "r": _R, "g": p}))
     return strategies
 

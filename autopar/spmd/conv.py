@@ -32,7 +32,7 @@ from .einsum import einsum_strategies
 from .halo import Window, keep, narrow_back, pad_back, spatially_split, split_dims, widen
 from .registry import register, register_kernel
 from .spatial import per_dim, schema_args, spatial_dims
-from .strategy import OpCall, Strategy
+from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
 _KERNEL = "convolution"
@@ -141,17 +141,17 @@ def _backward_local_args(args, kwargs, out_shapes):
 
 
 @register([aten.convolution, aten._convolution], local_args=_forward_local_args)
-def convolution_rule(call: OpCall) -> list[Strategy]:
+def convolution_rule(call: OpCall) -> list[OpStrategy]:
     conv = _conv_of(schema_args(call.func, call.args, call.kwargs), 0)
     has_bias = call.arg(2, "bias") is not None
     return [
-        Strategy((out,), (x, w, b) if has_bias else (x, w), even=even, kernel=kernel)
+        OpStrategy((out,), (x, w, b) if has_bias else (x, w), even=even, kernel=kernel)
         for x, w, b, out, even, kernel in conv.letter_strategies(call.outputs[0].shape[1])
     ]
 
 
 @register(aten.convolution_backward, local_args=_backward_local_args)
-def convolution_backward_rule(call: OpCall) -> list[Strategy]:
+def convolution_backward_rule(call: OpCall) -> list[OpStrategy]:
     """Inputs (grad_output, input, weight); outputs the gradients that output_mask asks for."""
     conv = _conv_of(schema_args(call.func, call.args, call.kwargs), 1)
     wanted = [i for i, w in enumerate(call.arg(10, "output_mask")) if w]
@@ -162,10 +162,10 @@ def convolution_backward_rule(call: OpCall) -> list[Strategy]:
             continue  # Partial(avg) operands: no linear adjoint
         # `even` names the forward's output (-1): the backward's grad_output (input 0) has its shape
         even = tuple((0, d) if i == -1 else (i + 1, d) for i, d in even)
-        strategies.append(Strategy(tuple(grads[i] for i in wanted), (_dual(out), x, w), even=even,
-                                   kernel=kernel and _KERNEL + "_backward"))
+        strategies.append(OpStrategy(tuple(grads[i] for i in wanted), (_dual(out), x, w), even=even,
+                                     kernel=kernel and _KERNEL + "_backward"))
     rest = (Replicate(), Replicate())
-    return strategies + [Strategy((p,) * len(wanted), (p,) + rest) for p in (Partial("sum"), Partial("avg"))]
+    return strategies + [OpStrategy((p,) * len(wanted), (p,) + rest) for p in LINEAR_PARTIALS]
 
 
 # -- kernels -----------------------------------------------------------------------------------

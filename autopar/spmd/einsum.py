@@ -8,12 +8,11 @@ Replicate) gives a Partial output of the same kind.
 from __future__ import annotations
 
 from ..placement import Partial, Replicate, Shard
-from .strategy import Strategy
-
-_PARTIALS = (Partial("sum"), Partial("avg"))
+from .strategy import LINEAR_PARTIALS, OpStrategy
 
 
-def einsum_strategies(equation: str, linear_in: tuple = (), sizes: dict | None = None) -> list[Strategy]:
+
+def einsum_strategies(equation: str, linear_in: tuple = (), sizes: dict | None = None) -> list[OpStrategy]:
     """Single-mesh-dim strategies for `equation` ("ab,bc->ac").
 
     `sizes` (letter -> size per operand, optional) lets broadcast operands of size 1 stay
@@ -29,10 +28,10 @@ def einsum_strategies(equation: str, linear_in: tuple = (), sizes: dict | None =
         if all(type(p) is Replicate for p in ins):
             continue
         output = Shard(out.index(c)) if c in out else Partial()
-        strategies.append(Strategy((output,), ins))
+        strategies.append(OpStrategy((output,), ins))
     for i in linear_in:
-        for p in _PARTIALS:
-            strategies.append(Strategy((p,), tuple(p if j == i else Replicate() for j in range(len(operands)))))
+        for p in LINEAR_PARTIALS:
+            strategies.append(OpStrategy((p,), tuple(p if j == i else Replicate() for j in range(len(operands)))))
     return strategies
 
 

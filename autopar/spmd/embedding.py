@@ -15,38 +15,37 @@ from __future__ import annotations
 import torch
 
 from ..placement import Partial, Replicate, Shard
-from .pointwise import _ALL_PARTIALS, _SUM_AVG
 from .registry import register, register_kernel
-from .strategy import OpCall, Strategy
+from .strategy import ALL_PARTIALS, LINEAR_PARTIALS, OpCall, OpStrategy
 from .tensor_ops import with_arg
 
 aten = torch.ops.aten
 
 
 @register([aten.embedding.default])
-def embedding_rule(call: OpCall) -> list[Strategy]:
+def embedding_rule(call: OpCall) -> list[OpStrategy]:
     nd = len(call.inputs[1].shape)
-    strategies = [Strategy((Shard(d),), (Replicate(), Shard(d))) for d in range(nd)]
-    strategies.append(Strategy((Shard(nd),), (Shard(1), Replicate())))
-    strategies.append(Strategy((Partial(),), (Shard(0), Replicate()), kernel="vocab_embedding"))
-    return strategies + [Strategy((p,), (p, Replicate())) for p in _ALL_PARTIALS]
+    strategies = [OpStrategy((Shard(d),), (Replicate(), Shard(d))) for d in range(nd)]
+    strategies.append(OpStrategy((Shard(nd),), (Shard(1), Replicate())))
+    strategies.append(OpStrategy((Partial(),), (Shard(0), Replicate()), kernel="vocab_embedding"))
+    return strategies + [OpStrategy((p,), (p, Replicate())) for p in ALL_PARTIALS]
 
 
 @register([aten.embedding_dense_backward.default])
-def embedding_backward_rule(call: OpCall) -> list[Strategy]:
+def embedding_backward_rule(call: OpCall) -> list[OpStrategy]:
     """From a Replicate grad the op cannot tell how the weight lies; the engine's memory
     tie-break picks the vocab-row gradient (no rank ever holds the full vocab x hidden
     gradient, the point of a vocab-sharded weight), so a replicated or column-sharded weight
     reached by a Replicate grad gets a Shard(0) gradient too (the optimizer moves it to the
     weight's placement once per step)."""
     nd = len(call.inputs[0].shape)
-    strategies = [Strategy((Shard(1),), (Shard(nd - 1), Replicate()))]
+    strategies = [OpStrategy((Shard(1),), (Shard(nd - 1), Replicate()))]
     if not call.arg(4, "scale_grad_by_freq", False):
-        strategies += [Strategy((Partial(),), (Shard(d), Shard(d))) for d in range(nd - 1)]
+        strategies += [OpStrategy((Partial(),), (Shard(d), Shard(d))) for d in range(nd - 1)]
     strategies.append(
-        Strategy((Shard(0),), (Replicate(), Replicate()), kernel="vocab_embedding_backward")
+        OpStrategy((Shard(0),), (Replicate(), Replicate()), kernel="vocab_embedding_backward")
     )
-    return strategies + [Strategy((p,), (p, Replicate())) for p in _SUM_AVG]
+    return strategies + [OpStrategy((p,), (p, Replicate())) for p in LINEAR_PARTIALS]
 
 
 def _local_ids(ids: torch.Tensor, spec, coord, fill: int):
@@ -92,7 +91,7 @@ def _bag_tensors(call: OpCall, split_like: tuple) -> tuple:
 
 
 @register([aten._embedding_bag.default, aten._embedding_bag_forward_only.default])
-def embedding_bag_rule(call: OpCall) -> list[Strategy]:
+def embedding_bag_rule(call: OpCall) -> list[OpStrategy]:
     """(output, offset2bag, bag_size, max_indices): each bag sums, averages or takes the max of
     its rows column by column, so a weight split on the hidden dim gives the output (and max's
     per-column indices) split alike; the rest depend on the indices alone.  Sum and mean are
@@ -102,26 +101,26 @@ def embedding_bag_rule(call: OpCall) -> list[Strategy]:
         return []
     ins = (Shard(1),) + (Replicate(),) * (len(call.inputs) - 1)
     outs = (Shard(1), Replicate(), Replicate(), Shard(1) if idx == out else Replicate())
-    strategies = [Strategy(outs, ins)]
+    strategies = [OpStrategy(outs, ins)]
     if call.arg(4, "mode", 0) != 2:
         rest = (Replicate(),) * (len(call.inputs) - 1)
-        strategies += [Strategy((p, Replicate(), Replicate(), Replicate()), (p,) + rest) for p in _SUM_AVG]
+        strategies += [OpStrategy((p, Replicate(), Replicate(), Replicate()), (p,) + rest) for p in LINEAR_PARTIALS]
     return strategies
 
 
 @register([aten._embedding_bag_backward.default])
-def embedding_bag_backward_rule(call: OpCall) -> list[Strategy]:
+def embedding_bag_backward_rule(call: OpCall) -> list[OpStrategy]:
     """grad (bags, hidden) split on the hidden dim gives the weight gradient's columns (max's
     per-column indices split with it); the dense gradient only."""
     grad = tuple(call.inputs[0].shape)
     if call.arg(9, "sparse", False) or grad[1] == 1:
         return []
-    return [Strategy((Shard(1),), _bag_tensors(call, grad))]
+    return [OpStrategy((Shard(1),), _bag_tensors(call, grad))]
 
 
 @register([aten._embedding_bag_per_sample_weights_backward.default])
-def embedding_bag_per_sample_weights_backward_rule(call: OpCall) -> list[Strategy]:
+def embedding_bag_per_sample_weights_backward_rule(call: OpCall) -> list[OpStrategy]:
     """d(bag) / d(sample weight) sums grad * row over the hidden dim: split, a Partial(sum) term."""
     if call.inputs[0].shape[1] == 1:
         return []
-    return [Strategy((Partial(),), (Shard(1), Shard(1)) + (Replicate(),) * (len(call.inputs) - 2))]
+    return [OpStrategy((Partial(),), (Shard(1), Shard(1)) + (Replicate(),) * (len(call.inputs) - 2))]

@@ -2,13 +2,13 @@
 
 Cost of a strategy on mesh dim m = bytes the inputs must move to meet it, from the
 placements they have now.  Partial->Shard is priced as a full reduction so that a rule's
-free choice never turns a Partial input into a Shard (the seed's convention: a non-linear
-op makes a Partial input Replicate); when the strategy is forced (in-place ops) the reshard
-itself still uses the cheaper reduce-scatter.  Keeping a Partial input Partial by gathering
-another operand is also charged the later reduction of the Partial output (see
-`_deferred_reduction`).  Ties go to the strategy that changes fewer inputs (nothing is sliced
-or moved without a reason), then to the one whose outputs are sharded more (less memory for
-the same traffic), then to the rule's order, all-Replicate first.
+free choice never turns a Partial input into a Shard (Paddle's auto-parallel rule: a
+non-linear op makes a Partial input Replicate); when the strategy is forced (in-place ops)
+the reshard itself still uses the cheaper reduce-scatter.  Keeping a Partial input Partial
+by gathering another operand is also charged the later reduction of the Partial output (see
+`_deferred_reduction`).  Ties go to the strategy that changes fewer inputs (nothing is
+sliced or moved without a reason), then to the one whose outputs are sharded more (less
+memory for the same traffic), then to the rule's order, all-Replicate first.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..mesh import ProcessMesh
 from ..placement import Partial, Replicate, Shard, StridedShard
 from ..spec import strided_cuts_valid
 from .registry import rule_for
-from .strategy import OpCall, Strategy, replicated
+from .strategy import OpCall, OpStrategy, replicated
 
 log = logging.getLogger("autopar.spmd")
 _WARNED: set = set()
@@ -66,7 +66,7 @@ def _divides(even, call: OpCall, current, mesh_shape, m: int) -> bool:
     return True
 
 
-def candidates(call: OpCall) -> list[Strategy]:
+def candidates(call: OpCall) -> list[OpStrategy]:
     """All-Replicate first, then the rule's strategies (an op with no rule warns once)."""
     base = replicated(len(call.inputs), len(call.outputs))
     rule = rule_for(call.func)
@@ -154,7 +154,7 @@ def _choose(
     return in_pl, out_pl, (kernels.pop() if kernels else None)
 
 
-def strided_variants(call: OpCall, strategies: list, current: list, m: int, k: int) -> list[Strategy]:
+def strided_variants(call: OpCall, strategies: list, current: list, m: int, k: int) -> list[OpStrategy]:
     """A rule's Shard strategies read with StridedShard, where an input is strided on mesh
     dim m: a strategy that splits one index space (every operand it shards has the strided
     input's size there: the same letter of an einsum, a pointwise dim, a batch dim) splits
@@ -177,7 +177,7 @@ def strided_variants(call: OpCall, strategies: list, current: list, m: int, k: i
     return out
 
 
-def _as_strided(call: OpCall, s: Strategy, n: int, f: int):
+def _as_strided(call: OpCall, s: OpStrategy, n: int, f: int):
     def convert(placements, metas):
         new = []
         for t, meta in zip(placements, metas):
@@ -189,10 +189,10 @@ def _as_strided(call: OpCall, s: Strategy, n: int, f: int):
         return tuple(new)
 
     ins, outs = convert(s.inputs, call.inputs), convert(s.outputs, call.outputs)
-    return None if ins is None or outs is None else Strategy(outs, ins)
+    return None if ins is None or outs is None else OpStrategy(outs, ins)
 
 
-def _deferred_reduction(call: OpCall, s: Strategy, mesh_shape, m: int) -> float:
+def _deferred_reduction(call: OpCall, s: OpStrategy, mesh_shape, m: int) -> float:
     """What keeping a Partial input Partial costs when it takes gathering another operand:
     the Partial outputs still need their reduction later, and the input is usually reduced
     anyway for its other consumers (a backward's grad_output feeds both the input and the
@@ -203,17 +203,17 @@ def _deferred_reduction(call: OpCall, s: Strategy, mesh_shape, m: int) -> float:
     )
 
 
-def _label_only(strategies, current, m: int, n_out: int) -> Strategy:
+def _label_only(strategies, current, m: int, n_out: int) -> OpStrategy:
     """On a mesh dim of size 1: the rule's outputs for the inputs as they are (a state made
     like a Shard(0) parameter says Shard(0)), else Replicate; no input is converted."""
     n_in = len(current)
     for s in strategies:
         if not s.kernel and all(t is None or t == current[i][m] for i, t in enumerate(s.inputs)):
-            return Strategy(s.outputs, (None,) * n_in)
-    return Strategy((Replicate(),) * n_out, (None,) * n_in)
+            return OpStrategy(s.outputs, (None,) * n_in)
+    return OpStrategy((Replicate(),) * n_out, (None,) * n_in)
 
 
-def explain(call: OpCall) -> list[Strategy]:
+def explain(call: OpCall) -> list[OpStrategy]:
     """The strategies the engine weighs for `call` (for debugging and docs)."""
     return candidates(call)
 

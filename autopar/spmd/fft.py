@@ -10,23 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Shard
+from ..placement import Shard
 from .registry import register
-from .strategy import OpCall, Strategy
+from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
 
 
 @register([aten._fft_r2c, aten._fft_c2r, aten._fft_c2c])
-def fft_rule(call: OpCall) -> list[Strategy]:
+def fft_rule(call: OpCall) -> list[OpStrategy]:
     shape = call.inputs[0].shape
     transformed = {d % len(shape) for d in call.arg(1, "dim")}
-    strategies = [Strategy((Shard(d),), (Shard(d),)) for d in range(len(shape)) if d not in transformed and shape[d] != 1]
-    return strategies + [Strategy((p,), (p,)) for p in (Partial("sum"), Partial("avg"))]
+    strategies = [OpStrategy((Shard(d),), (Shard(d),))
+                  for d in range(len(shape)) if d not in transformed and shape[d] != 1]
+    return strategies + [OpStrategy((p,), (p,)) for p in LINEAR_PARTIALS]
 
 
 @register([aten.view_as_real, aten.view_as_complex])
-def complex_view_rule(call: OpCall) -> list[Strategy]:
+def complex_view_rule(call: OpCall) -> list[OpStrategy]:
     shape = call.outputs[0].shape if call.func._schema.name == "aten::view_as_real" else call.inputs[0].shape
-    strategies = [Strategy((Shard(d),), (Shard(d),)) for d in range(len(shape) - 1) if shape[d] != 1]
-    return strategies + [Strategy((p,), (p,)) for p in (Partial("sum"), Partial("avg"))]
+    strategies = [OpStrategy((Shard(d),), (Shard(d),)) for d in range(len(shape) - 1) if shape[d] != 1]
+    return strategies + [OpStrategy((p,), (p,)) for p in LINEAR_PARTIALS]

@@ -17,12 +17,11 @@ import math
 
 import torch
 
-from ..placement import Partial, Replicate, Shard
+from ..placement import Replicate, Shard
 from .registry import register
-from .strategy import OpCall, Strategy
+from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
-_SUM_AVG = (Partial("sum"), Partial("avg"))
 
 
 def _solve_cores(call: OpCall):
@@ -68,7 +67,7 @@ def _batch_dim(shape, core: int, nb: int, b: int):
 
 
 @register(list(_OPS))
-def batched_rule(call: OpCall) -> list[Strategy]:
+def batched_rule(call: OpCall) -> list[OpStrategy]:
     cores, check_at, linear = _OPS[call.func]
     in_cores, out_cores = cores(call) if callable(cores) else cores
     if check_at is not None and call.arg(check_at, "check_errors", False):
@@ -84,16 +83,16 @@ def batched_rule(call: OpCall) -> list[Strategy]:
         outs = placed[len(call.inputs):]
         if size == 1 or any(p == Replicate() and math.prod(s) for p, (s, _) in zip(outs, tensors[len(call.inputs):])):
             continue  # an output without this batch dim (an empty placeholder aside) needs it whole
-        strategies.append(Strategy(tuple(outs), tuple(placed[:len(call.inputs)])))
+        strategies.append(OpStrategy(tuple(outs), tuple(placed[:len(call.inputs)])))
     if linear is not None:
         i, o = linear
         n_in, n_out = len(call.inputs), len(call.outputs)
-        strategies += [Strategy(tuple(p if j == o else Replicate() for j in range(n_out)),
-                                tuple(p if j == i else Replicate() for j in range(n_in))) for p in _SUM_AVG]
+        strategies += [OpStrategy(tuple(p if j == o else Replicate() for j in range(n_out)),
+                                  tuple(p if j == i else Replicate() for j in range(n_in))) for p in LINEAR_PARTIALS]
     return strategies
 
 
 @register([aten._linalg_check_errors.default, aten.cholesky.default])
-def whole_rule(call: OpCall) -> list[Strategy]:
+def whole_rule(call: OpCall) -> list[OpStrategy]:
     """Checks that raise where a matrix is bad: whole on every rank, so every rank raises."""
     return []

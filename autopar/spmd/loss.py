@@ -22,7 +22,7 @@ import torch
 from ..placement import Partial, Replicate, Shard
 from .reduction import shard_group
 from .registry import register, register_kernel
-from .strategy import OpCall, Strategy
+from .strategy import OpCall, OpStrategy
 
 aten = torch.ops.aten
 
@@ -48,23 +48,23 @@ def _aligned(call: OpCall, first: int, d: int) -> tuple:
 
 
 @register(list(FORWARD))
-def loss_rule(call: OpCall) -> list[Strategy]:
+def loss_rule(call: OpCall) -> list[OpStrategy]:
     reduction = call.arg(FORWARD[call.func], "reduction", MEAN)
     reduced = {SUM: Partial("sum"), MEAN: Partial("avg")}.get(reduction)
     return [
-        Strategy((Shard(d) if reduced is None else reduced,), _aligned(call, 0, d),
-                 kernel="loss_mean" if reduction == MEAN else None)
+        OpStrategy((Shard(d) if reduced is None else reduced,), _aligned(call, 0, d),
+                   kernel="loss_mean" if reduction == MEAN else None)
         for d, size in enumerate(call.inputs[0].shape)
         if size != 1
     ]
 
 
 @register(list(BACKWARD))
-def loss_backward_rule(call: OpCall) -> list[Strategy]:
+def loss_backward_rule(call: OpCall) -> list[OpStrategy]:
     reduction = call.arg(BACKWARD[call.func], "reduction", MEAN)
     return [
-        Strategy((Shard(d),), ((Shard(d) if reduction == NONE else Replicate()),) + _aligned(call, 1, d),
-                 kernel="loss_mean_backward" if reduction == MEAN else None)
+        OpStrategy((Shard(d),), ((Shard(d) if reduction == NONE else Replicate()),) + _aligned(call, 1, d),
+                   kernel="loss_mean_backward" if reduction == MEAN else None)
         for d, size in enumerate(call.inputs[1].shape)
         if size != 1
     ]
@@ -83,15 +83,15 @@ def _per_sample(call: OpCall) -> tuple:
 
 
 @register(list(PER_SAMPLE))
-def per_sample_loss_rule(call: OpCall) -> list[Strategy]:
+def per_sample_loss_rule(call: OpCall) -> list[OpStrategy]:
     """(N, C) scores split on N: 'none' keeps the split, 'sum' leaves Partial(sum), 'mean'
     Partial(avg) by the kernel (is_target, multilabel's second output, keeps the split)."""
     if len(call.inputs[0].shape) != 2 or call.inputs[0].shape[0] == 1:
         return []
     reduction = call.arg(PER_SAMPLE[call.func], "reduction", MEAN)
     loss = {SUM: Partial("sum"), MEAN: Partial("avg")}.get(reduction, Shard(0))
-    return [Strategy((loss,) + (Shard(0),) * (len(call.outputs) - 1), _per_sample(call),
-                     kernel="loss_mean" if reduction == MEAN else None)]
+    return [OpStrategy((loss,) + (Shard(0),) * (len(call.outputs) - 1), _per_sample(call),
+                       kernel="loss_mean" if reduction == MEAN else None)]
 
 
 def _count(func, spec) -> int:

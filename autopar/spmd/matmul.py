@@ -10,28 +10,28 @@ import torch
 from ..placement import Partial, Replicate, Shard
 from .einsum import einsum_strategies
 from .registry import register
-from .strategy import OpCall, Strategy
+from .strategy import OpCall, OpStrategy
 
 aten = torch.ops.aten
 
 
 @register(aten.mm)
-def mm_rule(call: OpCall) -> list[Strategy]:
+def mm_rule(call: OpCall) -> list[OpStrategy]:
     return einsum_strategies("mk,kn->mn", linear_in=(0, 1))
 
 
 @register(aten.bmm)
-def bmm_rule(call: OpCall) -> list[Strategy]:
+def bmm_rule(call: OpCall) -> list[OpStrategy]:
     return einsum_strategies("bmk,bkn->bmn", linear_in=(0, 1))
 
 
 @register(aten.mv)
-def mv_rule(call: OpCall) -> list[Strategy]:
+def mv_rule(call: OpCall) -> list[OpStrategy]:
     return einsum_strategies("mk,k->m", linear_in=(0, 1))
 
 
 @register([aten.dot, aten.vdot])
-def dot_rule(call: OpCall) -> list[Strategy]:
+def dot_rule(call: OpCall) -> list[OpStrategy]:
     return einsum_strategies("k,k->", linear_in=(0, 1))
 
 
@@ -40,7 +40,7 @@ def _letters(n: int, skip: str = "") -> str:
 
 
 @register(aten._trilinear)
-def trilinear_rule(call: OpCall) -> list[Strategy]:
+def trilinear_rule(call: OpCall) -> list[OpStrategy]:
     """i1, i2, i3 each lack the positions in their expand list; the output lacks `sumdim`:
     one einsum over the positions, linear in each operand."""
     expands = [set(call.arg(3 + k, f"expand{k + 1}")) for k in range(3)]
@@ -63,7 +63,7 @@ def _batched_letters(call: OpCall, tails: list[str], out_tail: str) -> tuple[str
 
 
 @register(aten._cdist_forward)
-def cdist_rule(call: OpCall) -> list[Strategy]:
+def cdist_rule(call: OpCall) -> list[OpStrategy]:
     """Distances between rows of x1 (m) and rows of x2 (n): batch, m and n shard; the features
     (k) are no sum of per-rank terms for a p-norm, they stay whole."""
     eq, sizes = _batched_letters(call, ["mk", "nk"], "mn")
@@ -71,14 +71,14 @@ def cdist_rule(call: OpCall) -> list[Strategy]:
 
 
 @register(aten._cdist_backward)
-def cdist_backward_rule(call: OpCall) -> list[Strategy]:
+def cdist_backward_rule(call: OpCall) -> list[OpStrategy]:
     """grad_x1[m, k] sums over n a term of feature k alone given the distances: n split gives
     Partial(sum) terms, k split its own features; linear in grad."""
     eq, sizes = _batched_letters(call, ["mn", "mk", "nk", "mn"], "mk")
     return einsum_strategies(eq, linear_in=(0,), sizes=sizes)
 
 
-def _with_bias(core: list[Strategy], bias_shape: tuple, out_ndim: int) -> list[Strategy]:
+def _with_bias(core: list[OpStrategy], bias_shape: tuple, out_ndim: int) -> list[OpStrategy]:
     """bias + product: the bias follows the output (broadcast dims stay Replicate)."""
     out = []
     offset = out_ndim - len(bias_shape)
@@ -91,34 +91,34 @@ def _with_bias(core: list[Strategy], bias_shape: tuple, out_ndim: int) -> list[S
             b = o  # bias joins the partial sum once (Replicate -> Partial keeps it on one rank)
         else:
             b = Replicate()
-        out.append(Strategy(s.outputs, (b,) + s.inputs))
+        out.append(OpStrategy(s.outputs, (b,) + s.inputs))
     return out
 
 
 @register(aten.addmm)
-def addmm_rule(call: OpCall) -> list[Strategy]:
+def addmm_rule(call: OpCall) -> list[OpStrategy]:
     core = einsum_strategies("mk,kn->mn", linear_in=(0, 1))
     return _with_bias(core, call.inputs[0].shape, 2)
 
 
 @register(aten.baddbmm)
-def baddbmm_rule(call: OpCall) -> list[Strategy]:
+def baddbmm_rule(call: OpCall) -> list[OpStrategy]:
     core = einsum_strategies("bmk,bkn->bmn", linear_in=(0, 1))
     return _with_bias(core, call.inputs[0].shape, 3)
 
 
 @register(aten.addbmm)
-def addbmm_rule(call: OpCall) -> list[Strategy]:
+def addbmm_rule(call: OpCall) -> list[OpStrategy]:
     """The products of the batch summed into one matrix."""
     return _with_bias(einsum_strategies("bmk,bkn->mn", linear_in=(0, 1)), call.inputs[0].shape, 2)
 
 
 @register(aten.addmv)
-def addmv_rule(call: OpCall) -> list[Strategy]:
+def addmv_rule(call: OpCall) -> list[OpStrategy]:
     return _with_bias(einsum_strategies("mk,k->m", linear_in=(0, 1)), call.inputs[0].shape, 1)
 
 
 @register(aten.addr)
-def addr_rule(call: OpCall) -> list[Strategy]:
+def addr_rule(call: OpCall) -> list[OpStrategy]:
     """self + the outer product of vec1 and vec2."""
     return _with_bias(einsum_strategies("m,n->mn", linear_in=(0, 1)), call.inputs[0].shape, 2)

@@ -17,11 +17,10 @@ import torch
 
 from ..placement import Partial, Replicate, Shard
 from .registry import register
-from .strategy import OpCall, Strategy
+from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
 
-_SUM_AVG = (Partial("sum"), Partial("avg"))
 
 
 def _row_dims(x_shape: tuple, normalized_shape) -> list[int]:
@@ -30,11 +29,11 @@ def _row_dims(x_shape: tuple, normalized_shape) -> list[int]:
 
 
 @register([aten.native_layer_norm.default, aten._fused_rms_norm.default])
-def norm_forward_rule(call: OpCall) -> list[Strategy]:
+def norm_forward_rule(call: OpCall) -> list[OpStrategy]:
     """(x, weight?, bias?) -> (out, mean?, rstd): all row-shaped, all sharded alike."""
     params = (Replicate(),) * (len(call.inputs) - 1)
     return [
-        Strategy((Shard(d),) * len(call.outputs), (Shard(d),) + params)
+        OpStrategy((Shard(d),) * len(call.outputs), (Shard(d),) + params)
         for d in _row_dims(call.inputs[0].shape, call.arg(1, "normalized_shape"))
     ]
 
@@ -47,18 +46,18 @@ _BACKWARD = {
 
 
 @register(list(_BACKWARD))
-def norm_backward_rule(call: OpCall) -> list[Strategy]:
+def norm_backward_rule(call: OpCall) -> list[OpStrategy]:
     """Rows sharded: grad_input sharded, parameter grads Partial(sum).  Partial grad_out: all Partial."""
     n_rows, mask_at = _BACKWARD[call.func]
     grads = [i for i, wanted in enumerate(call.arg(mask_at, "output_mask")) if wanted]
     n_params = len(call.inputs) - n_rows
     strategies = [
-        Strategy(tuple(Shard(d) if i == 0 else Partial() for i in grads),
-                 (Shard(d),) * n_rows + (Replicate(),) * n_params)
+        OpStrategy(tuple(Shard(d) if i == 0 else Partial() for i in grads),
+                   (Shard(d),) * n_rows + (Replicate(),) * n_params)
         for d in _row_dims(call.inputs[1].shape, call.arg(2, "normalized_shape"))
     ]
     rest = (Replicate(),) * (len(call.inputs) - 1)
-    return strategies + [Strategy((p,) * len(grads), (p,) + rest) for p in _SUM_AVG]
+    return strategies + [OpStrategy((p,) * len(grads), (p,) + rest) for p in LINEAR_PARTIALS]
 
 
 # -- group norm (and instance norm, which reaches batch norm through a (1, N*C, ...) view) ----------
@@ -77,30 +76,30 @@ def _group_norm_backward_local_args(args, kwargs, out_shapes):
 
 
 @register(aten.native_group_norm.default, local_args=_group_norm_local_args)
-def group_norm_rule(call: OpCall) -> list[Strategy]:
+def group_norm_rule(call: OpCall) -> list[OpStrategy]:
     """(x, weight?, bias?) -> (out, mean, rstd): statistics per (sample, group), so a split batch or
     whole groups of channels (even pieces: mean's group dim) are local."""
     n_params = len(call.inputs) - 1
     x = call.inputs[0].shape
     strategies = []
     if x[0] != 1:
-        strategies.append(Strategy((Shard(0),) * 3, (Shard(0),) + (Replicate(),) * n_params))
+        strategies.append(OpStrategy((Shard(0),) * 3, (Shard(0),) + (Replicate(),) * n_params))
     if call.outputs[1].shape[1] != 1:
-        strategies.append(Strategy((Shard(1),) * 3, (Shard(1),) + (Shard(0),) * n_params, even=((0, 1), (-2, 1))))
+        strategies.append(OpStrategy((Shard(1),) * 3, (Shard(1),) + (Shard(0),) * n_params, even=((0, 1), (-2, 1))))
     return strategies
 
 
 @register(aten.native_group_norm_backward.default, local_args=_group_norm_backward_local_args)
-def group_norm_backward_rule(call: OpCall) -> list[Strategy]:
+def group_norm_backward_rule(call: OpCall) -> list[OpStrategy]:
     """(grad_out, x, mean, rstd, weight?) -> masked (grad_input, grad_weight, grad_bias)."""
     grads = [i for i, wanted in enumerate(call.arg(9, "output_mask")) if wanted]
     has_weight = len(call.inputs) == 5
     strategies = []
     if call.inputs[1].shape[0] != 1:
-        strategies.append(Strategy(tuple(Shard(0) if i == 0 else Partial() for i in grads),
-                                   (Shard(0),) * 4 + (Replicate(),) * has_weight))
+        strategies.append(OpStrategy(tuple(Shard(0) if i == 0 else Partial() for i in grads),
+                                     (Shard(0),) * 4 + (Replicate(),) * has_weight))
     if call.inputs[2].shape[1] != 1:
-        strategies.append(Strategy(tuple(Shard(1) if i == 0 else Shard(0) for i in grads),
-                                   (Shard(1),) * 4 + (Shard(0),) * has_weight, even=((1, 1), (2, 1))))
+        strategies.append(OpStrategy(tuple(Shard(1) if i == 0 else Shard(0) for i in grads),
+                                     (Shard(1),) * 4 + (Shard(0),) * has_weight, even=((1, 1), (2, 1))))
     rest = (Replicate(),) * (len(call.inputs) - 1)
-    return strategies + [Strategy((p,) * len(grads), (p,) + rest) for p in _SUM_AVG]
+    return strategies + [OpStrategy((p,) * len(grads), (p,) + rest) for p in LINEAR_PARTIALS]

@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Replicate, Shard
+from ..placement import Replicate, Shard
 from ..spec import TensorMeta
 from .pointwise import shard_strategies
 from .registry import register
-from .strategy import OpCall, Strategy
+from .strategy import AFFINE_PARTIALS, ALL_PARTIALS, LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
-
-_AVG = (Partial("avg"),)
-_SUM_AVG = (Partial("sum"),) + _AVG
-_ALL_PARTIALS = _SUM_AVG + (Partial("max"), Partial("min"))
 
 FOREACH = [
     "abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "erfc", "exp", "expm1", "floor", "frac",
@@ -69,39 +65,39 @@ def _partial_options(call: OpCall, n_roles: int) -> list[tuple[tuple, set]]:
     base = call.func._schema.name[len("aten::_foreach_"):].rstrip("_")
     overload = call.func._overloadname
     if base in ("zero", "clone", "copy"):
-        return [(_ALL_PARTIALS, set(range(n_roles)))]
+        return [(ALL_PARTIALS, set(range(n_roles)))]
     if base in ("add", "sub"):
         if overload in ("Scalar", "ScalarList"):
-            return [(_AVG, {0})]
-        return [(_SUM_AVG, set(range(n_roles))), (_AVG, {0})]
+            return [(AFFINE_PARTIALS, {0})]
+        return [(LINEAR_PARTIALS, set(range(n_roles))), (AFFINE_PARTIALS, {0})]
     if base == "mul":
-        return [(_SUM_AVG, {0})] + ([(_SUM_AVG, {1})] if n_roles > 1 else [])
+        return [(LINEAR_PARTIALS, {0})] + ([(LINEAR_PARTIALS, {1})] if n_roles > 1 else [])
     if base in ("neg", "div"):
-        return [(_SUM_AVG, {0})]
+        return [(LINEAR_PARTIALS, {0})]
     if base in ("lerp", "addcdiv"):
-        return [(_SUM_AVG, {0, 1})]
+        return [(LINEAR_PARTIALS, {0, 1})]
     if base == "addcmul":
-        return [(_SUM_AVG, {0, 1}), (_SUM_AVG, {0, 2})]
+        return [(LINEAR_PARTIALS, {0, 1}), (LINEAR_PARTIALS, {0, 2})]
     return []
 
 
 @register(_foreach_ops())
-def foreach_rule(call: OpCall) -> list[Strategy]:
+def foreach_rule(call: OpCall) -> list[OpStrategy]:
     roles, reps = _roles(call)
     entry = OpCall(call.func, (), {}, reps, [call.outputs[0] if call.outputs else reps[0]])
     per_entry = shard_strategies(entry, n_out=1)
     for kinds, together in _partial_options(call, len(reps)):
-        per_entry += [Strategy((p,), tuple(p if r in together else Replicate() for r in range(len(reps))))
+        per_entry += [OpStrategy((p,), tuple(p if r in together else Replicate() for r in range(len(reps))))
                       for p in kinds]
     n_out = len(call.outputs)
-    return [Strategy((s.outputs[0],) * n_out, tuple(s.inputs[r] for r in roles)) for s in per_entry]
+    return [OpStrategy((s.outputs[0],) * n_out, tuple(s.inputs[r] for r in roles)) for s in per_entry]
 
 
 @register([aten._fused_adam_, aten._fused_adamw_, aten._fused_sgd_, aten._fused_adagrad_])
-def fused_rule(call: OpCall) -> list[Strategy]:
+def fused_rule(call: OpCall) -> list[OpStrategy]:
     roles, reps = _roles(call)
     param = reps[0].shape
     return [
-        Strategy((), tuple(Shard(d) if reps[r].shape == param else Replicate() for r in roles))
+        OpStrategy((), tuple(Shard(d) if reps[r].shape == param else Replicate() for r in roles))
         for d in range(len(param))
     ]

@@ -1,7 +1,7 @@
 """Elementwise ops with broadcasting: shard any output dim on the operands that have it.
 
-Linear ops also pass Partial values through (the seed's rule: a non-linear op turns a
-Partial input into Replicate, a linear one keeps it Partial):
+Linear ops also pass Partial values through (Paddle's auto-parallel rule: a non-linear op
+turns a Partial input into Replicate, a linear one keeps it Partial):
   identity-like (clone, detach, dtype casts): every Partial kind;
   additive (add, sub, neg, where on its values): Partial sum/avg on all value operands;
   multiplicative (mul, div by a replicated factor; deg2rad, conj): Partial sum/avg on one operand.
@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Replicate, Shard
+from ..placement import Replicate, Shard
 from .registry import register
-from .strategy import OpCall, Strategy
+from .strategy import AFFINE_PARTIALS, ALL_PARTIALS, LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
 
-_SUM_AVG = (Partial("sum"), Partial("avg"))
-_ALL_PARTIALS = _SUM_AVG + (Partial("max"), Partial("min"))
 
 
-def shard_strategies(call: OpCall, n_out: int | None = None) -> list[Strategy]:
+def shard_strategies(call: OpCall, n_out: int | None = None) -> list[OpStrategy]:
     """Shard output dim d on every input whose aligned dim has the same (non-broadcast) size."""
     out_shape = call.outputs[0].shape
     n_out = len(call.outputs) if n_out is None else n_out
@@ -36,15 +34,15 @@ def shard_strategies(call: OpCall, n_out: int | None = None) -> list[Strategy]:
             else:
                 ins.append(Replicate())
         if any(type(p) is Shard for p in ins):
-            strategies.append(Strategy((Shard(d),) * n_out, tuple(ins)))
+            strategies.append(OpStrategy((Shard(d),) * n_out, tuple(ins)))
     return strategies
 
 
-def _partial(call: OpCall, kinds, which) -> list[Strategy]:
+def _partial(call: OpCall, kinds, which) -> list[OpStrategy]:
     """Partial strategies: operands in `which` Partial, the rest Replicate."""
     n = len(call.inputs)
     return [
-        Strategy((p,) * len(call.outputs), tuple(p if i in which else Replicate() for i in range(n)))
+        OpStrategy((p,) * len(call.outputs), tuple(p if i in which else Replicate() for i in range(n)))
         for p in kinds
     ]
 
@@ -54,7 +52,7 @@ UNARY = [
     "frac", "gelu", "hardsigmoid", "hardswish", "hardtanh", "isfinite", "isinf", "isnan", "leaky_relu",
     "log", "log10", "log1p", "log2", "logical_not", "logit", "mish", "nan_to_num", "reciprocal", "relu",
     "round", "rsqrt", "sigmoid", "sign", "silu", "sin", "sinh", "sqrt", "square", "tan", "tanh", "trunc",
-    "elu", "softplus", "bitwise_not", "clamp", "clamp_min", "clamp_max", "pow", "fill", "sgn", "signbit",
+    "elu", "softplus", "bitwise_not", "clamp", "fill", "sgn", "signbit",
     "relu6", "celu", "selu", "xlogy", "acosh", "asinh", "atanh", "angle", "digamma", "erfinv", "i0", "lgamma",
     "sinc", "isneginf", "isposinf", "hardshrink", "softshrink", "mvlgamma", "polygamma", "frexp", "threshold",
     "special_airy_ai", "special_bessel_j0", "special_bessel_j1", "special_bessel_y0", "special_bessel_y1",
@@ -95,43 +93,43 @@ def _ops(names):
     return found
 
 
-@register(_ops(UNARY + BINARY) + [aten.where])
-def pointwise_rule(call: OpCall) -> list[Strategy]:
+@register(_ops(UNARY + BINARY) + [aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar])
+def pointwise_rule(call: OpCall) -> list[OpStrategy]:
     return shard_strategies(call)
 
 
 @register(_ops(IDENTITY))
-def identity_rule(call: OpCall) -> list[Strategy]:
-    return shard_strategies(call) + _partial(call, _ALL_PARTIALS, set(range(len(call.inputs))))
+def identity_rule(call: OpCall) -> list[OpStrategy]:
+    return shard_strategies(call) + _partial(call, ALL_PARTIALS, set(range(len(call.inputs))))
 
 
 @register(_ops(ADDITIVE))
-def additive_rule(call: OpCall) -> list[Strategy]:
+def additive_rule(call: OpCall) -> list[OpStrategy]:
     """Adding a Python number to a Partial(sum) would add it once per rank; Partial(avg)
     stays right (the mean of x_i + c is mean(x) + c)."""
     n = len(call.inputs)
     with_number = call.func._schema.name != "aten::neg" and n < 2
-    return shard_strategies(call) + _partial(call, (Partial("avg"),) if with_number else _SUM_AVG, set(range(n)))
+    return shard_strategies(call) + _partial(call, AFFINE_PARTIALS if with_number else LINEAR_PARTIALS, set(range(n)))
 
 
 @register(_ops(MULTIPLICATIVE + SCALED))
-def multiplicative_rule(call: OpCall) -> list[Strategy]:
-    strategies = shard_strategies(call) + _partial(call, _SUM_AVG, {0})
+def multiplicative_rule(call: OpCall) -> list[OpStrategy]:
+    strategies = shard_strategies(call) + _partial(call, LINEAR_PARTIALS, {0})
     if call.func._schema.name == "aten::mul" and len(call.inputs) == 2:
-        strategies += _partial(call, _SUM_AVG, {1})
+        strategies += _partial(call, LINEAR_PARTIALS, {1})
     return strategies
 
 
 @register([aten.log_sigmoid_forward.default])
-def log_sigmoid_rule(call: OpCall) -> list[Strategy]:
+def log_sigmoid_rule(call: OpCall) -> list[OpStrategy]:
     """(output, buffer): the buffer is shaped like the input on CPU, empty (Replicate) on GPUs."""
     alike = call.outputs[1].shape == call.outputs[0].shape
-    return [Strategy((s.outputs[0], s.outputs[0] if alike else Replicate()), s.inputs)
+    return [OpStrategy((s.outputs[0], s.outputs[0] if alike else Replicate()), s.inputs)
             for s in shard_strategies(call, 1)]
 
 
 @register([aten.glu.default, aten.glu_backward.default, aten.linalg_cross.default])
-def along_dim_rule(call: OpCall) -> list[Strategy]:
+def along_dim_rule(call: OpCall) -> list[OpStrategy]:
     """Pointwise but along one dim: glu halves it into values and gates (glu_backward: its
     grad_output and self), cross takes 3-vectors along it.  That dim stays whole."""
     nd = len(call.outputs[0].shape)
@@ -140,10 +138,10 @@ def along_dim_rule(call: OpCall) -> list[Strategy]:
     return [s for s in shard_strategies(call) if s.outputs[0].dim != dim]
 
 
-@register([aten.where.self])
-def where_rule(call: OpCall) -> list[Strategy]:
+@register([aten.where.self, aten.where.self_out])
+def where_rule(call: OpCall) -> list[OpStrategy]:
     """where(cond, a, b) is linear in (a, b) together; the condition stays Replicate."""
-    return shard_strategies(call) + _partial(call, _SUM_AVG, {1, 2})
+    return shard_strategies(call) + _partial(call, LINEAR_PARTIALS, {1, 2})
 
 
 def _like_local_args(args, kwargs, out_shapes):
@@ -176,37 +174,37 @@ def _strides_like(global_stride, shape) -> list[int]:
 _ANY_PARTIAL_OK = {"aten::new_empty", "aten::new_empty_strided", "aten::new_zeros"}
 
 
-def _follow(call: OpCall) -> list[Strategy]:
+def _follow(call: OpCall) -> list[OpStrategy]:
     nd = len(call.outputs[0].shape)
-    strategies = [Strategy((Shard(d),), (Shard(d),)) for d in range(nd)]
+    strategies = [OpStrategy((Shard(d),), (Shard(d),)) for d in range(nd)]
     if call.func._schema.name in _ANY_PARTIAL_OK:
-        strategies += [Strategy((p,), (p,)) for p in _ALL_PARTIALS]
+        strategies += [OpStrategy((p,), (p,)) for p in ALL_PARTIALS]
     return strategies
 
 
 @register(_ops(["ones_like", "zeros_like", "empty_like", "full_like"]))
-def like_rule(call: OpCall) -> list[Strategy]:
+def like_rule(call: OpCall) -> list[OpStrategy]:
     """Output has the input's shape and sharding; only the shape is read, never a Partial value."""
-    return _follow(call) + [Strategy((Replicate(),), (None,))]
+    return _follow(call) + [OpStrategy((Replicate(),), (None,))]
 
 
 @register(_ops(["new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"]), local_args=_like_local_args)
-def new_rule(call: OpCall) -> list[Strategy]:
+def new_rule(call: OpCall) -> list[OpStrategy]:
     """A fresh tensor of a given size: Replicate, or laid out like an input of the same shape (of
     the same rank: split where the sizes agree, as the backward of rfft pads its gradient)."""
     src, dst = tuple(call.inputs[0].shape), tuple(call.outputs[0].shape)
     if src == dst:
-        return _follow(call) + [Strategy((Replicate(),), (None,))]
+        return _follow(call) + [OpStrategy((Replicate(),), (None,))]
     same = [d for d in range(len(dst)) if len(src) == len(dst) and src[d] == dst[d] != 1]
-    return [Strategy((Shard(d),), (Shard(d),)) for d in same] + [Strategy((Replicate(),), (None,))]
+    return [OpStrategy((Shard(d),), (Shard(d),)) for d in same] + [OpStrategy((Replicate(),), (None,))]
 
 
 @register([aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor])
-def isin_rule(call: OpCall) -> list[Strategy]:
+def isin_rule(call: OpCall) -> list[OpStrategy]:
     """isin(elements, test_elements) asks of each element whether it is anywhere in
     test_elements: the result follows the elements' shards, test_elements stays whole
     (a scalar `elements` leaves nothing to shard)."""
     if call.func is aten.isin.Scalar_Tensor:
         return []
     rest = (Replicate(),) * (len(call.inputs) - 1)
-    return [Strategy((Shard(d),), (Shard(d),) + rest) for d, n in enumerate(call.inputs[0].shape) if n != 1]
+    return [OpStrategy((Shard(d),), (Shard(d),) + rest) for d, n in enumerate(call.inputs[0].shape) if n != 1]

@@ -23,7 +23,7 @@ from ..placement import Partial, Replicate, Shard
 from .halo import Window, keep, local_grid, narrow_back, pad_back, split_dims, widen
 from .registry import register, register_kernel
 from .spatial import gathered, leading_strategies, per_dim, schema_args, spatial_dims, split_alike
-from .strategy import OpCall, Strategy
+from .strategy import OpCall, OpStrategy
 
 aten = torch.ops.aten
 
@@ -42,10 +42,10 @@ def _tiling_dims(shape, n_spatial: int, kernel, stride, padding) -> list[int]:
             if k[j] == s[j] and p[j] == 0 and shape[d] % s[j] == 0]
 
 
-def _tiled(dims, n_in: int, pooled: int) -> list[Strategy]:
+def _tiled(dims, n_in: int, pooled: int) -> list[OpStrategy]:
     """Each rank pools its own whole windows: the pooled operand's pieces (the forward's output,
     -1, or the backward's grad_output, 0) must be even."""
-    return [Strategy((Shard(d),), (Shard(d),) * n_in, even=((pooled, d),)) for d in dims]
+    return [OpStrategy((Shard(d),), (Shard(d),) * n_in, even=((pooled, d),)) for d in dims]
 
 
 def _adaptive_dims(x, out, n: int) -> tuple[list[int], list[int]]:
@@ -61,13 +61,13 @@ _ADAPTIVE_MAX = [aten.adaptive_max_pool1d, aten.adaptive_max_pool2d, aten.adapti
 
 
 @register(_MAX)
-def max_pool_rule(call: OpCall) -> list[Strategy]:
+def max_pool_rule(call: OpCall) -> list[OpStrategy]:
     n = _n(call.func._schema.name)
     return leading_strategies(call, n) + split_alike(call, spatial_dims(call.inputs[0].shape, n), "pool")
 
 
 @register([aten.avg_pool1d, aten.avg_pool2d, aten.avg_pool3d])
-def avg_pool_rule(call: OpCall) -> list[Strategy]:
+def avg_pool_rule(call: OpCall) -> list[OpStrategy]:
     n = _n(call.func._schema.name)
     shape = call.inputs[0].shape
     kernel = call.arg(1, "kernel_size")
@@ -90,17 +90,17 @@ def _to_one_row(x, out, dims) -> tuple[list[int], list[int]]:
 
 @register([aten.adaptive_avg_pool1d, aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d],
           local_args=_adaptive_local_args)
-def adaptive_avg_pool_rule(call: OpCall) -> list[Strategy]:
+def adaptive_avg_pool_rule(call: OpCall) -> list[OpStrategy]:
     n = _n(call.func._schema.name)
     x, out = call.inputs[0].shape, call.outputs[0].shape
     tiling, uneven = _adaptive_dims(x, out, n)
     means, tiling = _to_one_row(x, out, tiling)
     return (leading_strategies(call, n, linear=True) + _tiled(tiling, 1, -1) + split_alike(call, tiling, "pool")
-            + [Strategy((Partial(),), (Shard(d),), kernel="pool") for d in means] + gathered(call, uneven))
+            + [OpStrategy((Partial(),), (Shard(d),), kernel="pool") for d in means] + gathered(call, uneven))
 
 
 @register(_ADAPTIVE_MAX, local_args=_adaptive_local_args)
-def adaptive_max_pool_rule(call: OpCall) -> list[Strategy]:
+def adaptive_max_pool_rule(call: OpCall) -> list[OpStrategy]:
     n = _n(call.func._schema.name)
     tiling, uneven = _adaptive_dims(call.inputs[0].shape, call.outputs[0].shape, n)
     return leading_strategies(call, n) + split_alike(call, tiling, "pool") + gathered(call, uneven)
@@ -108,7 +108,7 @@ def adaptive_max_pool_rule(call: OpCall) -> list[Strategy]:
 
 # -- backward ----------------------------------------------------------------------------------
 @register([aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward])
-def max_pool_backward_rule(call: OpCall) -> list[Strategy]:
+def max_pool_backward_rule(call: OpCall) -> list[OpStrategy]:
     """(grad_output, input, indices): linear in grad_output (the indices fixed)."""
     n = _n(call.func._schema.name)
     return (leading_strategies(call, n, linear=True)
@@ -116,14 +116,14 @@ def max_pool_backward_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.adaptive_max_pool2d_backward, aten.adaptive_max_pool3d_backward])
-def adaptive_max_pool_backward_rule(call: OpCall) -> list[Strategy]:
+def adaptive_max_pool_backward_rule(call: OpCall) -> list[OpStrategy]:
     n = _n(call.func._schema.name)
     tiling, _ = _adaptive_dims(call.inputs[1].shape, call.inputs[0].shape, n)
     return leading_strategies(call, n, linear=True) + split_alike(call, tiling, "pool_backward", at=1)
 
 
 @register([aten.avg_pool2d_backward, aten.avg_pool3d_backward])
-def avg_pool_backward_rule(call: OpCall) -> list[Strategy]:
+def avg_pool_backward_rule(call: OpCall) -> list[OpStrategy]:
     n = _n(call.func._schema.name)
     x = call.inputs[1].shape
     tiling = _tiling_dims(x, n, call.arg(2, "kernel_size"), call.arg(3, "stride"), call.arg(4, "padding"))
@@ -132,7 +132,7 @@ def avg_pool_backward_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward])
-def adaptive_avg_pool_backward_rule(call: OpCall) -> list[Strategy]:
+def adaptive_avg_pool_backward_rule(call: OpCall) -> list[OpStrategy]:
     """(grad_output, input); pooled to one row: the mean's gradient, grad_output whole."""
     n = _n(call.func._schema.name)
     g, x = call.inputs[0].shape, call.inputs[1].shape
@@ -140,11 +140,11 @@ def adaptive_avg_pool_backward_rule(call: OpCall) -> list[Strategy]:
     means, tiling = _to_one_row(x, g, tiling)
     return (leading_strategies(call, n, linear=True, at=1) + _tiled(tiling, 2, 0)
             + split_alike(call, tiling, "pool_backward", at=1)
-            + [Strategy((Shard(d),), (Replicate(), Shard(d)), kernel="pool_backward") for d in means])
+            + [OpStrategy((Shard(d),), (Replicate(), Shard(d)), kernel="pool_backward") for d in means])
 
 
 @register([aten.max_unpool2d, aten.max_unpool3d])
-def max_unpool_rule(call: OpCall) -> list[Strategy]:
+def max_unpool_rule(call: OpCall) -> list[OpStrategy]:
     """(input, indices) -> the plane with each value put back at its index: per plane, linear."""
     return leading_strategies(call, _n(call.func._schema.name), linear=True)
 

@@ -26,14 +26,12 @@ from __future__ import annotations
 import torch
 
 from ..redistribute import piece_of_full
-from ..placement import Partial, Replicate, Shard
+from ..placement import Replicate, Shard
 from .pointwise import shard_strategies
 from .registry import DRAWS_RANDOM, register, register_kernel
-from .strategy import OpCall, Strategy
+from .strategy import ALL_PARTIALS, LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
-_SUM_AVG = (Partial("sum"), Partial("avg"))
-_ALL_PARTIALS = _SUM_AVG + (Partial("max"), Partial("min"))
 
 FILLS = [
     aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.random_.default,
@@ -61,22 +59,22 @@ def _rest(call: OpCall) -> tuple:
 
 
 @register(FILLS)
-def fill_rule(call: OpCall) -> list[Strategy]:
+def fill_rule(call: OpCall) -> list[OpStrategy]:
     nd = len(call.inputs[0].shape)
-    kinds = [Shard(d) for d in range(nd)] + list(_ALL_PARTIALS)
-    return [Strategy((p,), (p,), kernel="random_full") for p in kinds]
+    kinds = [Shard(d) for d in range(nd)] + list(ALL_PARTIALS)
+    return [OpStrategy((p,), (p,), kernel="random_full") for p in kinds]
 
 
 @register(LIKE)
-def like_rule(call: OpCall) -> list[Strategy]:
+def like_rule(call: OpCall) -> list[OpStrategy]:
     nd = len(call.inputs[0].shape)
-    return [Strategy((Shard(d),), (Shard(d),) + _rest(call), kernel="random_full") for d in range(nd)] + [
-        Strategy((Replicate(),), (None,) + _rest(call))
+    return [OpStrategy((Shard(d),), (Shard(d),) + _rest(call), kernel="random_full") for d in range(nd)] + [
+        OpStrategy((Replicate(),), (None,) + _rest(call))
     ]
 
 
 @register(VALUE_DRAWS)
-def value_draw_rule(call: OpCall) -> list[Strategy]:
+def value_draw_rule(call: OpCall) -> list[OpStrategy]:
     """Only the all-Replicate strategy the engine always offers reproduces these draws."""
     return []
 
@@ -95,10 +93,10 @@ def random_full(func, args, kwargs, in_specs, out_specs, coord):
 
 
 @register(aten.native_dropout.default)
-def native_dropout_rule(call: OpCall) -> list[Strategy]:
+def native_dropout_rule(call: OpCall) -> list[OpStrategy]:
     nd = len(call.inputs[0].shape)
-    return [Strategy((Shard(d), Shard(d)), (Shard(d),), kernel="native_dropout") for d in range(nd)] + [
-        Strategy((p, Replicate()), (p,), kernel="native_dropout") for p in _SUM_AVG
+    return [OpStrategy((Shard(d), Shard(d)), (Shard(d),), kernel="native_dropout") for d in range(nd)] + [
+        OpStrategy((p, Replicate()), (p,), kernel="native_dropout") for p in LINEAR_PARTIALS
     ]
 
 
@@ -115,6 +113,6 @@ def native_dropout_kernel(func, args, kwargs, in_specs, out_specs, coord):
 
 
 @register(aten.native_dropout_backward.default)
-def native_dropout_backward_rule(call: OpCall) -> list[Strategy]:
+def native_dropout_backward_rule(call: OpCall) -> list[OpStrategy]:
     """grad * mask * scale: pointwise, and linear in grad (the mask whole)."""
-    return shard_strategies(call) + [Strategy((p,), (p, Replicate())) for p in _SUM_AVG]
+    return shard_strategies(call) + [OpStrategy((p,), (p, Replicate())) for p in LINEAR_PARTIALS]

@@ -30,11 +30,10 @@ from .. import comm
 from ..placement import Partial, ReduceType, Replicate, Shard
 from ..redistribute.execute import _identity
 from .registry import register, register_kernel
-from .strategy import OpCall, Strategy
+from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
 
-_SUM_AVG = (Partial("sum"), Partial("avg"))
 _NO_INDEX = torch.iinfo(torch.int64).max  # loses every MIN against a real index
 
 
@@ -53,40 +52,40 @@ def _reduced(call: OpCall, dim_at: int = 1, empty_is_all: bool = True) -> tuple[
 
 
 # -- strategies ---------------------------------------------------------------------------------
-def _kept(call: OpCall, dims) -> list[Strategy]:
+def _kept(call: OpCall, dims) -> list[OpStrategy]:
     """Shard a kept dim: every output keeps it (shifted left past the dropped dims unless keepdim)."""
     shape = call.inputs[0].shape
     keepdim = len(call.outputs[0].shape) == len(shape)
     n_out = len(call.outputs)
     return [
-        Strategy((Shard(d if keepdim else d - sum(r < d for r in dims)),) * n_out, (Shard(d),))
+        OpStrategy((Shard(d if keepdim else d - sum(r < d for r in dims)),) * n_out, (Shard(d),))
         for d, size in enumerate(shape)
         if d not in dims and size != 1
     ]
 
 
-def _on_reduced(call: OpCall, dims, output, kernel=None, even: bool = False) -> list[Strategy]:
+def _on_reduced(call: OpCall, dims, output, kernel=None, even: bool = False) -> list[OpStrategy]:
     """Shard a reduced dim: every output gets `output` (a Partial, or Replicate from a kernel)."""
     shape = call.inputs[0].shape
     return [
-        Strategy((output,) * len(call.outputs), (Shard(d),), kernel=kernel, even=((0, d),) if even else ())
+        OpStrategy((output,) * len(call.outputs), (Shard(d),), kernel=kernel, even=((0, d),) if even else ())
         for d in dims
         if shape[d] != 1
     ]
 
 
-def _through(call: OpCall, partials) -> list[Strategy]:
-    return [Strategy((p,) * len(call.outputs), (p,)) for p in partials]
+def _through(call: OpCall, partials) -> list[OpStrategy]:
+    return [OpStrategy((p,) * len(call.outputs), (p,)) for p in partials]
 
 
 @register([aten.sum.default, aten.sum.dim_IntList])
-def sum_rule(call: OpCall) -> list[Strategy]:
+def sum_rule(call: OpCall) -> list[OpStrategy]:
     dims = _reduced(call)
-    return _kept(call, dims) + _on_reduced(call, dims, Partial("sum")) + _through(call, _SUM_AVG)
+    return _kept(call, dims) + _on_reduced(call, dims, Partial("sum")) + _through(call, LINEAR_PARTIALS)
 
 
 @register([aten.mean.default, aten.mean.dim])
-def mean_rule(call: OpCall) -> list[Strategy]:
+def mean_rule(call: OpCall) -> list[OpStrategy]:
     """Even pieces: the local mean is a term of Partial(avg); uneven ones need the weighing kernel."""
     dims = _reduced(call)
     avg = Partial("avg")
@@ -94,7 +93,7 @@ def mean_rule(call: OpCall) -> list[Strategy]:
         _kept(call, dims)
         + _on_reduced(call, dims, avg, even=True)
         + _on_reduced(call, dims, avg, kernel="mean_uneven")
-        + _through(call, _SUM_AVG)
+        + _through(call, LINEAR_PARTIALS)
     )
 
 
@@ -103,34 +102,34 @@ _EXTREME = {"aten::amax": ReduceType.MAX, "aten::max": ReduceType.MAX,
 
 
 @register([aten.amax.default, aten.amin.default, aten.max.default, aten.min.default])
-def extreme_rule(call: OpCall) -> list[Strategy]:
+def extreme_rule(call: OpCall) -> list[OpStrategy]:
     p = Partial(_EXTREME[call.func._schema.name])
     dims = _reduced(call)
     return _kept(call, dims) + _on_reduced(call, dims, p, kernel="extreme") + _through(call, (p,))
 
 
 @register([aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default])
-def arg_extreme_rule(call: OpCall) -> list[Strategy]:
+def arg_extreme_rule(call: OpCall) -> list[OpStrategy]:
     dims = _reduced(call)
     return _kept(call, dims) + _on_reduced(call, dims, Replicate(), kernel="arg_extreme")
 
 
 @register([aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype,
            aten.norm.ScalarOpt_dtype])
-def vector_norm_rule(call: OpCall) -> list[Strategy]:
+def vector_norm_rule(call: OpCall) -> list[OpStrategy]:
     """linalg_vector_norm and the norm overloads (p at 1, dim at 2, keepdim at 3 in both)."""
     dims = _reduced(call, dim_at=2)
     return _kept(call, dims) + _on_reduced(call, dims, Replicate(), kernel="vector_norm")
 
 
 @register([aten.logsumexp.default])
-def logsumexp_rule(call: OpCall) -> list[Strategy]:
+def logsumexp_rule(call: OpCall) -> list[OpStrategy]:
     dims = _reduced(call)
     return _kept(call, dims) + _on_reduced(call, dims, Replicate(), kernel="logsumexp")
 
 
 @register([aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims])
-def any_all_rule(call: OpCall) -> list[Strategy]:
+def any_all_rule(call: OpCall) -> list[OpStrategy]:
     """any = max and all = min over booleans; an empty piece gives the identity (False / True)."""
     dims = _reduced(call, empty_is_all=call.func._overloadname != "dims")  # any(x, dim=[]) keeps all
     p = Partial("max") if call.func._schema.name == "aten::any" else Partial("min")
@@ -139,7 +138,7 @@ def any_all_rule(call: OpCall) -> list[Strategy]:
 
 @register([aten.prod.default, aten.prod.dim_int, aten.var.correction, aten.std.correction,
            aten.var_mean.correction, aten.std_mean.correction])
-def kept_only_rule(call: OpCall) -> list[Strategy]:
+def kept_only_rule(call: OpCall) -> list[OpStrategy]:
     """No Partial kind combines their per-rank terms (there is no Partial(prod); var/std need the
     global mean first): a reduced dim must be whole."""
     return _kept(call, _reduced(call))
@@ -152,7 +151,7 @@ _ORDER = {aten.sort.default: (1, -1), aten.sort.stable: (None, -1), aten.topk.de
 
 
 @register(list(_ORDER))
-def order_rule(call: OpCall) -> list[Strategy]:
+def order_rule(call: OpCall) -> list[OpStrategy]:
     """sort, topk, kthvalue, median, nanmedian, mode along `dim` rank the whole dim: every other
     dim shards (values and indices alike); the result of a median has no Partial kind."""
     at, default = _ORDER[call.func]
@@ -161,36 +160,36 @@ def order_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.nansum.default])
-def nansum_rule(call: OpCall) -> list[Strategy]:
+def nansum_rule(call: OpCall) -> list[OpStrategy]:
     """A sum skipping NaNs: each piece's is a term of Partial(sum); NaNs never pass as terms."""
     dims = _reduced(call)
     return _kept(call, dims) + _on_reduced(call, dims, Partial("sum"))
 
 
 @register([aten.count_nonzero.default, aten.count_nonzero.dim_IntList])
-def count_nonzero_rule(call: OpCall) -> list[Strategy]:
+def count_nonzero_rule(call: OpCall) -> list[OpStrategy]:
     """Counts add up: a counted dim split leaves Partial(sum) terms (an empty piece counts 0)."""
     dims = _reduced(call)
     return _kept(call, dims) + _on_reduced(call, dims, Partial("sum"))
 
 
 @register([aten.aminmax.default])
-def aminmax_rule(call: OpCall) -> list[Strategy]:
+def aminmax_rule(call: OpCall) -> list[OpStrategy]:
     """(min, max): kept dims shard; a reduced one leaves (Partial(min), Partial(max)) terms, by a
     kernel where a piece may be empty (its terms: the identities)."""
     dims = reduced_dims(call.kwargs.get("dim"), len(call.inputs[0].shape))
-    split = [Strategy((Partial("min"), Partial("max")), (Shard(d),), kernel="aminmax") for d in dims
+    split = [OpStrategy((Partial("min"), Partial("max")), (Shard(d),), kernel="aminmax") for d in dims
              if call.inputs[0].shape[d] != 1]
     return _kept(call, dims) + split
 
 
 @register([aten.trace.default])
-def trace_rule(call: OpCall) -> list[Strategy]:
+def trace_rule(call: OpCall) -> list[OpStrategy]:
     """The sum of the diagonal: a piece sums the diagonal elements it holds (a kernel moves the
     diagonal by the piece's offsets), a term of Partial(sum); linear, so Partial passes."""
     shape = call.inputs[0].shape
-    split = [Strategy((Partial("sum"),), (Shard(d),), kernel="trace_piece") for d in range(2) if shape[d] != 1]
-    return split + _through(call, _SUM_AVG)
+    split = [OpStrategy((Partial("sum"),), (Shard(d),), kernel="trace_piece") for d in range(2) if shape[d] != 1]
+    return split + _through(call, LINEAR_PARTIALS)
 
 
 @register_kernel("trace_piece")
@@ -200,13 +199,13 @@ def trace_piece_kernel(func, args, kwargs, in_specs, out_specs, coord):
 
 
 @register([aten.dist.default])
-def dist_rule(call: OpCall) -> list[Strategy]:
+def dist_rule(call: OpCall) -> list[OpStrategy]:
     """||a - b||_p over every element: a and b of one shape split alike, the kernel all-reduces
     the shares of the norm (as vector_norm's)."""
     a, b = call.inputs[0].shape, call.inputs[1].shape
     if a != b:
         return []
-    return [Strategy((Replicate(),), (Shard(d), Shard(d)), kernel="dist") for d, n in enumerate(a) if n != 1]
+    return [OpStrategy((Replicate(),), (Shard(d), Shard(d)), kernel="dist") for d, n in enumerate(a) if n != 1]
 
 
 @register_kernel("dist")
@@ -219,39 +218,39 @@ def dist_kernel(func, args, kwargs, in_specs, out_specs, coord):
 
 
 @register([aten.histc.default])
-def histc_rule(call: OpCall) -> list[Strategy]:
+def histc_rule(call: OpCall) -> list[OpStrategy]:
     """Counts over a given range add up: any split leaves Partial(sum) terms.  Without a range
     (min == max) each piece would take its own: then whole."""
     if call.arg(2, "min", 0) == call.arg(3, "max", 0):
         return []
-    return [Strategy((Partial("sum"),), (Shard(d),)) for d, n in enumerate(call.inputs[0].shape) if n != 1]
+    return [OpStrategy((Partial("sum"),), (Shard(d),)) for d, n in enumerate(call.inputs[0].shape) if n != 1]
 
 
 @register([aten.renorm.default])
-def renorm_rule(call: OpCall) -> list[Strategy]:
+def renorm_rule(call: OpCall) -> list[OpStrategy]:
     """Each slice along `dim` is scaled by its own norm over the other dims: only `dim` shards."""
     shape = call.inputs[0].shape
     dim = call.arg(2, "dim") % len(shape)
-    return [Strategy((Shard(dim),), (Shard(dim),))] if shape[dim] != 1 else []
+    return [OpStrategy((Shard(dim),), (Shard(dim),))] if shape[dim] != 1 else []
 
 
 @register([aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default, aten.cummax.default,
            aten.cummin.default])
-def scan_rule(call: OpCall) -> list[Strategy]:
+def scan_rule(call: OpCall) -> list[OpStrategy]:
     """A scan needs its whole dim; cumsum is linear and passes Partial(sum/avg) through."""
     strategies = _kept(call, _reduced(call))
     if call.func is aten.cumsum.default:
-        strategies += _through(call, _SUM_AVG)
+        strategies += _through(call, LINEAR_PARTIALS)
     return strategies
 
 
 @register([aten._foreach_norm.Scalar])
-def foreach_norm_rule(call: OpCall) -> list[Strategy]:
+def foreach_norm_rule(call: OpCall) -> list[OpStrategy]:
     """One group of same-spec tensors (dispatch splits the list): sharded norms all-reduce together."""
     n_in, n_out = len(call.inputs), len(call.outputs)
     nd = min(len(m.shape) for m in call.inputs)
     return [
-        Strategy((Replicate(),) * n_out, (Shard(d),) * n_in, kernel="foreach_norm")
+        OpStrategy((Replicate(),) * n_out, (Shard(d),) * n_in, kernel="foreach_norm")
         for d in range(nd)
         if all(m.shape[d] != 1 for m in call.inputs)
     ]

@@ -6,6 +6,8 @@ from typing import Callable, Iterable
 from .strategy import out_variant
 
 RULES: dict = {}
+# op -> the function registered for it (RULES holds its out= wrapper for out overloads)
+RULE_FNS: dict = {}
 LOCAL_ARGS: dict = {}
 KERNELS: dict = {}
 # kernel name -> fn(func, in_specs, coord): True where the kernel computes exactly the plain op
@@ -19,18 +21,22 @@ UNDECLARED_WRITES: dict = {}
 # local_region), else None.  Rules see specs, not tensors: each tensor argument is its DistSpec
 # (None for a plain tensor), `param_specs` the module's parameters' (None for a plain one).
 MODULE_RULES: dict = {}
+# op -> the function registered for it (RULES holds its out= wrapper for out overloads)
+RULE_FNS: dict = {}
 # ops that draw from the random generator: a rank outside their mesh still draws (and
 # discards) the same numbers, so every rank's stream stays the single-process stream
 DRAWS_RANDOM: set = set()
 
 
 def register(ops: Iterable | object, local_args: Callable | None = None, writes: Callable | None = None):
-    """Decorator: `fn(call: OpCall) -> list[Strategy]` becomes the rule of every op in `ops`.
+    """Decorator: `fn(call: OpCall) -> list[OpStrategy]` becomes the rule of every op in `ops`.
 
     `local_args(args, kwargs, out_local_shapes)` rewrites size arguments for the local op
     (view/expand/new_zeros take the *global* size, the local op needs the local one).
     `writes(args, kwargs)` names the arguments the op writes that its schema does not mark, so
     the dispatch keeps them where they are or moves them for good (never writes a copy).
+    An overload has one rule: claiming one that has a rule already raises (else the later
+    import would silently decide which rule the dispatch uses).
     """
     if not isinstance(ops, (list, tuple, set)):
         ops = [ops]
@@ -38,6 +44,10 @@ def register(ops: Iterable | object, local_args: Callable | None = None, writes:
     def deco(fn):
         for op in ops:
             for overload in _overloads(op):
+                if overload in RULE_FNS:
+                    raise ValueError(f"{overload} is claimed by two rules, {_name(RULE_FNS[overload])} and "
+                                     f"{_name(fn)}: an op overload takes one rule")
+                RULE_FNS[overload] = fn
                 RULES[overload] = out_variant(fn) if any(a.is_out for a in overload._schema.arguments) else fn
                 if local_args is not None:
                     LOCAL_ARGS[overload] = local_args
@@ -69,6 +79,10 @@ def _overloads(op) -> list:
     if hasattr(op, "overloads") and callable(op.overloads):
         return [getattr(op, name) for name in op.overloads()]
     return [op]
+
+
+def _name(fn) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
 
 
 def rule_for(func):

@@ -26,10 +26,9 @@ from ..redistribute.halo import fetch_rows
 from .halo import interpolation_map, map_rows, map_rows_backward, padding_map, probed_map, split_dims
 from .registry import register, register_kernel
 from .spatial import gathered, leading_strategies, schema_args, spatial_dims, split_alike
-from .strategy import OpCall, Strategy
+from .strategy import AFFINE_PARTIALS, LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
-_SUM_AVG = (Partial("sum"), Partial("avg"))
 
 _NEAREST = {"upsample_nearest", "_upsample_nearest_exact"}
 _UPSAMPLE = {  # name stem -> spatial dims
@@ -54,9 +53,9 @@ def _doubling_dims(small, big, n: int) -> list[int]:
     return dims
 
 
-def _blocks(dims, n_in: int, even_at: tuple) -> list[Strategy]:
+def _blocks(dims, n_in: int, even_at: tuple) -> list[OpStrategy]:
     """Each split dim maps whole blocks to whole blocks when the pieces of `even_at` are even."""
-    return [Strategy((Shard(d),), (Shard(d),) * n_in, even=(even_at + (d,),)) for d in dims]
+    return [OpStrategy((Shard(d),), (Shard(d),) * n_in, even=(even_at + (d,),)) for d in dims]
 
 
 def _upsample_local_args(args, kwargs, out_shapes):
@@ -72,7 +71,7 @@ def _halo_modes(stem: str) -> bool:
 
 
 @register([getattr(aten, name) for name in _UPSAMPLE], local_args=_upsample_local_args)
-def upsample_rule(call: OpCall) -> list[Strategy]:
+def upsample_rule(call: OpCall) -> list[OpStrategy]:
     stem = _stem(call)
     n = _UPSAMPLE[stem]
     x, out = call.inputs[0].shape, call.outputs[0].shape
@@ -90,7 +89,7 @@ def _upsample_backward_local_args(args, kwargs, out_shapes):
 
 
 @register([getattr(aten, name + "_backward") for name in _UPSAMPLE], local_args=_upsample_backward_local_args)
-def upsample_backward_rule(call: OpCall) -> list[Strategy]:
+def upsample_backward_rule(call: OpCall) -> list[OpStrategy]:
     stem = _stem(call)[: -len("_backward")]
     n = _UPSAMPLE[stem]
     g, x = call.inputs[0].shape, call.outputs[0].shape
@@ -172,7 +171,7 @@ def interpolate_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
 
 # -- pixel shuffle ---------------------------------------------------------------------------------
 @register([aten.pixel_shuffle, aten.pixel_unshuffle])
-def pixel_shuffle_rule(call: OpCall) -> list[Strategy]:
+def pixel_shuffle_rule(call: OpCall) -> list[OpStrategy]:
     """(*, C r^2, H, W) <-> (*, C, H r, W r): the dims before the channels shard freely; channels
     in whole groups of r^2 and rows/columns in whole blocks of r (the smaller side's pieces even)."""
     x, out = call.inputs[0].shape, call.outputs[0].shape
@@ -189,7 +188,7 @@ def pixel_shuffle_rule(call: OpCall) -> list[Strategy]:
 
 # -- unfold / fold ---------------------------------------------------------------------------------
 @register([aten.im2col, aten.col2im])
-def unfold_fold_rule(call: OpCall) -> list[Strategy]:
+def unfold_fold_rule(call: OpCall) -> list[OpStrategy]:
     """im2col (N, C, H, W) -> (N, C kh kw, L), col2im back: batch, and channels split evenly on the
     image's side (a channel's patch rows stay together); a split image or L is gathered."""
     unfold = call.func._schema.name == "aten::im2col"
@@ -211,37 +210,37 @@ def _pairs(pad, ndim: int) -> dict:
     return {ndim - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)}
 
 
-def _pad_strategies(call: OpCall, n: int, pad, kernel: str, at: int = 0, linear: bool = True) -> list[Strategy]:
+def _pad_strategies(call: OpCall, n: int, pad, kernel: str, at: int = 0, linear: bool = True) -> list[OpStrategy]:
     """Leading dims and unpadded dims split locally; padded dims through `kernel`'s halo."""
     shape = call.inputs[at].shape
     pairs = _pairs(pad, len(shape))
     padded = [d for d in spatial_dims(shape, n) if any(pairs.get(d, (0, 0)))]
     n_in, n_out = len(call.inputs), len(call.outputs)
-    plain = [Strategy((Shard(d),) * n_out, (Shard(d),) * n_in) for d in spatial_dims(shape, n)
+    plain = [OpStrategy((Shard(d),) * n_out, (Shard(d),) * n_in) for d in spatial_dims(shape, n)
              if d not in padded and shape[d] != 1]
     return leading_strategies(call, n, linear=linear, at=at) + plain + split_alike(call, padded, kernel, at=at)
 
 
 @register([getattr(aten, name) for name in _PADS])
-def pad_rule(call: OpCall) -> list[Strategy]:
+def pad_rule(call: OpCall) -> list[OpStrategy]:
     """Reflecting or repeating borders is linear."""
     return _pad_strategies(call, _PADS[_stem(call)], call.arg(1, "padding"), "pad")
 
 
 @register([getattr(aten, name + "_backward") for name in _PADS])
-def pad_backward_rule(call: OpCall) -> list[Strategy]:
+def pad_backward_rule(call: OpCall) -> list[OpStrategy]:
     """(grad_output, input, padding)."""
     return _pad_strategies(call, _PADS[_stem(call)[: -len("_backward")]], call.arg(2, "padding"), "pad_backward", at=1)
 
 
 @register(aten.constant_pad_nd)
-def constant_pad_rule(call: OpCall) -> list[Strategy]:
+def constant_pad_rule(call: OpCall) -> list[OpStrategy]:
     """Dims the pad leaves alone keep their shards, padded (or cropped) ones through a halo; a
     zero pad is linear (any value: avg is)."""
     pad = list(call.arg(1, "pad"))
     value = call.arg(2, "value", 0)
-    kinds = _SUM_AVG if not value else (Partial("avg"),)
-    return _pad_strategies(call, len(pad) // 2, pad, "pad", linear=False) + [Strategy((p,), (p,)) for p in kinds]
+    kinds = LINEAR_PARTIALS if not value else AFFINE_PARTIALS
+    return _pad_strategies(call, len(pad) // 2, pad, "pad", linear=False) + [OpStrategy((p,), (p,)) for p in kinds]
 
 
 def _constant_pad(x: torch.Tensor, splits, pairs: dict, pad: list, value) -> torch.Tensor:
@@ -302,37 +301,38 @@ def pad_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
 
 
 @register([aten.channel_shuffle, aten.native_channel_shuffle])
-def channel_shuffle_rule(call: OpCall) -> list[Strategy]:
+def channel_shuffle_rule(call: OpCall) -> list[OpStrategy]:
     """(N, C, *): channels are permuted (whole), every other dim shards."""
     x = call.inputs[0].shape
-    strategies = [Strategy((Shard(d),), (Shard(d),)) for d in range(len(x)) if d != 1 and x[d] != 1]
-    return strategies + [Strategy((p,), (p,)) for p in _SUM_AVG]
+    strategies = [OpStrategy((Shard(d),), (Shard(d),)) for d in range(len(x)) if d != 1 and x[d] != 1]
+    return strategies + [OpStrategy((p,), (p,)) for p in LINEAR_PARTIALS]
 
 
 # -- grid_sample -----------------------------------------------------------------------------------
 @register([aten.grid_sampler_2d, aten.grid_sampler_3d])
-def grid_sampler_rule(call: OpCall) -> list[Strategy]:
+def grid_sampler_rule(call: OpCall) -> list[OpStrategy]:
     """input (N, C, *space), grid (N, *out_space, k) -> (N, C, *out_space), einsum-like
     "nc..,nO..->ncO..": batch on both, channels on the input, output positions on the grid;
     linear in the input."""
     x, grid = call.inputs[0].shape, call.inputs[1].shape
-    strategies = [Strategy((Shard(0),), (Shard(0),) * 2)] if x[0] != 1 else []
+    strategies = [OpStrategy((Shard(0),), (Shard(0),) * 2)] if x[0] != 1 else []
     if x[1] != 1:
-        strategies.append(Strategy((Shard(1),), (Shard(1), Replicate())))
-    strategies += [Strategy((Shard(d + 1),), (Replicate(), Shard(d))) for d in range(1, len(grid) - 1) if grid[d] != 1]
-    return strategies + [Strategy((p,), (p, Replicate())) for p in _SUM_AVG]
+        strategies.append(OpStrategy((Shard(1),), (Shard(1), Replicate())))
+    strategies += [OpStrategy((Shard(d + 1),), (Replicate(), Shard(d)))
+                   for d in range(1, len(grid) - 1) if grid[d] != 1]
+    return strategies + [OpStrategy((p,), (p, Replicate())) for p in LINEAR_PARTIALS]
 
 
 @register([aten.grid_sampler_2d_backward, aten.grid_sampler_3d_backward])
-def grid_sampler_backward_rule(call: OpCall) -> list[Strategy]:
+def grid_sampler_backward_rule(call: OpCall) -> list[OpStrategy]:
     """(grad_output, input, grid) -> (grad_input?, grad_grid): each forward letter backwards (the
     grid's gradient sums over channels, the input's over output positions)."""
     x, grid = call.inputs[1].shape, call.inputs[2].shape
     with_input = len(call.outputs) == 2
     outs = lambda gi, gg: (gi, gg) if with_input else (gg,)  # noqa: E731
-    strategies = [Strategy(outs(Shard(0), Shard(0)), (Shard(0),) * 3)] if x[0] != 1 else []
+    strategies = [OpStrategy(outs(Shard(0), Shard(0)), (Shard(0),) * 3)] if x[0] != 1 else []
     if x[1] != 1:
-        strategies.append(Strategy(outs(Shard(1), Partial()), (Shard(1), Shard(1), Replicate())))
-    strategies += [Strategy(outs(Partial(), Shard(d)), (Shard(d + 1), Replicate(), Shard(d)))
+        strategies.append(OpStrategy(outs(Shard(1), Partial()), (Shard(1), Shard(1), Replicate())))
+    strategies += [OpStrategy(outs(Partial(), Shard(d)), (Shard(d + 1), Replicate(), Shard(d)))
                    for d in range(1, len(grid) - 1) if grid[d] != 1]
-    return strategies + [Strategy(outs(p, p), (p, Replicate(), Replicate())) for p in _SUM_AVG]
+    return strategies + [OpStrategy(outs(p, p), (p, Replicate(), Replicate())) for p in LINEAR_PARTIALS]

@@ -24,7 +24,7 @@ import torch
 from ..placement import Partial, Replicate, Shard
 from ..spec import DistSpec, TensorMeta
 from .registry import MODULE_RULES, register
-from .strategy import OpCall, Strategy
+from .strategy import OpCall, OpStrategy
 from .tensor_ops import split_rule, split_sizes_local
 
 aten = torch.ops.aten
@@ -45,16 +45,16 @@ def _packed(call: OpCall, at: int) -> bool:
 
 # -- CPU: mkldnn_rnn_layer ---------------------------------------------------------------------
 @register(aten.mkldnn_rnn_layer)
-def mkldnn_rnn_layer_rule(call: OpCall) -> list[Strategy]:
+def mkldnn_rnn_layer_rule(call: OpCall) -> list[OpStrategy]:
     """(input, w0..w3, hx (B, H), cx (B, H)) -> (output, hy, cy, workspace)."""
     if _packed(call, 8) or call.inputs[0].shape[1] == 1:
         return []
     b = Shard(1)
-    return [Strategy((b, Shard(0), Shard(0), _R), (b, _R, _R, _R, _R, Shard(0), Shard(0)))]
+    return [OpStrategy((b, Shard(0), Shard(0), _R), (b, _R, _R, _R, _R, Shard(0), Shard(0)))]
 
 
 @register(aten.mkldnn_rnn_layer_backward)
-def mkldnn_rnn_layer_backward_rule(call: OpCall) -> list[Strategy]:
+def mkldnn_rnn_layer_backward_rule(call: OpCall) -> list[OpStrategy]:
     """(input, w1..w4, hx, cx, output, hy, cy, grad_output?, grad_hy?, grad_cy?, ..., workspace)
     -> (grad_input, grad_w1..w4, grad_hx, grad_cx)."""
     if _packed(call, 20) or call.inputs[0].shape[1] == 1:
@@ -63,12 +63,12 @@ def mkldnn_rnn_layer_backward_rule(call: OpCall) -> list[Strategy]:
     grads = tuple(b if name == "grad_output" else rows
                   for i, name in ((10, "grad_output"), (11, "grad_hy"), (12, "grad_cy")) if call.arg(i, name) is not None)
     ins = (b, _R, _R, _R, _R, rows, rows, b, rows, rows) + grads + (None,)
-    return [Strategy((b, _P, _P, _P, _P, rows, rows), ins)]
+    return [OpStrategy((b, _P, _P, _P, _P, rows, rows), ins)]
 
 
 # -- GPU: _cudnn_rnn ---------------------------------------------------------------------------
 @register(aten._cudnn_rnn)
-def cudnn_rnn_rule(call: OpCall) -> list[Strategy]:
+def cudnn_rnn_rule(call: OpCall) -> list[OpStrategy]:
     """(input, weights[], weight_buf?, hx, cx?, ..., dropout_state?) -> (output, hy, cy, reserve, weight_buf)."""
     if _packed(call, 14) or call.inputs[0].shape[_batch_dim(call, 10)] == 1:
         return []
@@ -79,11 +79,11 @@ def cudnn_rnn_rule(call: OpCall) -> list[Strategy]:
     ins = (b,) + (_R,) * n_weights + (_R,) * (call.arg(3, "weight_buf") is not None) + (Shard(1),)
     ins += (Shard(1),) * (call.arg(5, "cx") is not None) + (_R,) * (call.arg(15, "dropout_state") is not None)
     outs = (b, Shard(1), Shard(1), _R, _R)[: len(call.outputs)]
-    return [Strategy(outs, ins)]
+    return [OpStrategy(outs, ins)]
 
 
 @register(aten._cudnn_rnn_backward)
-def cudnn_rnn_backward_rule(call: OpCall) -> list[Strategy]:
+def cudnn_rnn_backward_rule(call: OpCall) -> list[OpStrategy]:
     """(input, weights[], weight_buf, hx, cx?, output, grad_output?, grad_hy?, grad_cy?, ...,
     dropout_state?, reserve) -> (grad_input, grad_hx, grad_cx, grad_weights[]) as output_mask asks."""
     if _packed(call, 18) or call.inputs[0].shape[_batch_dim(call, 14)] == 1:
@@ -96,13 +96,13 @@ def cudnn_rnn_backward_rule(call: OpCall) -> list[Strategy]:
     ins += (_R,) * present(19) + (None,)
     mask = call.arg(21, "output_mask")
     outs = (b,) * mask[0] + (states,) * mask[1] + (states,) * (mask[2] and present(5)) + (_P,) * n_weights * mask[3]
-    return [Strategy(outs[: len(call.outputs)], ins)]
+    return [OpStrategy(outs[: len(call.outputs)], ins)]
 
 
 # -- fused cells (rows are sequences) ------------------------------------------------------------
 @register([aten._thnn_fused_lstm_cell, aten._thnn_fused_lstm_cell_backward_impl, aten._thnn_fused_gru_cell,
            aten._thnn_fused_gru_cell_backward])
-def fused_cell_rule(call: OpCall) -> list[Strategy]:
+def fused_cell_rule(call: OpCall) -> list[OpStrategy]:
     """Row-shaped (2-D) operands split their rows; biases (1-D) stay whole and their gradients
     come out Partial(sum)."""
     rows = [m.shape[0] for m in call.inputs if len(m.shape) == 2]
@@ -110,7 +110,7 @@ def fused_cell_rule(call: OpCall) -> list[Strategy]:
         return []
     ins = tuple(Shard(0) if len(m.shape) == 2 else _R for m in call.inputs)
     outs = tuple(Shard(0) if len(m.shape) == 2 else _P for m in call.outputs)
-    return [Strategy(outs, ins)]
+    return [OpStrategy(outs, ins)]
 
 
 # -- nn.RNN / nn.GRU / nn.LSTM as a whole ---------------------------------------------------------

@@ -26,11 +26,10 @@ from .. import comm
 from ..placement import Partial, ReduceType, Replicate, Shard
 from .reduction import shard_group
 from .registry import register, register_kernel
-from .strategy import OpCall, Strategy
+from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
 
-_SUM_AVG = (Partial("sum"), Partial("avg"))
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _NONE, _MEAN, _SUM = 0, 1, 2  # at::Reduction
 
@@ -45,30 +44,30 @@ def _norm_dim(dim: int, ndim: int) -> int:
 
 
 # -- softmax / log_softmax ---------------------------------------------------------------------
-def _softmax_strategies(call: OpCall, ndim: int, dim: int, n_in: int, kernel: str) -> list[Strategy]:
+def _softmax_strategies(call: OpCall, ndim: int, dim: int, n_in: int, kernel: str) -> list[OpStrategy]:
     """A dtype aten's kernels refuse (integers, bool, complex) is refused on an empty piece
     too, but not by the meta kernel: such a tensor runs whole on every rank, so every rank
     raises torch's error (a piece with no rows would return instead)."""
     if not call.inputs[-1].dtype.is_floating_point:
         return []
-    strategies = [Strategy((Shard(d),), (Shard(d),) * n_in) for d in range(ndim) if d != dim]
+    strategies = [OpStrategy((Shard(d),), (Shard(d),) * n_in) for d in range(ndim) if d != dim]
     if ndim:
-        strategies.append(Strategy((Shard(dim),), (Shard(dim),) * n_in, kernel=kernel))
+        strategies.append(OpStrategy((Shard(dim),), (Shard(dim),) * n_in, kernel=kernel))
     return strategies
 
 
 @register([aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default])
-def softmax_rule(call: OpCall) -> list[Strategy]:
+def softmax_rule(call: OpCall) -> list[OpStrategy]:
     nd = len(call.inputs[0].shape)
     return _softmax_strategies(call, nd, _norm_dim(call.arg(1, "dim"), nd), 1, "softmax_split_dim")
 
 
 @register([aten._softmax_backward_data.default, aten._log_softmax_backward_data.default])
-def softmax_backward_rule(call: OpCall) -> list[Strategy]:
+def softmax_backward_rule(call: OpCall) -> list[OpStrategy]:
     """Also linear in grad_output: a Partial gradient with the output whole stays Partial."""
     nd = len(call.inputs[1].shape)
     strategies = _softmax_strategies(call, nd, _norm_dim(call.arg(2, "dim"), nd), 2, "softmax_backward_split_dim")
-    return strategies + [Strategy((p,), (p, Replicate())) for p in _SUM_AVG]
+    return strategies + [OpStrategy((p,), (p, Replicate())) for p in LINEAR_PARTIALS]
 
 
 @register_kernel("softmax_split_dim")
@@ -119,7 +118,7 @@ def _batch_dims(ndim: int):
 
 
 @register([aten.nll_loss_forward.default, aten.nll_loss2d_forward.default])
-def nll_loss_rule(call: OpCall) -> list[Strategy]:
+def nll_loss_rule(call: OpCall) -> list[OpStrategy]:
     nd = len(call.inputs[0].shape)
     reduction = call.arg(3, "reduction")
     w = (Replicate(),) * (len(call.inputs) - 2)  # the class weights, if given, stay whole
@@ -131,15 +130,15 @@ def nll_loss_rule(call: OpCall) -> list[Strategy]:
             outs, kernel = (Partial(), Partial()), None
         else:
             outs, kernel = (Replicate(), Replicate()), "nll_loss"
-        strategies.append(Strategy(outs, (Shard(d), Shard(td)) + w, kernel=kernel))
+        strategies.append(OpStrategy(outs, (Shard(d), Shard(td)) + w, kernel=kernel))
     if nd:
-        strategies.append(Strategy((Partial(), Replicate()), (Shard(_class_dim(nd)), Replicate()) + w,
-                                   kernel="nll_loss"))
-    return strategies + [Strategy((p, Replicate()), (p, Replicate()) + w) for p in _SUM_AVG]
+        strategies.append(OpStrategy((Partial(), Replicate()), (Shard(_class_dim(nd)), Replicate()) + w,
+                                     kernel="nll_loss"))
+    return strategies + [OpStrategy((p, Replicate()), (p, Replicate()) + w) for p in LINEAR_PARTIALS]
 
 
 @register([aten.nll_loss_backward.default, aten.nll_loss2d_backward.default])
-def nll_loss_backward_rule(call: OpCall) -> list[Strategy]:
+def nll_loss_backward_rule(call: OpCall) -> list[OpStrategy]:
     """Inputs: grad_output, self (read for its shape only), target, [weight], total_weight.
 
     `self` is given the gradient's placement although only its shape is read: the gradient
@@ -152,13 +151,13 @@ def nll_loss_backward_rule(call: OpCall) -> list[Strategy]:
     total = (Replicate() if reduction == _MEAN else None,)
     k = "nll_loss_backward"
     strategies = [
-        Strategy((Shard(d),), (Shard(td) if reduction == _NONE else Replicate(), Shard(d), Shard(td)) + w + total, k)
+        OpStrategy((Shard(d),), (Shard(td) if reduction == _NONE else Replicate(), Shard(d), Shard(td)) + w + total, k)
         for d, td in _batch_dims(nd)
     ]
     if nd:
         c = _class_dim(nd)
-        strategies.append(Strategy((Shard(c),), (Replicate(), Shard(c), Replicate()) + w + total, k))
-    return strategies + [Strategy((p,), (p, None, Replicate()) + w + total, k) for p in _SUM_AVG]
+        strategies.append(OpStrategy((Shard(c),), (Replicate(), Shard(c), Replicate()) + w + total, k))
+    return strategies + [OpStrategy((p,), (p, None, Replicate()) + w + total, k) for p in LINEAR_PARTIALS]
 
 
 def _pick(target, weight, ignore_index, spec, coord, dtype):

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import warnings
 
-from ..placement import Partial, Replicate, Shard
+from ..placement import Replicate, Shard
 from ..redistribute import redistribute_local
 from .registry import register_kernel
-from .strategy import OpCall, Strategy
+from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
-_SUM_AVG = (Partial("sum"), Partial("avg"))
 
 
 def spatial_dims(shape, n_spatial: int) -> range:
@@ -43,21 +42,21 @@ def schema_args(func, args, kwargs) -> list:
     return full
 
 
-def split_alike(call: OpCall, dims, kernel: str, at: int = 0) -> list[Strategy]:
+def split_alike(call: OpCall, dims, kernel: str, at: int = 0) -> list[OpStrategy]:
     """For each dim in `dims` (of input `at`, not of size 1): every tensor operand and output
     split on it, the local work done by `kernel` (a halo: see `spmd.halo`)."""
     n_in, n_out = len(call.inputs), len(call.outputs)
-    return [Strategy((Shard(d),) * n_out, (Shard(d),) * n_in, kernel=kernel)
+    return [OpStrategy((Shard(d),) * n_out, (Shard(d),) * n_in, kernel=kernel)
             for d in dims if call.inputs[at].shape[d] != 1]
 
 
-def gathered(call: OpCall, dims) -> list[Strategy]:
+def gathered(call: OpCall, dims) -> list[OpStrategy]:
     """For each spatial dim in `dims` of input 0 (the image) whose windows no halo serves:
     keep a piece split there in place, and let the kernel gather it (with a warning) and run
     the op whole; the other operands are left as they are."""
     n_in, n_out = len(call.inputs), len(call.outputs)
     return [
-        Strategy((Replicate(),) * n_out, (Shard(d),) + (None,) * (n_in - 1), kernel="gather_spatial")
+        OpStrategy((Replicate(),) * n_out, (Shard(d),) + (None,) * (n_in - 1), kernel="gather_spatial")
         for d in dims
         if call.inputs[0].shape[d] != 1
     ]
@@ -79,13 +78,13 @@ def gather_spatial_kernel(func, args, kwargs, in_specs, out_specs, coord):
     return func(redistribute_local(args[0], spec, whole), *args[1:], **kwargs)
 
 
-def leading_strategies(call: OpCall, n_spatial: int, linear: bool = False, at: int = 0) -> list[Strategy]:
+def leading_strategies(call: OpCall, n_spatial: int, linear: bool = False, at: int = 0) -> list[OpStrategy]:
     """Every leading dim d of input `at` shards alike on every tensor operand and output (an op
     whose operands all share the image's leading dims: grad_output, self, indices); a linear
     op also passes Partial(sum/avg) through its first operand with the others whole."""
     n_in, n_out = len(call.inputs), len(call.outputs)
-    strategies = [Strategy((Shard(d),) * n_out, (Shard(d),) * n_in)
+    strategies = [OpStrategy((Shard(d),) * n_out, (Shard(d),) * n_in)
                   for d in leading_dims(call.inputs[at].shape, n_spatial)]
     if linear:
-        strategies += [Strategy((p,) * n_out, (p,) + (Replicate(),) * (n_in - 1)) for p in _SUM_AVG]
+        strategies += [OpStrategy((p,) * n_out, (p,) + (Replicate(),) * (n_in - 1)) for p in LINEAR_PARTIALS]
     return strategies

@@ -4,12 +4,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ..placement import Replicate
+from ..placement import Partial, Replicate
 from ..spec import TensorMeta
+
+# The Partial kinds an op keeps, by what it does to its operands' terms:
+# a linear map: the map of a sum of terms is the sum of the mapped terms, a mean alike;
+LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))
+# adding one number to every term: the mean of x_i + c is mean(x) + c, a sum would add c k times;
+AFFINE_PARTIALS = (Partial("avg"),)
+# writing one value over every rank's terms: the largest and smallest of equal values are that value;
+EXTREME_PARTIALS = (Partial("max"), Partial("min"))
+# moving, copying or selecting elements without combining them: every kind.
+ALL_PARTIALS = LINEAR_PARTIALS + EXTREME_PARTIALS
 
 
 @dataclass(frozen=True)
-class Strategy:
+class OpStrategy:
     """One way to run an op along one mesh dim.
 
     `inputs[i]` is the placement tensor input i must have (None: any, the op only reads its
@@ -29,8 +39,8 @@ class Strategy:
         return f"{list(self.outputs)} <- {list(self.inputs)}{k}"
 
 
-def replicated(n_in: int, n_out: int) -> Strategy:
-    return Strategy((Replicate(),) * n_out, (Replicate(),) * n_in)
+def replicated(n_in: int, n_out: int) -> OpStrategy:
+    return OpStrategy((Replicate(),) * n_out, (Replicate(),) * n_in)
 
 
 @dataclass
@@ -72,6 +82,6 @@ def out_variant(rule):
         ):
             return []  # an out tensor torch resizes: whole on every rank
         inner = OpCall(call.func, call.args, call.kwargs, call.inputs[:-n], call.outputs)
-        return [Strategy(s.outputs, s.inputs + s.outputs, even=s.even) for s in rule(inner) if s.kernel is None]
+        return [OpStrategy(s.outputs, s.inputs + s.outputs, even=s.even) for s in rule(inner) if s.kernel is None]
 
     return with_out

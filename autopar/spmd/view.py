@@ -14,16 +14,15 @@ import math
 
 import torch
 
-from ..placement import Partial, Shard, StridedShard
+from ..placement import Shard, StridedShard
 from .registry import register, register_kernel
-from .strategy import OpCall, Strategy
+from .strategy import ALL_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
-_ALL_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
 
 
-def _partials(n_in: int = 1) -> list[Strategy]:
-    return [Strategy((p,), (p,) + (None,) * (n_in - 1)) for p in _ALL_PARTIALS]
+def _partials(n_in: int = 1) -> list[OpStrategy]:
+    return [OpStrategy((p,), (p,) + (None,) * (n_in - 1)) for p in ALL_PARTIALS]
 
 
 def reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
@@ -58,13 +57,13 @@ def _view_local_args(args, kwargs, out_shapes):
 
 @register([aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten._reshape_alias, aten.view_copy,
            aten.expand_copy], local_args=_view_local_args)
-def view_rule(call: OpCall) -> list[Strategy]:
+def view_rule(call: OpCall) -> list[OpStrategy]:
     src, dst = call.inputs[0].shape, call.outputs[0].shape
     extra = (None,) * (len(call.inputs) - 1)
     if call.func._schema.name in ("aten::expand", "aten::expand_copy"):
         offset = len(dst) - len(src)
         strategies = [
-            Strategy((Shard(d + offset),), (Shard(d),) + extra)
+            OpStrategy((Shard(d + offset),), (Shard(d),) + extra)
             for d in range(len(src))
             if src[d] == dst[d + offset] and src[d] != 1
         ]
@@ -73,34 +72,36 @@ def view_rule(call: OpCall) -> list[Strategy]:
     for gi, gj in reshape_groups(src, dst):
         d_in, d_out = gi[0], gj[0]
         if len(gi) == 1 and len(gj) == 1:
-            strategies.append(Strategy((Shard(d_out),), (Shard(d_in),) + extra))
+            strategies.append(OpStrategy((Shard(d_out),), (Shard(d_in),) + extra))
         elif len(gi) == 1:  # split one dim: the outer new dim must cut evenly
-            strategies.append(Strategy((Shard(d_out),), (Shard(d_in),) + extra, even=((0, d_in), (-1, d_out))))
+            strategies.append(OpStrategy((Shard(d_out),), (Shard(d_in),) + extra, even=((0, d_in), (-1, d_out))))
         elif len(gj) == 1:  # merge dims: the outer old dim must cut evenly
-            strategies.append(Strategy((Shard(d_out),), (Shard(d_in),) + extra, even=((0, d_in),)))
+            strategies.append(OpStrategy((Shard(d_out),), (Shard(d_in),) + extra, even=((0, d_in),)))
             for j in range(1, len(gi)):  # an inner dim split: every block of the outer ones alike
                 blocks = math.prod(src[d] for d in gi[:j])
-                strategies.append(Strategy((StridedShard(d_out, blocks),), (Shard(gi[j]),) + extra, even=((0, gi[j]),)))
+                strategies.append(OpStrategy((StridedShard(d_out, blocks),), (Shard(gi[j]),) + extra,
+                                             even=((0, gi[j]),)))
         if len(gi) == 1 and len(gj) > 1:  # a strided dim split back at its block size
             for j in range(1, len(gj)):
                 blocks = math.prod(dst[d] for d in gj[:j])
-                strategies.append(Strategy((Shard(gj[j]),), (StridedShard(d_in, blocks),) + extra, even=((-1, gj[j]),)))
+                strategies.append(OpStrategy((Shard(gj[j]),), (StridedShard(d_in, blocks),) + extra,
+                                             even=((-1, gj[j]),)))
     return strategies + _partials(len(call.inputs))
 
 
-def _permuted(call: OpCall, perm: list[int]) -> list[Strategy]:
+def _permuted(call: OpCall, perm: list[int]) -> list[OpStrategy]:
     """Output dim i is input dim perm[i]."""
-    return [Strategy((Shard(i),), (Shard(p),)) for i, p in enumerate(perm)] + _partials()
+    return [OpStrategy((Shard(i),), (Shard(p),)) for i, p in enumerate(perm)] + _partials()
 
 
 @register([aten.permute, aten.permute_copy])
-def permute_rule(call: OpCall) -> list[Strategy]:
+def permute_rule(call: OpCall) -> list[OpStrategy]:
     nd = len(call.inputs[0].shape)
     return _permuted(call, [d % nd if nd else 0 for d in call.arg(1, "dims")])
 
 
 @register([aten.transpose, aten.t, aten.transpose_, aten.t_, aten.transpose_copy, aten.t_copy])
-def transpose_rule(call: OpCall) -> list[Strategy]:
+def transpose_rule(call: OpCall) -> list[OpStrategy]:
     nd = len(call.inputs[0].shape)
     perm = list(range(nd))
     if nd >= 2:
@@ -117,12 +118,12 @@ _SQUEEZE_ALL = {aten.squeeze.default: aten.squeeze.dims, aten.squeeze_.default: 
 
 
 @register([aten.unsqueeze, aten.squeeze, aten.unsqueeze_, aten.squeeze_, aten.unsqueeze_copy, aten.squeeze_copy])
-def squeeze_rule(call: OpCall) -> list[Strategy]:
+def squeeze_rule(call: OpCall) -> list[OpStrategy]:
     """(Un)squeeze only adds/drops size-1 dims: the other dims keep their shards.  A squeeze of
     every size-1 dim squeezes the global ones only (a piece of 1 row is no size-1 dim)."""
     kernel = "squeeze_global" if call.func in _SQUEEZE_ALL else None
     return [
-        Strategy((Shard(gj[0]),), (Shard(gi[0]),), kernel=kernel)
+        OpStrategy((Shard(gj[0]),), (Shard(gi[0]),), kernel=kernel)
         for gi, gj in reshape_groups(call.inputs[0].shape, call.outputs[0].shape)
     ] + _partials()
 

@@ -11,25 +11,24 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Replicate, Shard
+from ..placement import Replicate, Shard
 from .registry import register, register_kernel
-from .strategy import OpCall, Strategy
+from .strategy import ALL_PARTIALS, OpCall, OpStrategy
 from .tensor_ops import _input_sizes_local, _uncut
 
 aten = torch.ops.aten
-_ALL_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
 
 
 def _norm(d: int, nd: int) -> int:
     return d % nd if nd else 0
 
 
-def _paired(pairs, n_in: int, n_moved: int = 0) -> list[Strategy]:
+def _paired(pairs, n_in: int, n_moved: int = 0) -> list[OpStrategy]:
     """`pairs`: (output dim, placement per input) for each dim that may shard; every Partial
     kind passes on the first `n_in - n_moved` inputs (the rest, the moved operands, Replicate)."""
-    strategies = [Strategy((Shard(o),), ins) for o, ins in pairs]
+    strategies = [OpStrategy((Shard(o),), ins) for o, ins in pairs]
     kept = n_in - n_moved
-    return strategies + [Strategy((p,), (p,) * kept + (Replicate(),) * n_moved) for p in _ALL_PARTIALS]
+    return strategies + [OpStrategy((p,), (p,) * kept + (Replicate(),) * n_moved) for p in ALL_PARTIALS]
 
 
 def _others(nd: int, dims) -> list[int]:
@@ -41,7 +40,7 @@ def _diagonal_dims(call: OpCall, at: int, nd: int, defaults=(0, 1)) -> tuple[int
 
 
 @register([aten.diagonal.default, aten.diagonal_copy.default])
-def diagonal_rule(call: OpCall) -> list[Strategy]:
+def diagonal_rule(call: OpCall) -> list[OpStrategy]:
     """The other dims keep their order, the diagonal comes last."""
     shape = call.inputs[0].shape
     others = _others(len(shape), _diagonal_dims(call, 2, len(shape)))
@@ -49,7 +48,7 @@ def diagonal_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.diagonal_backward.default], local_args=_input_sizes_local)
-def diagonal_backward_rule(call: OpCall) -> list[Strategy]:
+def diagonal_backward_rule(call: OpCall) -> list[OpStrategy]:
     """grad (others..., diagonal) into zeros of the input's size."""
     shape = call.outputs[0].shape
     others = _others(len(shape), _diagonal_dims(call, 3, len(shape)))
@@ -57,7 +56,7 @@ def diagonal_backward_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.diag_embed.default])
-def diag_embed_rule(call: OpCall) -> list[Strategy]:
+def diag_embed_rule(call: OpCall) -> list[OpStrategy]:
     """The input's last dim becomes the diagonal of (dim1, dim2); its other dims fill the rest."""
     shape = call.outputs[0].shape
     others = _others(len(shape), _diagonal_dims(call, 2, len(shape), (-2, -1)))
@@ -65,7 +64,7 @@ def diag_embed_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.diagonal_scatter.default])
-def diagonal_scatter_rule(call: OpCall) -> list[Strategy]:
+def diagonal_scatter_rule(call: OpCall) -> list[OpStrategy]:
     """self (others..., dim1, dim2) with src (others..., diagonal) written on the diagonal."""
     shape = call.outputs[0].shape
     others = _others(len(shape), _diagonal_dims(call, 3, len(shape)))
@@ -73,7 +72,7 @@ def diagonal_scatter_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.select_scatter.default])
-def select_scatter_rule(call: OpCall) -> list[Strategy]:
+def select_scatter_rule(call: OpCall) -> list[OpStrategy]:
     """src is self without `dim`."""
     shape = call.outputs[0].shape
     dim = _norm(call.arg(2, "dim"), len(shape))
@@ -81,7 +80,7 @@ def select_scatter_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.slice_scatter.default])
-def slice_scatter_rule(call: OpCall) -> list[Strategy]:
+def slice_scatter_rule(call: OpCall) -> list[OpStrategy]:
     """src is self sliced along `dim`: the dims it holds whole shard alike (the sliced one too,
     when the slice takes it whole)."""
     uncut = _uncut(call.inputs[0].shape, call.inputs[1].shape)
@@ -89,7 +88,7 @@ def slice_scatter_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.unfold.default, aten.unfold_copy.default])
-def unfold_rule(call: OpCall) -> list[Strategy]:
+def unfold_rule(call: OpCall) -> list[OpStrategy]:
     """Windows along `dimension` (a new last dim holds each window): the other dims shard."""
     shape = call.inputs[0].shape
     dim = _norm(call.arg(1, "dimension"), len(shape))
@@ -97,7 +96,7 @@ def unfold_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.unfold_backward.default], local_args=_input_sizes_local)
-def unfold_backward_rule(call: OpCall) -> list[Strategy]:
+def unfold_backward_rule(call: OpCall) -> list[OpStrategy]:
     """grad (input dims with `dim` as windows, window) summed back into the input's size."""
     shape = call.outputs[0].shape
     dim = _norm(call.arg(2, "dim"), len(shape))
@@ -105,7 +104,7 @@ def unfold_backward_rule(call: OpCall) -> list[Strategy]:
 
 
 @register([aten.rot90.default])
-def rot90_rule(call: OpCall) -> list[Strategy]:
+def rot90_rule(call: OpCall) -> list[OpStrategy]:
     """The two rotated dims stay whole (a quarter turn swaps them)."""
     shape = call.inputs[0].shape
     dims = {_norm(d, len(shape)) for d in call.arg(2, "dims", (0, 1))}
@@ -132,14 +131,14 @@ def plain_view(meta, size, stride, offset) -> dict | None:
 
 
 @register([aten.as_strided.default, aten.as_strided_copy.default])
-def as_strided_rule(call: OpCall) -> list[Strategy]:
+def as_strided_rule(call: OpCall) -> list[OpStrategy]:
     """A plain view: a dim it takes whole shards (the kernel gives the piece's strides)."""
     size, stride = call.arg(1, "size"), call.arg(2, "stride")
     mapping = plain_view(call.inputs[0], size, stride, call.arg(3, "storage_offset"))
     if mapping is None:
         return []
     shape = call.inputs[0].shape
-    return [Strategy(s.outputs, s.inputs, kernel="as_strided_piece")
+    return [OpStrategy(s.outputs, s.inputs, kernel="as_strided_piece")
             for s in _paired([(d, (Shard(p),)) for d, p in mapping.items() if size[d] == shape[p]], 1)]
 
 
