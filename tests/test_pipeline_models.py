@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar as dist
+from autopar.api.parallelize import SCHEDULE_MODES
 from autopar.pipelining import build_schedule
 from distpool import run_dist
 
@@ -178,6 +179,29 @@ def test_parallelize_pipeline_to_static(schedule):
             torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert program.startswith("pipeline VPP, 4 micro-batches, this rank: F0s" if schedule == "VPP"
                                   else "pipeline 1F1B, 4 micro-batches")
+
+
+def _by_pp_config_and_by_strategy(mode):
+    """One to_static step of the schedule `mode` names on 2 stages, read from pp_config and
+    from Strategy.pipeline: (loss, this rank's program) each way."""
+    settings = {"schedule_mode": mode, "accumulate_steps": 4, "vpp_degree": 2 if mode == "VPP" else 1}
+    routes = (({"split_spec": "layers", **settings}, None),
+              ({"split_spec": "layers", "vpp_degree": settings["vpp_degree"]},
+               dist.Strategy({"pipeline": {"enable": True, **settings}})))
+    results = []
+    for pp_config, strategy in routes:
+        model, opt = _parallelized(pp_config, mesh_ids=((0, 1),))
+        dist_model = dist.to_static(model, None, F.mse_loss, opt, strategy)
+        loss = float(dist_model(*_batches()[0]))
+        results.append((loss, dist_model.dist_main_program()))
+    return results
+
+
+@pytest.mark.parametrize("mode", SCHEDULE_MODES)
+def test_every_schedule_name_runs_the_same_schedule_from_pp_config_and_from_strategy(mode):
+    for by_pp_config, by_strategy in run_dist(_by_pp_config_and_by_strategy, 2, mode):
+        assert by_pp_config == by_strategy
+        assert by_pp_config[1].startswith(f"pipeline {mode}, 4 micro-batches"), by_pp_config[1]
 
 
 def _bad_settings(strategy_config):

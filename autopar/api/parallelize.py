@@ -1,4 +1,4 @@
-"""parallelize: the one-call API of seed 001 (Paddle's `paddle.distributed.parallelize`).
+"""parallelize: Paddle's one-call API (`paddle.distributed.parallelize`).
 
 One config turns a single-device model and optimizer into a distributed pair, in place:
 - `pp_config` gives every layer a mesh: its pipeline stage's slice of the mesh along "pp"
@@ -28,7 +28,7 @@ from ..placement import Placement, Shard, StridedShard
 from ..spec import split_range
 from .global_mesh import get_mesh
 from .layer import convert_in_place, register_model, replicate_params, weak_refs_released
-from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
+from .optimizer import SHARDING_STAGES, shard_optimizer
 from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
 from .tensors import reshard, shard_tensor
 
@@ -44,8 +44,7 @@ class PlannedLayout(Protocol):
 
 
 _CONFIG_DIMS = {"dp_config": "dp", "mp_config": "mp", "pp_config": "pp"}
-_STAGES = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}
-_PARAM_KEYS = ("weight", "bias")  # what a plan key naming a parameter ends in (the seed's rule)
+_PARAM_KEYS = ("weight", "bias")  # a plan key naming a parameter ends in one of these (Paddle's rule)
 _GLOBAL = -1  # the stage mark of a global_spec layer: on every stage
 
 
@@ -351,7 +350,7 @@ def _check_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> None:
 
 def _parallel_optimizer(optimizer: torch.optim.Optimizer, sharding_level: int, mesh: ProcessMesh):
     """The optimizer sharded (it holds the model's Parameters, converted in place)."""
-    shard_fn = _STAGES[sharding_level]("dp", mesh) if sharding_level else None
+    shard_fn = SHARDING_STAGES[sharding_level]("dp", mesh) if sharding_level else None
     return shard_optimizer(optimizer, shard_fn)
 
 
@@ -495,7 +494,7 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
                 f"parallelize: {key} needs a mesh dim named {dim!r}, but mesh {mesh} has dims {mesh.dim_names}"
             )
     dp_config = config.get("dp_config", {})
-    if not isinstance(dp_config, dict) or dp_config.get("sharding_level", 0) not in (0, 1, 2, 3):
+    if not isinstance(dp_config, dict) or dp_config.get("sharding_level", 0) not in (0, *SHARDING_STAGES):
         raise ValueError(f"dp_config must be a dict like {{'sharding_level': 0|1|2|3}}, got {dp_config!r}")
     _refuse_unknown_keys("dp_config", dp_config, DP_CONFIG_KEYS)
     mp_config = config.get("mp_config", {"parallelize_plan": {}})
@@ -521,7 +520,20 @@ def _refuse_unknown_keys(where: str, given: dict, known: tuple) -> None:
     close = {k: difflib.get_close_matches(str(k), known, n=1) for k in unknown}
     hints = "".join(f"; did you mean {m[0]!r} for {k!r}?" for k, m in close.items() if m)
     raise ValueError(f"{where}: unknown keys {unknown} (known: {list(known)}){hints}")
+
+
+# the pipeline schedules by name, in pp_config and Strategy.pipeline alike (pipelining.orders.schedule_orders)
 SCHEDULE_MODES = ("FThenB", "1F1B", "VPP", "ZBH1")
+
+
+def check_schedule(where: str, mode: Any, accumulate_steps: Any, vpp_degree: Any) -> None:
+    """Refuse a schedule no pipeline runs, with the same words for pp_config and
+    Strategy.pipeline (`where` prefixes the setting's name)."""
+    if mode not in SCHEDULE_MODES:
+        raise ValueError(f"{where}schedule_mode must be one of {list(SCHEDULE_MODES)}, got {mode!r}")
+    for key, n in (("accumulate_steps", accumulate_steps), ("vpp_degree", vpp_degree)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{where}{key} must be an int >= 1, got {n!r}")
 
 
 def pipeline_settings(pp_config: Any) -> dict:
@@ -534,13 +546,8 @@ def pipeline_settings(pp_config: Any) -> dict:
     if not isinstance(pp_config, dict) or "split_spec" not in pp_config:
         raise ValueError(f"pp_config must be a dict with a 'split_spec', got {pp_config!r}")
     _refuse_unknown_keys("pp_config", pp_config, PP_CONFIG_KEYS)
-    mode = pp_config.get("schedule_mode", "1F1B")
-    if mode not in SCHEDULE_MODES:
-        raise ValueError(f"pp_config schedule_mode must be one of {list(SCHEDULE_MODES)}, got {mode!r}")
-    for key in ("accumulate_steps", "vpp_degree"):
-        n = pp_config.get(key, 1)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"pp_config {key} must be an int >= 1, got {n!r}")
+    check_schedule("pp_config ", pp_config.get("schedule_mode", "1F1B"), pp_config.get("accumulate_steps", 1),
+                   pp_config.get("vpp_degree", 1))
     return {k: pp_config[k] for k in ("schedule_mode", "accumulate_steps", "vpp_degree") if k in pp_config}
 
 

@@ -1,14 +1,15 @@
 """Schedules for annotated models in the dynamic mode: no stage modules, no rewrite.
 
-A model whose layers carry their stage's mesh (seed 4.3/4.4 with `reshard` between meshes,
-or `parallelize` with `pp_config`) already runs as a pipeline: every rank runs the whole
-forward, computes only the ops on its own mesh and sends or receives where the code moves
-a tensor across meshes; `loss.backward()` on every rank sends the gradients back.  What
-`build_schedule` adds is the micro-batches and their order: each rank runs forward and
-backward of micro-batch i when its stage's order says so (FThenB or 1F1B), so the stages
-work on different micro-batches at once.  Cross-mesh sends are posted without waiting
-for the receiver (`comm.deferred_sends`), so ranks in different phases of 1F1B never wait
-for each other's sends; receives are taken when the code reaches them.
+A model whose layers carry their stage's mesh (`reshard` between meshes, as in
+examples/pipeline_parallel.py, or `parallelize` with `pp_config`) already runs as a
+pipeline: every rank runs the whole forward, computes only the ops on its own mesh and
+sends or receives where the code moves a tensor across meshes; `loss.backward()` on every
+rank sends the gradients back.  What `build_schedule` adds is the micro-batches and their
+order: each rank runs forward and backward of micro-batch i when its stage's order says so
+(FThenB or 1F1B), so the stages work on different micro-batches at once.  Cross-mesh sends
+are posted without waiting for the receiver (`comm.deferred_sends`), so ranks in different
+phases of 1F1B never wait for each other's sends; receives are taken when the code reaches
+them.
 """
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ from .. import comm
 from ..tensor.dtensor import DistTensor
 from ..mesh import ProcessMesh
 from .microbatch import split_batch
-from .orders import fthenb, format_orders, one_f_one_b
+from .orders import format_orders, schedule_orders
 from .runtime import StepTimes, format_times
 
-MODES = {"FThenB": fthenb, "1F1B": one_f_one_b}
+DYNAMIC_MODES = ("FThenB", "1F1B")  # the schedules of one stage per mesh, every rank running the whole forward
 
 
 def stage_meshes(model: torch.nn.Module) -> list[ProcessMesh]:
@@ -69,16 +70,16 @@ class ModelSchedule:
     """An annotated model run by micro-batches in a schedule's order; build with `build_schedule`."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, schedule_mode: str, accumulate_steps: int):
-        if schedule_mode not in MODES:
+        if schedule_mode not in DYNAMIC_MODES:
             raise ValueError(
-                f"build_schedule: schedule_mode {schedule_mode!r} is not one of {list(MODES)} in the dynamic mode "
-                f"(VPP and ZBH1 need the stages as modules: autopar.pipelining.PipelineStage, or to_static with "
-                f"Strategy.pipeline)"
+                f"build_schedule: schedule_mode {schedule_mode!r} is not one of {list(DYNAMIC_MODES)} in the "
+                f"dynamic mode (VPP and ZBH1 need the stages as modules: autopar.pipelining.PipelineStage, or "
+                f"to_static with Strategy.pipeline)"
             )
         meshes, stage = stage_position(model, "build_schedule")
         self.model, self.loss_fn, self.meshes = model, loss_fn, meshes
         self.schedule_mode, self.n_microbatches, self.stage = schedule_mode, accumulate_steps, stage
-        self.orders = MODES[schedule_mode](len(meshes), accumulate_steps)
+        self.orders = schedule_orders(schedule_mode, len(meshes), accumulate_steps)
         self.last_times: Optional[StepTimes] = None
         self.peak_held = 0
 

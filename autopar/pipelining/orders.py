@@ -128,6 +128,18 @@ def zbh1(num_ranks: int, m: int) -> Orders:
     return orders
 
 
+ONE_STAGE_PER_RANK = {"FThenB": fthenb, "1F1B": one_f_one_b, "ZBH1": zbh1}
+
+
+def schedule_orders(mode: str, num_ranks: int, m: int, vpp: int = 1) -> Orders:
+    """The orders of the schedule `mode` names (pp_config's and Strategy.pipeline's
+    schedule_mode, `api.parallelize.SCHEDULE_MODES`): VPP over `vpp` stages per rank, the
+    others over one."""
+    if mode == "VPP":
+        return interleaved(num_ranks, vpp, m)
+    return ONE_STAGE_PER_RANK[mode](num_ranks, m)
+
+
 # -- checking an order ------------------------------------------------------------------------
 class Simulation(NamedTuple):
     """An order played with fixed action times and instant messages."""

@@ -15,27 +15,21 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
+from ..api.parallelize import check_schedule
 from ..tensor.dtensor import DistTensor, local_piece
 from ..pipelining.agree import Problem, agree
 from ..pipelining.annotated import stage_position
-from ..pipelining.orders import fthenb, interleaved, one_f_one_b, zbh1
+from ..pipelining.orders import schedule_orders
 from ..pipelining.runtime import OrderRunner, StepTimes, open_channels
 from ..pipelining.transfer import Inbox, Outbox, describe
 from .program import Recorder, _fold_aliases
 from .stage_split import SplitError, StagedProgram, split_stages
 
-ORDERS = {"FThenB": fthenb, "1F1B": one_f_one_b, "ZBH1": zbh1}
-
-
 def check_settings(layer: torch.nn.Module, mode: str, m: int, vpp: int) -> tuple[int, int, frozenset]:
     """(pipeline ranks p, this rank's position, the ranks of its stage mesh) for a schedule the
     model can run; raises
     ValueError (on every rank alike: it depends on the annotations only) otherwise."""
-    if mode not in (*ORDERS, "VPP"):
-        raise ValueError(f"Strategy.pipeline.schedule_mode must be one of {[*ORDERS, 'VPP']}, got {mode!r}")
-    for name, n in (("accumulate_steps", m), ("vpp_degree", vpp)):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"Strategy.pipeline.{name} must be an int >= 1, got {n!r}")
+    check_schedule("Strategy.pipeline.", mode, m, vpp)
     if (mode == "VPP") != (vpp > 1):
         raise ValueError(f"Strategy.pipeline: schedule_mode {mode!r} with vpp_degree {vpp}: VPP runs vpp_degree > 1 "
                          f"stages per rank, the other schedules one")
@@ -146,8 +140,7 @@ class PipelinedProgram:
                  position: int, device):
         self.staged, self.loss_spec, self.grad_specs = staged, loss_spec, grad_specs
         self.m, self.mode = m, mode
-        orders = interleaved(p, vpp, m) if mode == "VPP" else ORDERS[mode](p, m)
-        self.order = orders[position]
+        self.order = schedule_orders(mode, p, m, vpp)[position]
         self.executor = ProgramExecutor(staged, p, device)
         open_channels(self.executor.all_links())
         self.runner = OrderRunner(self.executor, self.order)

@@ -116,12 +116,14 @@ class Strategy:
         """`optimizer` under the sharding section's ZeRO stage (unchanged when it is off)."""
         if not self.sharding.enable:
             return optimizer
-        from ..api.optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
+        from ..api.optimizer import SHARDING_STAGES, shard_optimizer
         from ..tensor.dtensor import DistTensor
 
-        stage = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}.get(self.sharding.stage)
+        stage = SHARDING_STAGES.get(self.sharding.stage)
         if stage is None:
-            raise ValueError(f"Strategy.sharding.stage must be 1, 2 or 3, got {self.sharding.stage!r}")
+            raise ValueError(
+                f"Strategy.sharding.stage must be one of {list(SHARDING_STAGES)}, got {self.sharding.stage!r}"
+            )
         if optimizer is None:
             raise ValueError("Strategy.sharding shards the optimizer: give to_static an optimizer")
         existing = getattr(optimizer, "_autopar_sharding", None)
