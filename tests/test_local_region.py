@@ -1,11 +1,13 @@
 """Local regions: modules that never communicate run as plain PyTorch on the local pieces,
 with the numbers of the single process; modules that cannot are refused at verification."""
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 import autopar as dist
-from autopar.tensor import dispatch
+from autopar.tensor.observers import watching
 from autopar.runtime import local_region
 from autopar.placement import Partial, Replicate, Shard
 from distpool import run_dist
@@ -108,15 +110,11 @@ def _data_parallel_counts():
     watch = type("Count", (), {"see": lambda self, *a: counted.append(a[0])})()
     for i, (x, y) in enumerate(_batches()):
         x, y = (dist.shard_tensor(t, mesh, [S0]) for t in (x, y))
-        with dist.comm_log() as log:
-            if i == 2:
-                dispatch.WATCHERS.append(watch)
+        with dist.comm_log() as log, watching(watch) if i == 2 else contextlib.nullcontext():
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad()
-            if i == 2:
-                dispatch.WATCHERS.remove(watch)
     return len(counted), [e.op for e in log]
 
 
@@ -452,11 +450,8 @@ def _gradient_routes(mesh_size):
     model.head.bias.register_post_accumulate_grad_hook(lambda p: seen.append(full(p.grad).sum().item()))
     detaches = []
     watch = type("Count", (), {"see": lambda self, func, *a: detaches.append(func) if "detach" in str(func) else None})()
-    dispatch.WATCHERS.append(watch)
-    try:
+    with watching(watch):
         loss_of().backward()
-    finally:
-        dispatch.WATCHERS.remove(watch)
     grads = {k: full(p.grad) for k, p in model.named_parameters()}
     model.zero_grad()
     names = [k for k, _ in model.named_parameters()]

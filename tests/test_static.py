@@ -121,7 +121,7 @@ def test_static_replays_random_ops_with_fresh_draws():
 
 
 class Stages(torch.nn.Module):
-    """Seed 4.3: w0 on mesh0, w1 on mesh1, the activation sent between them."""
+    """The guide's pipeline (§4.3): w0 on mesh0, w1 on mesh1, the activation sent between them."""
 
     def __init__(self, mesh0, mesh1):
         super().__init__()
@@ -256,10 +256,13 @@ def _branch_on_value():
             h = x @ self.w
             if self.read == "item":
                 return h * 2 if h.sum() > 0 else h
-            return h * len([v for v in h.sum(1).tolist() if v > 0])
+            if self.read == "tolist":
+                return h * len([v for v in h.sum(1).tolist() if v > 0])
+            compare = getattr(torch, self.read)  # torch.equal, torch.allclose: a bool from the values
+            return h * 2 if compare(h, x @ self.w) else h
 
     msgs = []
-    for read in ("item", "tolist"):
+    for read in ("item", "tolist", "equal", "allclose"):
         model = Branchy()
         model.read = read
         dm = dist.to_static(model, None, torch.mean, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -272,6 +275,8 @@ def _branch_on_value():
 
 
 def test_static_refuses_a_step_that_branches_on_tensor_values():
-    for item, tolist in run_dist(_branch_on_value, 2):
+    for item, tolist, equal, allclose in run_dist(_branch_on_value, 2):
         assert "reads a tensor's value" in item and "_local_scalar_dense" in item
         assert "reads a tensor's value" in tolist and "(tolist)" in tolist
+        assert "reads a tensor's value" in equal and "aten.equal" in equal
+        assert "reads a tensor's value" in allclose and "aten.allclose" in allclose

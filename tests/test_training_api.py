@@ -1,11 +1,16 @@
 """shard_layer, shard_dataloader, shard_optimizer and ZeRO 1/2/3 against the single process."""
+import gc
+import json
+
 import numpy as np
 import pytest
 import torch
 
 import autopar as dist
 from autopar.placement import Replicate, Shard
+from autopar.tensor import observers
 from distpool import run_dist
+from plain_process import last_line, run_plain
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 
@@ -353,6 +358,45 @@ def test_an_optimizer_built_before_shard_layer_steps_the_converted_parameters(st
     for params in run_dist(_optimizer_built_before_shard_layer, 2, stepped):
         for k, v in model.state_dict().items():
             torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-5)
+
+
+_TORCH_GLOBALS = """
+import json, torch
+from torch.optim.optimizer import _global_optimizer_pre_hooks as pre_hooks
+from torch.utils._foreach_utils import _foreach_supported_types as foreach_types
+def seen():
+    return [[h.__name__ for h in pre_hooks.values()], any(t.__module__.startswith("autopar") for t in foreach_types)]
+import autopar as dist
+imported = seen()
+mesh = dist.ProcessMesh([0], dim_names=["dp"])
+model = dist.shard_layer(torch.nn.Linear(4, 2), mesh)
+opt = torch.optim.AdamW(model.parameters())
+dist.shard_layer(torch.nn.Linear(2, 2), mesh)
+print(json.dumps([imported, seen()]))
+"""
+
+
+def test_importing_autopar_leaves_torch_globals_alone():
+    """`import autopar` changes nothing of torch's; the step pre-hook that places a plain torch
+    optimizer's states and DistTensor's place among torch's foreach types come, once, with
+    the first distributed tensor."""
+    imported, in_use = json.loads(last_line(run_plain(_TORCH_GLOBALS)))
+    assert imported == [[], False]
+    assert in_use == [["_place_states_of_plain_optimizers"], True]
+
+
+def _reducers_after_the_optimizer_goes():
+    mesh = dist.ProcessMesh([0], dim_names=["dp"])
+    before = len(observers._REDUCERS)
+    opt = dist.shard_optimizer(torch.optim.AdamW(dist.shard_layer(_mlp(), mesh).parameters()))
+    registered = len(observers._REDUCERS) - before
+    del opt
+    gc.collect()
+    return registered, len(observers._REDUCERS) - before
+
+
+def test_a_collected_sharded_optimizer_leaves_no_pending_gradient_reducer():
+    assert run_dist(_reducers_after_the_optimizer_goes, 1) == [(1, 0)]
 
 
 def _shard_layer_hooks():

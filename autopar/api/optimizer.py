@@ -26,15 +26,15 @@ op through the dispatch; a global step pre-hook places its states like their par
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm import all_gather_into, get_rank
-from ..tensor.dispatch import PARTIAL_READ_HOOKS, storage_key
-from ..tensor.dtensor import DistTensor, new_dist
+from ..tensor.dispatch import storage_key
+from ..tensor.observers import reduce_pending_on_read
+from ..tensor.dtensor import DistTensor, new_dist, on_first_dist_tensor
 from ..runtime.zero.flat_shards import FlatShards
 from ..runtime import grad_reduce
 from ..runtime.grad_reduce import grad_plan, reduce_grads, reduce_in_backward
@@ -188,7 +188,7 @@ class _OptimizerSharding:
                            every_backward=self.stage == 2)
         self.local_step = LocalStep(optimizer, dispatch_foreach, self.piece_of)
         self.place_states()
-        _reduce_before_reads(self)
+        reduce_pending_on_read(self)  # (held weakly: it goes with the optimizer)
         self.arrived: list = []  # ZeRO-2: parameters whose gradients backward left unreduced
         if self.stage == 2:
             for p, spec in targets:
@@ -226,7 +226,7 @@ class _OptimizerSharding:
                     p._local = _piece_within(p._local, spec, target).clone()
                 p._spec = target
             else:
-                new = torch.nn.Parameter(new_dist(piece_of_full(p.detach(), target), target), p.requires_grad)
+                new = torch.nn.Parameter(DistTensor(piece_of_full(p.detach(), target), target), p.requires_grad)
                 convert_in_place(p, new, f"#{n} of the optimizer")
             sharded.append(p)
         zero3.install(sharded, self.shard_fn.sharding_mesh_dim, models())
@@ -317,21 +317,6 @@ class _OptimizerSharding:
         return out
 
 
-def _reduce_before_reads(sharding: _OptimizerSharding) -> None:
-    """Let a read of a pending gradient reduce every pending one (`dispatch.PARTIAL_READ_HOOKS`),
-    for as long as the optimizer lives."""
-    ref = weakref.ref(sharding)
-
-    def hook(t):
-        owner = ref()
-        if owner is None:
-            PARTIAL_READ_HOOKS.remove(hook)
-        else:
-            owner.reduce_if_pending(t)
-
-    PARTIAL_READ_HOOKS.append(hook)
-
-
 def place_states(optimizer: torch.optim.Optimizer, step_spec: Callable) -> None:
     """Put every tensor state where its parameter is stepped (`step_spec(p)`, None: whole):
     states made for another placement (an optimizer that stepped before the model was
@@ -372,7 +357,8 @@ def _place_loaded_states(optimizer: torch.optim.Optimizer) -> None:
         place_states(optimizer, _spec_of)
 
 
-register_optimizer_step_pre_hook(_place_states_of_plain_optimizers)
+# (a global hook on torch's optimizers: set once distributed parameters can exist, not on import)
+on_first_dist_tensor(lambda: register_optimizer_step_pre_hook(_place_states_of_plain_optimizers))
 
 
 def _placed(value: torch.Tensor, spec: DistSpec) -> DistTensor:

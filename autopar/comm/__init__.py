@@ -2,7 +2,8 @@
 
 Every function takes the participating ranks as a tuple in *mesh order*; the group for
 that tuple is created lazily (only its members take part) and cached, with group rank i
-being ranks[i], so callers never translate between mesh and group order.
+being ranks[i], so callers never translate between mesh and group order.  What watches the transfers (a
+program capture, the planner's recorder) attaches through `comm.observers`.
 """
 from .backend import (
     CommError,

@@ -19,6 +19,7 @@ from .backend import SIMULATING, current_device, get_rank, group_for
 from .faults import arrive, check_signature, debugging, fail
 from .log import record
 from .fake import filling_outputs, plausible
+from .observers import _CAPTURES, _STARTS, capture_running  # (read on every transfer)
 
 _TORCH_OP = {
     ReduceType.SUM: tdist.ReduceOp.SUM,
@@ -79,18 +80,11 @@ def _enter(op: str, ranks, t: torch.Tensor) -> int:
     return arrive(ranks)
 
 
-# A graph capture (autopar.static) listens here: every transfer is one call of `_wire`.
-CAPTURE_HOOKS: list = []
-# The step-time recorder (planner.predict) listens here: each call is told (op, ranks) as a
-# collective starts to overlap with what follows (`*_start`); it is logged at `wait()`.
-START_OBSERVERS: list = []
-
-
 def reading_values(what: str) -> None:
     """A distributed tensor's values are about to be read into Python (`.tolist()`,
-    `.numpy()`): an active capture refuses, as it cannot replay a value-dependent step."""
-    for hook in CAPTURE_HOOKS:
-        hook.value_read(what)
+    `.numpy()`): an attached capture refuses, as it cannot replay a value-dependent step."""
+    for capture in _CAPTURES:
+        capture.value_read(what)
 
 
 class Wire:
@@ -128,18 +122,18 @@ class Wire:
 def _wire(op: str, ranks, run, tensors: tuple, sent: int = 0, received: int = 0, shape: tuple = (),
           logs: tuple | None = None, after=None) -> None:
     wire = Wire(op, ranks, run, ((op, tuple(ranks), sent, received, shape),) if logs is None else logs, after)
-    if not CAPTURE_HOOKS:
+    if not _CAPTURES:
         wire(*tensors)
         return
-    for hook in CAPTURE_HOOKS:
-        hook.enter_wire()
+    for capture in _CAPTURES:
+        capture.enter_wire()
     try:
         wire(*tensors)
     finally:
-        for hook in CAPTURE_HOOKS:
-            hook.exit_wire()
-    for hook in CAPTURE_HOOKS:
-        hook.wire(wire, tensors)
+        for capture in _CAPTURES:
+            capture.exit_wire()
+    for capture in _CAPTURES:
+        capture.wire(wire, tensors)
 
 
 def all_gather_into(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
@@ -356,15 +350,15 @@ def _started(op: str, ranks: tuple, post, t: torch.Tensor, out: torch.Tensor, lo
             work = post()
     except RuntimeError as e:
         fail(op, ranks, seq, e)
-    for observe in START_OBSERVERS:
-        observe(op, tuple(ranks))
+    for observer in _STARTS:
+        observer.started(op, tuple(ranks))
     return Pending(op, out, work, ranks, log, finish, seq, (out, t) if moved is None else moved)
 
 
 def _synchronous(ranks) -> bool:
-    """Run a `*_start` collective at once: nothing to overlap, or a graph capture (which replays
-    transfers one by one) is listening."""
-    return len(ranks) == 1 or bool(CAPTURE_HOOKS)
+    """Run a `*_start` collective at once: nothing to overlap, or a capture (which replays
+    transfers one by one) is attached."""
+    return len(ranks) == 1 or capture_running()
 
 
 def all_reduce_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> Pending:

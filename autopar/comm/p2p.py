@@ -20,9 +20,10 @@ import torch
 import torch.distributed as tdist
 
 from .backend import SIMULATING, CommError, channel_group, get_rank
-from .collectives import CAPTURE_HOOKS, _nbytes, _real, _sendable, send_recv
+from .collectives import _nbytes, _real, _sendable, send_recv
 from .log import record
 from .fake import received
+from .observers import capture_running
 
 
 class P2PWork:
@@ -112,7 +113,7 @@ def deferred_sends():
 def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
     """`send_recv`, except that inside `deferred_sends()` the sends are only posted: the call
     returns when the receives are done (a captured program records the blocking form)."""
-    if not _DEFERRED or CAPTURE_HOOKS:
+    if not _DEFERRED or capture_running():
         send_recv(sends, recvs)
         return
     window, me = _DEFERRED[-1], get_rank()

@@ -292,7 +292,7 @@ class _Recorder(TorchDispatchMode):
             events.append(event)
 
     def started(self, op: str, ranks: tuple) -> None:
-        """A collective starts here and is waited for later (`collectives.START_OBSERVERS`)."""
+        """A collective starts here and is waited for later (a `comm.observers.StartObserver`)."""
         self._note(("start", op, ranks))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -325,8 +325,8 @@ def record_step(make_step: Callable[[], Callable[[], object]], world_size: int, 
     model and returns the step; the step runs at least `warmup` times and until two steps in
     a row send the same collectives (caches, local-region checks and buckets settle; at most
     `settle` steps), then once more recorded."""
-    from ..comm import collectives
     from ..comm.log import comm_log
+    from ..comm.observers import observing_starts
     from ..tools.simulate import simulate
 
     recording = Recording(rank)
@@ -342,12 +342,8 @@ def record_step(make_step: Callable[[], Callable[[], object]], world_size: int, 
             previous = sent
         with comm_log() as log:
             recorder = _Recorder(recording, log)
-            collectives.START_OBSERVERS.append(recorder.started)
-            try:
-                with recorder:
-                    step()
-            finally:
-                collectives.START_OBSERVERS.remove(recorder.started)
+            with observing_starts(recorder), recorder:
+                step()
             recorder._note(None)
     return recording
 

@@ -42,8 +42,11 @@ from torch.autograd.function import once_differentiable
 
 from ..tensor import dispatch
 from ..tensor.convert import GradToPlacement
+from ..tensor.observers import watching
 from ..comm import collectives
+from ..comm.backend import CommError
 from ..comm.fake import same_values
+from ..comm.observers import CaptureBase, active_captures, capture_running, capturing
 from ..tensor.dtensor import DistTensor, local_piece, new_dist
 from . import grad_reduce
 from .grad_reduce import BackwardReduction, BucketPlan
@@ -93,7 +96,7 @@ class RegionForward:
         if (
             _STATE["inside"]
             or not _STATE["enabled"]
-            or (collectives.CAPTURE_HOOKS and not self._vouched(args, kwargs))
+            or (capture_running() and not self._vouched(args, kwargs))
             or _saved_tensor_hooks()
         ):
             return self.inner(*args, **kwargs)
@@ -112,10 +115,10 @@ class RegionForward:
         return region.run(self.inner, args, kwargs)
 
     def _vouched(self, args, kwargs) -> bool:
-        """While an ancestor is verified (its watch is the only hook), a module that a module
-        rule vouches for still runs as its region: the ancestor's verdict then rests on the
-        ops around it."""
-        return all(type(h) is _Watch for h in collectives.CAPTURE_HOOKS) and (
+        """While an ancestor is verified (its watches are the only captures), a module that a
+        module rule vouches for still runs as its region: the ancestor's verdict then rests on
+        the ops around it."""
+        return all(type(c) is _Watch for c in active_captures()) and (
             _declared_out_specs(self.module, args, kwargs) is not None)
 
     def __getstate__(self):
@@ -166,9 +169,9 @@ def _call_key(module, args, kwargs) -> Optional[tuple]:
 
 
 # -- verification ---------------------------------------------------------------------------
-class _Watch:
-    """Sees every dispatched op and every transfer of a module's first call (as a dispatch
-    watcher and a capture hook): is each op local as it is, and does nothing move?"""
+class _Watch(CaptureBase):
+    """Sees every dispatched op and every transfer of a module's first call (as an op watcher
+    and a transfer capture): is each op local as it is, and does nothing move?"""
 
     def __init__(self, mesh, protected: list, frame):
         # the storages of the inputs, parameters and buffers: a write into one (also through
@@ -180,12 +183,6 @@ class _Watch:
     def enter_wire(self) -> None:  # an explicit reshard in the forward
         self.local = False
 
-    def exit_wire(self) -> None:
-        pass
-
-    def wire(self, wire, tensors) -> None:
-        pass
-
     def value_read(self, what) -> None:
         self.local = False
 
@@ -196,7 +193,7 @@ class _Watch:
         if (
             _saved_tensor_hooks() is not None  # the forward checkpoints: recomputed outside the region
             or self._inside_function()
-            or dec is None or dec.kind != "op" or not dec.member or dec.mesh != self.mesh or func in DRAWS_RANDOM
+            or dec is None or dec.route != "rule" or not dec.on_mesh or dec.mesh != self.mesh or func in DRAWS_RANDOM
             or (dec.kernel is not None and not KERNEL_PLAIN_WHEN.get(dec.kernel, _never)(func, dec.in_specs, dec.coord))
         ):
             self.local = False
@@ -230,8 +227,8 @@ def _never(*_) -> bool:
     return False
 
 
-class _Refuse:
-    """A capture hook that stops a trial run before it communicates."""
+class _Refuse(CaptureBase):
+    """A transfer capture that stops a trial run before it communicates or reads a value."""
 
     def enter_wire(self):
         raise _TrialFailed("communicates")
@@ -242,6 +239,25 @@ class _Refuse:
 
 class _TrialFailed(RuntimeError):
     pass
+
+
+# What a forward raises on the bare local pieces where it ran on the distributed tensors:
+# torch's checks of the sizes, now the pieces' (a view to the global head count), and the
+# forward's own assertions on them; and the guard's refusal (_TrialFailed).
+_PIECE_ERRORS = (RuntimeError, IndexError, ValueError, AssertionError)
+
+
+def _refuses_pieces(err: Exception) -> bool:
+    """Whether the trial's `err` says the forward needs the distributed tensors: one of
+    _PIECE_ERRORS, or a plain piece asked for what only a distributed tensor has
+    (`x.placements`).  Out of memory, a failed transfer and any other error (a bug) are
+    raised: they are not the module's answer."""
+    if isinstance(err, (torch.OutOfMemoryError, CommError)):
+        return False
+    if isinstance(err, AttributeError):
+        piece = err.obj
+        return isinstance(piece, torch.Tensor) and type(piece) is not DistTensor and hasattr(DistTensor, err.name or "")
+    return True
 
 
 def _settings(module) -> list:
@@ -288,13 +304,8 @@ def _verify(module, inner, args, kwargs):
         if region is not None:
             return region.run(inner, args, kwargs), region
     watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots], sys._getframe())
-    dispatch.WATCHERS.append(watch)
-    collectives.CAPTURE_HOOKS.append(watch)  # (sublayers meanwhile run op by op, unverified)
-    try:
+    with watching(watch), capturing(watch):  # (sublayers meanwhile run op by op, unverified)
         out = inner(*args, **kwargs)
-    finally:
-        dispatch.WATCHERS.remove(watch)
-        collectives.CAPTURE_HOOKS.remove(watch)
     if watch.ops < MIN_OPS or [(k, v) for _, k, v in _settings(module)] != [(k, v) for _, k, v in settings]:
         return out, None  # (a forward that changes its settings would verify again every call)
     # the trial runs after the real call: a write the call made (a running statistic, its
@@ -349,17 +360,16 @@ def _trial(module, inner, slots, settings, args, kwargs) -> Optional[list]:
     params = [local_piece(t) for _, _, t, buffer in slots if not buffer]
     versions = [t._version for t in params]
     saved = _swap(slots, [copy(t) if buffer else local_piece(t) for _, _, t, buffer in slots])
-    guard = _Refuse()
-    collectives.CAPTURE_HOOKS.append(guard)
     _STATE["inside"] += 1
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with capturing(_Refuse()), torch.no_grad(), torch.random.fork_rng(devices=[]):
             out = inner(*largs, **lkwargs)
-    except Exception:  # anything the bare pieces cannot run: the module is not a region
-        return None
+    except (*_PIECE_ERRORS, AttributeError) as err:
+        if not _refuses_pieces(err):
+            raise
+        return None  # the forward cannot run on the bare pieces: the module is not a region
     finally:
         _STATE["inside"] -= 1
-        collectives.CAPTURE_HOOKS.remove(guard)
         _swap(slots, saved)
         for where, name, value in settings:
             where[name] = value

@@ -18,18 +18,18 @@ or a collective outside autopar's comm layer.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..comm import collectives
+from ..comm.observers import capturing
+from ..tensor.dispatch import VALUE_READ_OPS
 from ..tensor.dtensor import DistTensor
 from ..tensor.op_call import fast_op
 
 aten = torch.ops.aten
-
-_VALUE_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 
 
 class CaptureError(RuntimeError):
@@ -222,6 +222,7 @@ class Recorder(TorchDispatchMode):
         self.alive: list = []  # every recorded tensor stays alive, so ids are never reused
         self.n_slots = 0
         self.in_wire = 0
+        self.attached = None  # the capture's scope, while attached
         for t in inputs:
             self._new_slot(t)
         self.n_inputs = self.n_slots
@@ -254,7 +255,7 @@ class Recorder(TorchDispatchMode):
                 return DistTensor.__torch_dispatch__(func, types, args, kwargs)
         if func.namespace == "c10d":
             raise CaptureError(f"to_static: {func} runs outside autopar's comm layer; it cannot be replayed")
-        if func in _VALUE_OPS:
+        if func in VALUE_READ_OPS:
             self.value_read(str(func))
         t_args, t_kwargs = self._template(list(args)), {k: self._template(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
@@ -276,7 +277,7 @@ class Recorder(TorchDispatchMode):
             f"depend on tensor values (no .item(), .tolist(), `if tensor:`) between its first op and the loss"
         )
 
-    # -- transfers (called by comm.collectives._wire) ------------------------------------
+    # -- transfers (a comm.observers.TransferCapture, attached from the first entry to close())
     def enter_wire(self) -> None:
         self.in_wire += 1
 
@@ -288,13 +289,15 @@ class Recorder(TorchDispatchMode):
             self.entries.append(Entry(wire, wire, tuple(self.slot(t) for t in tensors), {}, (), wire=True))
 
     def __enter__(self):
-        if self not in collectives.CAPTURE_HOOKS:  # re-entered for every distributed op
-            collectives.CAPTURE_HOOKS.append(self)
+        if self.attached is None:  # re-entered for every distributed op
+            self.attached = contextlib.ExitStack()
+            self.attached.enter_context(capturing(self))
         return super().__enter__()
 
     def program(self, outputs: Sequence) -> Program:
         return Program(self.entries, self.n_inputs, self.n_slots, [self.slot(o) for o in outputs])
 
     def close(self) -> None:
-        if self in collectives.CAPTURE_HOOKS:
-            collectives.CAPTURE_HOOKS.remove(self)
+        if self.attached is not None:
+            self.attached.close()
+            self.attached = None

@@ -28,6 +28,7 @@ from ..comm.backend import CommError, value_read
 from ..comm.collectives import reading_values
 from ..comm.fake import readable
 from .dtensor import DistTensor, local_piece, new_dist
+from .observers import _REDUCERS, _WATCHERS, before_partial_read  # (read on every op)
 from .op_call import fast_op, meta_like
 from ..placement import Partial, Replicate
 from ..redistribute import piece_of_replicated, redistribute_local
@@ -38,8 +39,9 @@ from ..spmd.strategy import OpCall
 
 aten = torch.ops.aten
 
-# Ops whose result is a Python value: computed on the global (replicated) tensors.
-GLOBAL_VALUE_OPS = {
+# Ops whose result is a Python value (a read of values): computed on the global tensors, on
+# every rank; a captured program cannot replay one (`static.program` refuses them)
+VALUE_READ_OPS = {
     aten._local_scalar_dense.default,
     aten.equal.default,
     aten.is_nonzero.default,
@@ -68,35 +70,41 @@ def _honouring_lazy_bits(call):
 class Decision:
     """The cached plan for one (op, argument specs): where every input must be, what comes
     out, and the precomputed facts the hot path needs (this rank's coordinate, where the
-    tensors sit in the argument list, whether the result is one plain output)."""
+    tensors sit in the argument list, whether the result is one plain output).
 
-    __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "out_alias", "kind",
-                 "member", "coord", "positions", "single", "out_local_shapes", "direct", "fast", "moved", "call",
-                 "inplace_view")
+    `route`: "rule" (the rule's placements, the op on the local pieces), "value_read" (a
+    Python value from the global tensors) or "gathered" (an output shape that depends on
+    values: every rank runs the op on the gathered inputs).  `returns`: ("alias", (position,
+    name)) of the argument an in-place or out= op returns, or ("value", the meta result)."""
 
-    def __init__(self, mesh, in_specs, out_specs, kernel, local_args, mutated, out_alias, kind="op"):
+    __slots__ = ("mesh", "in_specs", "out_specs", "kernel", "local_args", "mutated", "returns", "route",
+                 "on_mesh", "coord", "tensor_positions", "one_output", "out_local_shapes", "inputs_in_place",
+                 "plain_call", "from_other_meshes", "local_op", "inplace_view")
+
+    def __init__(self, mesh, in_specs, out_specs, kernel, local_args, mutated, returns, route="rule"):
         self.mesh = mesh
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.kernel = kernel
         self.local_args = local_args
-        self.mutated = mutated
-        self.out_alias = out_alias
-        self.kind = kind
+        self.mutated = mutated  # flat indices of the inputs the op writes
+        self.returns = returns
+        self.route = route
         rank = _rank()
-        self.member = mesh is not None and rank in mesh
-        self.coord = mesh.coordinate(rank) if self.member else None
-        self.positions = None
-        self.direct = False
-        self.fast = None
-        self.call = None  # the local op (op_call.fast_op), where no kernel replaces it
-        self.moved: tuple = ()  # inputs sent here from another mesh (they need no gradient)
+        self.on_mesh = mesh is not None and rank in mesh  # this rank computes (else: empty pieces)
+        self.coord = mesh.coordinate(rank) if self.on_mesh else None
+        # where the tensors sit in args, when all are positional and none in a list
+        self.tensor_positions = None
+        self.inputs_in_place = False  # every input is a DistTensor placed as the op needs it
+        self.plain_call = None  # the local op, where the whole execution is: unwrap, call it, wrap
+        self.local_op = None  # the local op (op_call.fast_op), where no kernel replaces it
+        self.from_other_meshes: tuple = ()  # flat indices of inputs sent here (they need no gradient)
         self.inplace_view = None  # the op, for unsqueeze_, transpose_, ...: it changes its input's shape
-        self.single = (
-            out_alias is not None and out_alias[0] == "value" and isinstance(out_alias[1], torch.Tensor)
+        self.one_output = (  # the result is one tensor
+            returns is not None and returns[0] == "value" and isinstance(returns[1], torch.Tensor)
         )
         self.out_local_shapes = (
-            [s.local_shape(self.coord) for s in out_specs] if self.member and out_specs is not None else None
+            [s.local_shape(self.coord) for s in out_specs] if self.on_mesh and out_specs is not None else None
         )
 
 
@@ -106,12 +114,6 @@ _CACHE: dict = {}
 # a key holds int arguments and shapes, so varying lengths would grow the cache without bound.
 CACHE_CAPACITY = 4096
 _STATE = {"rank": None}
-# Observers of every dispatched op (`local_region` verifying a module's first call): see(func, decision, flat)
-WATCHERS: list = []
-# called with a Partial leaf (no grad_fn) about to be reduced for a read: an optimizer whose
-# parameter holds it as its gradient reduces all its pending gradients at once, in buckets
-# (clip_grad_norm_ reads every gradient: one collective per bucket, not one per parameter)
-PARTIAL_READ_HOOKS: list = []
 
 
 def storage_key(t: torch.Tensor, start: bool = False):
@@ -281,10 +283,10 @@ def decide(func, args, kwargs, flat) -> Decision:
     if func in DRAWS_RANDOM:  # the first draw of a program: every rank takes rank 0's stream
         rng.agree_once(kwargs.get("generator") or rng.default_generator(flat[0].device))
     mesh, moved = _mesh_of(func, flat)
-    if func in GLOBAL_VALUE_OPS:
+    if func in VALUE_READ_OPS:
         if moved:
             raise ValueError(f"{func}: operands live on different meshes; reshard them onto one first")
-        return Decision(mesh, None, None, None, None, [], None, kind="global")
+        return Decision(mesh, None, None, None, None, [], None, route="value_read")
     mutated, alias = _mutated_inputs(func, args, kwargs)
     meta_out = None  # an op returning nothing (fused optimizer steps; some lack a meta kernel)
     if func._schema.returns:
@@ -300,7 +302,7 @@ def decide(func, args, kwargs, flat) -> Decision:
                 func, "its output's shape depends on values (it has no meta kernel): every rank gathers its "
                 "inputs, runs it whole and holds its output Replicate"
             )
-            return Decision(mesh, None, None, None, None, mutated, ("alias", alias) if alias else None, kind="gathered")
+            return Decision(mesh, None, None, None, None, mutated, ("alias", alias) if alias else None, route="gathered")
     in_metas = [t._spec.meta if type(t) is DistTensor else TensorMeta.of(t) for t in flat]
     out_metas = [TensorMeta.of(o) for o in _flatten_out(meta_out, [])]
     rule_args, rule_kwargs = _substitute(args, kwargs, in_metas)
@@ -319,23 +321,23 @@ def decide(func, args, kwargs, flat) -> Decision:
         mesh, in_specs, out_specs, kernel, LOCAL_ARGS.get(func), mutated,
         ("alias", alias) if alias is not None else ("value", meta_out),
     )
-    dec.moved = moved
+    dec.from_other_meshes = moved
     dec.inplace_view = func if torch.Tag.inplace_view in func.tags else None
-    if dec.member and kernel is None:
-        dec.call = _APPLY_LAZY.get(func) or fast_op(func, args, kwargs)
+    if dec.on_mesh and kernel is None:
+        dec.local_op = _APPLY_LAZY.get(func) or fast_op(func, args, kwargs)
         if any(m.dtype.is_complex for m in in_metas + out_metas):  # decided once: real ops pay nothing
-            dec.call = _honouring_lazy_bits(dec.call)
+            dec.local_op = _honouring_lazy_bits(dec.local_op)
     # the key holds each input's spec, so "no input moves" holds for every call with this key
-    dec.direct = all(type(t) is DistTensor and t._spec is s for t, s in zip(flat, in_specs))
+    dec.inputs_in_place = all(type(t) is DistTensor and t._spec is s for t, s in zip(flat, in_specs))
     if not kwargs or not any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values()):
         if not any(isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a) for a in args):
-            dec.positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            dec.tensor_positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
     if (
-        dec.direct and dec.single and dec.member and not kwargs and not mutated and dec.kernel is None
-        and dec.local_args is None and dec.positions is not None
-        and all(type(args[i]) is DistTensor for i in dec.positions)
+        dec.inputs_in_place and dec.one_output and dec.on_mesh and not kwargs and not mutated and dec.kernel is None
+        and dec.local_args is None and dec.tensor_positions is not None
+        and all(type(args[i]) is DistTensor for i in dec.tensor_positions)
     ):
-        dec.fast = dec.call  # the whole execution is: unwrap, run the C++ op, wrap
+        dec.plain_call = dec.local_op  # the whole execution is: unwrap, run the C++ op, wrap
     return dec
 
 
@@ -388,25 +390,25 @@ def dispatch(func, args, kwargs):
                 _remember(key_t, groups)
                 return _run_groups(func, args, kwargs, groups)
         if _plain_inplace(func, args):
-            for w in WATCHERS:
+            for w in _WATCHERS:
                 w.see(func, None, flat)
             return _run_on_dense(func, args, kwargs, flat)
         dec = decide(func, args, kwargs, flat)
         _remember(key_t, dec)
-    if WATCHERS:
-        for w in WATCHERS:
+    if _WATCHERS:
+        for w in _WATCHERS:
             w.see(func, dec, flat)
     try:  # free while nothing raises; what raises here may have raised on this rank only
-        fast = dec.fast
-        if fast is not None:  # every argument a DistTensor already in place or a plain value
-            return new_dist(fast(*[a._local if type(a) is DistTensor else a for a in args]), dec.out_specs[0])
-        if dec.kind != "op":
-            if dec.kind == "global":
+        plain_call = dec.plain_call
+        if plain_call is not None:  # every argument a DistTensor already in place or a plain value
+            return new_dist(plain_call(*[a._local if type(a) is DistTensor else a for a in args]), dec.out_specs[0])
+        if dec.route != "rule":
+            if dec.route == "value_read":
                 return _run_on_dense(func, args, kwargs, flat)
             return _run_gathered(func, args, kwargs, flat, dec)
         # execution (inlined: this is the per-op hot path)
         written = None
-        if dec.direct:
+        if dec.inputs_in_place:
             locals_ = [t._local for t in flat]
         else:
             if dec.mutated and dec.inplace_view is None:  # an in-place shape op changes the tensor itself
@@ -414,17 +416,17 @@ def dispatch(func, args, kwargs):
             locals_ = _inputs_in_place(dec, flat, written or ())
         if dec.mutated:
             _check_writes_reach_bases(func, dec, flat, locals_, written)
-        if not dec.member:
+        if not dec.on_mesh:
             device = flat[0].device
             if func in DRAWS_RANDOM:  # keep this rank's generator on the single-process stream
                 _draw_and_discard(func, args, kwargs, flat)
             return _wrap(dec, [torch.empty(0, dtype=s.meta.dtype, device=device) for s in dec.out_specs], args, kwargs)
-        if dec.positions is not None:
+        if dec.tensor_positions is not None:
             largs = list(args)
-            for pos, loc in zip(dec.positions, locals_):
+            for pos, loc in zip(dec.tensor_positions, locals_):
                 largs[pos] = loc
             lkwargs = kwargs
-        elif dec.direct and not kwargs:  # every tensor is a DistTensor in place: swap in the locals
+        elif dec.inputs_in_place and not kwargs:  # every tensor is a DistTensor in place: swap in the locals
             largs = [_local_of(a) for a in args]
             lkwargs = kwargs
         else:
@@ -434,18 +436,18 @@ def dispatch(func, args, kwargs):
         if dec.kernel is not None:
             out = KERNELS[dec.kernel](func, largs, lkwargs, dec.in_specs, dec.out_specs, dec.coord)
         else:
-            out = dec.call(*largs, **lkwargs)
+            out = dec.local_op(*largs, **lkwargs)
         if written:
             _write_back(dec, locals_, written)
-        if dec.single:
+        if dec.one_output:
             return new_dist(out, dec.out_specs[0])
         local_outs = _flatten_out(out, [])
         if len(local_outs) != len(dec.out_specs):  # the local op left undefined what the meta kernel made
-            local_outs = _at_meta_leaves(dec.out_alias[1], out)
+            local_outs = _at_meta_leaves(dec.returns[1], out)
         return _wrap(dec, local_outs, args, kwargs)
     except CommError:  # a collective failed: `faults` has told every rank already
         raise
-    except Exception as err:
+    except Exception as err:  # any error at all, told to the op's other ranks and raised as it is
         faults.raised(str(func), err, tuple(dec.mesh.process_ids))
         raise
 
@@ -464,18 +466,18 @@ def _inputs_in_place(dec: Decision, flat, written=()) -> list:
     """Each input's local piece where the decision wants it (resharding what must move).
     An input the op writes takes the new placement, unless it is in `written` (a copy is
     moved and the write goes back into its own piece afterwards: `_moved_writes`)."""
-    if dec.moved and torch.is_grad_enabled() and any(flat[i].requires_grad for i in dec.moved):
+    moved = dec.from_other_meshes
+    if moved and torch.is_grad_enabled() and any(flat[i].requires_grad for i in moved):
         raise ValueError(
-            f"an input on {flat[dec.moved[0]]._spec.mesh} needs a gradient but the op runs on {dec.mesh}: "
+            f"an input on {flat[moved[0]]._spec.mesh} needs a gradient but the op runs on {dec.mesh}: "
             f"move it with dist.reshard(t, mesh, placements) (differentiable) first"
         )
     locals_ = []
     for i, (t, spec) in enumerate(zip(flat, dec.in_specs)):
         if type(t) is DistTensor:
             src = t._spec
-            if src is not spec and PARTIAL_READ_HOOKS and t.grad_fn is None and _only_reduces(src, spec):
-                for hook in list(PARTIAL_READ_HOOKS):  # a pending gradient: reduced with its optimizer's
-                    hook(t)
+            if src is not spec and _REDUCERS and t.grad_fn is None and _only_reduces(src, spec):
+                before_partial_read(t)  # a pending gradient: reduced with its optimizer's others
                 src = t._spec
             if src is spec:
                 loc = t._local
@@ -529,7 +531,7 @@ def _check_writes_reach_bases(func, dec: Decision, flat, locals_, written) -> No
     view that needed communication (a slice across the sharded dim, a reshape merging it)
     holds a copy, and the write would be lost without a word.  The write lands in the piece
     the op runs on, and for a moved input also in the view's own piece (`_write_back`)."""
-    if not dec.member:
+    if not dec.on_mesh:
         return
     for i in dec.mutated:
         t = flat[i]
@@ -604,7 +606,7 @@ def _only_reduces(src: DistSpec, dst: DistSpec) -> bool:
 
 
 def _wrap(dec: Decision, local_outs: list, args, kwargs):
-    how, what = dec.out_alias
+    how, what = dec.returns
     if how == "alias":  # in-place / out= ops return the argument they wrote
         pos, name = what
         written = args[pos] if pos < len(args) else kwargs[name]
@@ -675,10 +677,10 @@ def _run_gathered(func, args, kwargs, flat, dec: Decision):
     rank = _rank()
     for i in dec.mutated:
         t = flat[i]
-        if type(t) is DistTensor and dec.member and dense[i] is not t._local:
+        if type(t) is DistTensor and dec.on_mesh and dense[i] is not t._local:
             t._local.copy_(piece_of_replicated(dense[i], t._spec, rank))
-    if dec.out_alias is not None:
-        pos, name = dec.out_alias[1]
+    if dec.returns is not None:
+        pos, name = dec.returns[1]
         return args[pos] if pos < len(args) else kwargs[name]
     mesh = dec.mesh
     replicate = [Replicate()] * mesh.ndim
@@ -686,7 +688,7 @@ def _run_gathered(func, args, kwargs, flat, dec: Decision):
     def held(o: torch.Tensor):
         if o.layout is not torch.strided:  # a sparse result: the plain global value, on every rank
             return o
-        local = o if dec.member else o.new_empty(0)
+        local = o if dec.on_mesh else o.new_empty(0)
         return new_dist(local, DistSpec(mesh, replicate, TensorMeta.of(o)))
 
     return _rebuild_out(out, iter([held(o) for o in _flatten_out(out, [])]))

@@ -6,6 +6,8 @@ runs the op on the local pieces.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.utils import _foreach_utils
 
@@ -68,6 +70,8 @@ class DistTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: DistSpec, requires_grad: bool = False):
+        if not _TORCH_SET_UP[0]:
+            _first_dist_tensor()
         return new_dist(local.resolve_conj().resolve_neg(), spec, requires_grad)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -151,12 +155,38 @@ class DistTensor(torch.Tensor):
         return new
 
 
+# What autopar adds to torch's own globals waits for the first distributed tensor, made by
+# `DistTensor(...)` (every one not computed from another is: shard_tensor, dtensor_from_local,
+# dtensor_from_fn, ZeRO-3's conversion of plain parameters, a loaded checkpoint), never for
+# `import autopar`: importing a library must not change how torch behaves for others.
+_TORCH_SET_UP = [False]
 
-# torch's gradient clipping takes its foreach path (one `_foreach_norm` over every gradient,
-# one `_foreach_mul_` to scale them) only for the tensor types listed here; per tensor, each
-# sharded gradient's norm would be an all-reduce of its own
-if DistTensor not in _foreach_utils._foreach_supported_types:
-    _foreach_utils._foreach_supported_types.append(DistTensor)
+
+def _foreach_support() -> None:
+    """torch's gradient clipping takes its foreach path (one `_foreach_norm` over every
+    gradient, one `_foreach_mul_` to scale them) only for the tensor types listed here; per
+    tensor, each sharded gradient's norm would be an all-reduce of its own."""
+    if DistTensor not in _foreach_utils._foreach_supported_types:
+        _foreach_utils._foreach_supported_types.append(DistTensor)
+
+
+_TORCH_SETUPS: list = [_foreach_support]  # run by the first distributed tensor
+
+
+def on_first_dist_tensor(setup: Callable[[], None]) -> None:
+    """Run `setup` (it teaches torch's globals something about distributed tensors) when the
+    first distributed tensor is made, or now if one has been."""
+    if _TORCH_SET_UP[0]:
+        setup()
+    else:
+        _TORCH_SETUPS.append(setup)
+
+
+def _first_dist_tensor() -> None:
+    _TORCH_SET_UP[0] = True
+    for setup in _TORCH_SETUPS:
+        setup()
+    _TORCH_SETUPS.clear()
 
 
 _NO_KWARGS: dict = {}

@@ -17,7 +17,8 @@ import weakref
 
 import torch
 
-from ..comm import broadcast, collectives, current_device, get_rank, get_world_size
+from ..comm import broadcast, current_device, get_rank, get_world_size
+from ..comm.observers import capture_paused
 
 _AGREED: weakref.WeakSet = weakref.WeakSet()  # generators whose state was taken from rank 0
 
@@ -29,12 +30,8 @@ def agree_with_rank0(generator: torch.Generator) -> None:
     if world == 1:
         return
     state = generator.get_state()
-    hooks = collectives.CAPTURE_HOOKS[:]
-    collectives.CAPTURE_HOOKS.clear()
-    try:
+    with capture_paused():
         state = broadcast(state.to(current_device()), 0, tuple(range(world)))
-    finally:
-        collectives.CAPTURE_HOOKS.extend(hooks)
     if get_rank() != 0:
         generator.set_state(state.cpu())
 

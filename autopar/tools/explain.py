@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..tensor import dispatch
+from ..tensor.observers import watching
 from ..comm.log import comm_log
 from ..runtime.local_region import local_regions
 
@@ -68,6 +68,7 @@ class explain:
         self._log = comm_log()
         self._starts: list[int] = []
         self._regions = local_regions(False)
+        self._watching = watching(self)
 
     def see(self, func, dec, flat) -> None:
         if dec is None or dec.in_specs is None:
@@ -84,11 +85,11 @@ class explain:
     def __enter__(self) -> "explain":
         self._regions.__enter__()
         self._log.__enter__()
-        dispatch.WATCHERS.append(self)
+        self._watching.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        dispatch.WATCHERS.remove(self)
+        self._watching.__exit__(*exc)
         self._log.__exit__(*exc)
         self._regions.__exit__(*exc)
         bounds = self._starts + [len(self._log.records)]

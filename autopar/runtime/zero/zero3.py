@@ -38,7 +38,8 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ...comm import all_gather_start, collectives, get_rank
+from ...comm import all_gather_start, get_rank
+from ...comm.observers import capture_running
 from ...tensor.dtensor import DistTensor, new_dist
 from .flat_shards import FlatShards
 from ..grad_reduce import GradReduction, grad_plan
@@ -134,7 +135,7 @@ class _Model:
 
     def _prefetch(self, unit: "_Unit", step: int) -> None:
         """Start gathering the unit that runs next (forward: after `unit`; backward: before)."""
-        if self.recording or collectives.CAPTURE_HOOKS or unit not in self.order:
+        if self.recording or capture_running() or unit not in self.order:
             return
         i = self.order.index(unit) + step
         if 0 <= i < len(self.order):
@@ -230,7 +231,7 @@ class _Unit:
         self.gathered = None
 
     def wait_gather(self) -> None:
-        if collectives.CAPTURE_HOOKS:  # a capture or a region's verification must see the transfer
+        if capture_running():  # a capture or a region's verification must see the transfer
             self.free()
         self.start_gather()
         if self.pending:
@@ -260,7 +261,7 @@ class _Unit:
 
     # -- hooks ------------------------------------------------------------------------------
     def before_forward(self) -> None:
-        if not collectives.CAPTURE_HOOKS:
+        if not capture_running():
             self.start_gather()  # (before the next unit's prefetch)
         self.model.forward_started(self)
         self.wait_gather()
@@ -287,7 +288,7 @@ class _Unit:
             self.free()
 
     def before_backward(self, _grad=None) -> None:
-        if not collectives.CAPTURE_HOOKS:
+        if not capture_running():
             self.start_gather()  # (before the previous unit's prefetch)
         self.model.backward_started(self)
         self.wait_gather()

@@ -1,0 +1,115 @@
+"""Who watches the transfers, and how they attach: declared interfaces, attached for a scope.
+
+A *capture* sees every blocking transfer whole (`to_static`'s program recorder, a local
+region's verification and the guard of its trial run) and every read of values into Python;
+a *start observer* hears each collective started to overlap with what follows (the
+planner's step recorder).  Nothing else holds them: `capturing(c)` and `observing_starts(o)`
+attach one for the `with` block, and `capture_running()` says whether any capture is on
+(a collective that could overlap then runs at once, so that a capture replays it in order).
+
+>>> from autopar.comm import collectives, observers
+>>> class Reads(observers.CaptureBase):  # sees value reads; ignores transfers
+...     def value_read(self, what):
+...         print("read:", what)
+>>> with observers.capturing(Reads()):
+...     collectives.reading_values("tolist")
+...     observers.capture_running()
+read: tolist
+True
+>>> observers.capture_running()
+False
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator, Protocol
+
+if TYPE_CHECKING:
+    from .collectives import Wire
+
+
+class TransferCapture(Protocol):
+    """Sees each transfer (`collectives.Wire`) and each value read while attached."""
+
+    def enter_wire(self) -> None:
+        """A transfer starts: the ops it runs itself follow, up to `exit_wire`."""
+
+    def exit_wire(self) -> None:
+        """The transfer's own ops are done (also when it raised)."""
+
+    def wire(self, wire: Wire, tensors: tuple) -> None:
+        """The transfer went through: `wire(*tensors)` runs it again."""
+
+    def value_read(self, what: str) -> None:
+        """A distributed tensor's values are about to be read into Python (`what`: how)."""
+
+
+class CaptureBase:
+    """A TransferCapture that ignores everything: subclass it and override what you watch."""
+
+    def enter_wire(self) -> None:
+        pass
+
+    def exit_wire(self) -> None:
+        pass
+
+    def wire(self, wire: Wire, tensors: tuple) -> None:
+        pass
+
+    def value_read(self, what: str) -> None:
+        pass
+
+
+class StartObserver(Protocol):
+    """Hears each collective that starts now and is waited for later (`*_start`)."""
+
+    def started(self, op: str, ranks: tuple) -> None:
+        """`op` over `ranks` was posted; comm_log records it at its `wait()`."""
+
+
+# the attached captures, innermost last, and start observers: changed only by the functions
+# below; `collectives` reads them on every transfer (a list's truth is the cheapest check)
+_CAPTURES: list[TransferCapture] = []
+_STARTS: list[StartObserver] = []
+
+
+@contextlib.contextmanager
+def capturing(capture: TransferCapture) -> Iterator[TransferCapture]:
+    """Attach `capture` for the block."""
+    _CAPTURES.append(capture)
+    try:
+        yield capture
+    finally:
+        _CAPTURES.remove(capture)
+
+
+@contextlib.contextmanager
+def capture_paused() -> Iterator[None]:
+    """No capture sees the block: what runs once, where it is called, and is no part of a
+    captured program (ranks agreeing on a random state)."""
+    paused = _CAPTURES[:]
+    _CAPTURES.clear()
+    try:
+        yield
+    finally:
+        _CAPTURES.extend(paused)
+
+
+def capture_running() -> bool:
+    """Whether a capture is attached."""
+    return bool(_CAPTURES)
+
+
+def active_captures() -> tuple:
+    """The attached captures, innermost last."""
+    return tuple(_CAPTURES)
+
+
+@contextlib.contextmanager
+def observing_starts(observer: StartObserver) -> Iterator[StartObserver]:
+    """Attach `observer` for the block."""
+    _STARTS.append(observer)
+    try:
+        yield observer
+    finally:
+        _STARTS.remove(observer)
