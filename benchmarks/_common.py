@@ -66,7 +66,7 @@ def assert_close(got, want, what: str, rtol: float = 1e-5, atol: float = 1e-5) -
 
 
 def add_mlp_sizes(p) -> None:
-    """The seed's section 4.2 MLP sizes (w0 hidden x ffn, w1 ffn x hidden, x batch x seq x hidden)."""
+    """The MLP sizes of Paddle's auto-parallel guide, section 4.2 (w0 hidden x ffn, w1 ffn x hidden, x batch x seq x hidden)."""
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--ffn", type=int, default=4096)
     p.add_argument("--batch", type=int, default=4)

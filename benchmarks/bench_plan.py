@@ -1,10 +1,10 @@
-"""The planner's layout vs the seed's hand layout, measured on the same ranks in one run.
+"""The planner's layout vs the hand layout of Paddle's parallelize docs, measured on the same ranks in one run.
 
     python -m autopar.launch --nproc_per_node 8 benchmarks/bench_plan.py
 
-Model: the seed's Llama (examples/parallelize_llama.py: fused qkv, SwiGLU MLP, learned
+Model: the Llama of examples/parallelize_llama.py (fused qkv, SwiGLU MLP, learned
 positions, an LM head of its own), `--batch` sequences of `--seq` tokens per step, AdamW.
-  hand    : the seed's config on its mesh: dp 2 x mp 2 x pp 2, tensor + sequence parallel,
+  hand    : that example's config on its mesh: dp 2 x mp 2 x pp 2, tensor + sequence parallel,
             ZeRO-1, 1F1B over `--micro-batches` micro-batches.
   planned : `dist.plan(model, batch, world, device="cpu", precision="fp32")`, its config on
             its mesh (what `parallelize(..., config="auto")` runs, given the real batch).
@@ -77,7 +77,7 @@ def main():
     args = ap.parse_args()
     rank, world = C.setup()
     if world != 8:
-        raise SystemExit("bench_plan compares against the seed's dp2 x mp2 x pp2: run it on 8 ranks")
+        raise SystemExit("bench_plan compares against the hand dp2 x mp2 x pp2: run it on 8 ranks")
     C.emit({"bench": "env", **C.env_info(), "ranks": world})
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)

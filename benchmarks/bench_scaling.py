@@ -4,9 +4,9 @@
     python -m autopar.launch --nproc_per_node 2 benchmarks/bench_scaling.py
     python -m autopar.launch --nproc_per_node 4 benchmarks/bench_scaling.py
 
-The seed 4.2 MLP of bench_tp_mlp.py (z = (x @ w0) @ w1, w0 Shard(1), w1 Shard(0) over all
+The tensor-parallel MLP of bench_tp_mlp.py (z = (x @ w0) @ w1, w0 Shard(1), w1 Shard(0) over all
 ranks, loss = z.mean(), AdamW lr 1e-3), at each width in --widths (hidden h, ffn 4h; the
-default 512 = half the seed, 1024 = the seed), x 4x128xh.  The world size is the launch's
+default 512 = half the guide's, 1024 = the guide's), x 4x128xh.  The world size is the launch's
 (one launch per rank count).  Each width: autopar and the single-process step on rank 0
 (`plain`, the other ranks wait), interleaved; losses checked against plain (rtol 1e-5,
 atol 1e-5).  Reports step time (max over ranks) and per-rank parameter + AdamW state bytes.

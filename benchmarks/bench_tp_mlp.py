@@ -1,4 +1,4 @@
-"""The seed's section 4.2 tensor-parallel MLP training step: autopar vs DTensor vs one process.
+"""The tensor-parallel MLP step of Paddle's auto-parallel guide (section 4.2): autopar vs DTensor vs one process.
 
     python -m autopar.launch --nproc_per_node 2 benchmarks/bench_tp_mlp.py
     python -m autopar.launch --nproc_per_node 4 benchmarks/bench_tp_mlp.py
@@ -7,7 +7,7 @@ Model: z = (x @ w0) @ w1 with w0 1024x4096 split by columns (Shard(1)) and w1 40
 rows (Shard(0)), x 4x128x1024, loss = z.mean(), AdamW(lr=1e-3); one step = forward,
 backward, optimizer step, zero_grad, loss.item().  (`--relu` puts a ReLU between the
 layers, with a ReLU between them.)
-  autopar : the seed's program: shard_tensor on the two Parameters, plain x.
+  autopar : the guide's program (§4.2): shard_tensor on the two Parameters, plain x.
   dtensor : nn.Module with two bias-free nn.Linear (weights = w0.T, w1.T, since Linear stores
             weight as out x in), parallelize_module with fc0 ColwiseParallel and fc1
             RowwiseParallel (defaults: Replicate input, Replicate output).
@@ -40,7 +40,7 @@ import autopar as dist  # noqa: E402
 
 
 class SeedMlp(torch.nn.Module):
-    """Seed 4.2: parameters as matrices, x @ w0 @ w1 (optionally a ReLU in between)."""
+    """The guide's §4.2: parameters as matrices, x @ w0 @ w1 (optionally a ReLU in between)."""
 
     def __init__(self, w0, w1, mesh=None, relu=False):
         super().__init__()

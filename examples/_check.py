@@ -1,4 +1,5 @@
-"""What the seed examples share: their command line and the --check against one process."""
+"""What the four strategy examples (data, tensor, pipeline, hybrid parallel) share: their
+command line and the --check against one process."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ def compare(losses, ref_losses, params: dict, ref_params: dict, rtol: float = 1e
 
 
 def example_args(doc: str, batch: int = 4) -> argparse.Namespace:
-    """The seed's sizes by default (hidden 1024, ffn 4096, 128 tokens); --check compares."""
+    """The guide's sizes by default (hidden 1024, ffn 4096, 128 tokens); --check compares."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--ffn", type=int, default=4096)
@@ -28,14 +29,14 @@ def example_args(doc: str, batch: int = 4) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--static", action="store_true",
-                   help="seed 4.5: run the distributed steps as a captured program (dist.to_static)")
+                   help="run the distributed steps as a captured program (dist.to_static)")
     p.add_argument("--check", action="store_true", help="also run one process and compare")
     return p.parse_args()
 
 
 def run_steps(model, opt, inputs, static: bool = False) -> list[float]:
-    """One training step per input, loss = mean(model(x)): the seed's dynamic loop, or with
-    `static` its section 4.5, the same annotated model as a `to_static` program."""
+    """One training step per input, loss = mean(model(x)): the dynamic loop, or with `static`
+    the same annotated model as a `to_static` program (the guide's section 4.5)."""
     if static:
         dist_model = dist.to_static(model, None, torch.mean, opt)
         dist_model.train()

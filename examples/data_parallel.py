@@ -1,6 +1,7 @@
-"""Seed 4.1, data parallel: only the input is marked (Shard(0) on the batch dim).
+"""Data parallel: only the input is marked (Shard(0) on the batch dim), as in section 4.1 of
+Paddle's auto-parallel training guide.
 
-    python -m autopar.launch --nproc_per_node 4 examples/seed_4_1_data_parallel.py --check
+    python -m autopar.launch --nproc_per_node 4 examples/data_parallel.py --check
 
 The weights stay plain Parameters; autopar treats them as Replicate where they meet the
 sharded input, and their gradients come back reduced (plain tensors) for the optimizer.
@@ -34,7 +35,7 @@ class MlpModel(torch.nn.Module):
 
     def forward(self, x):
         if self.mesh is not None:
-            # mark the data as sharded (the seed's only annotation)
+            # mark the data as sharded (the program's only annotation)
             x = dist.shard_tensor(x, self.mesh, [dist.Shard(0)])
         y = torch.matmul(x, self.w0)
         z = torch.matmul(y, self.w1)

@@ -1,7 +1,8 @@
-"""Seed 4.4, 3-D hybrid: data parallel on mesh dim "x", tensor parallel on "y", pipeline
-across two 2x2 meshes; the dataloader puts inputs on the first mesh, labels on the last.
+"""3-D hybrid: data parallel on mesh dim "x", tensor parallel on "y", pipeline across two
+2x2 meshes; the dataloader puts inputs on the first mesh, labels on the last.  Section 4.4
+of Paddle's auto-parallel training guide.
 
-    python -m autopar.launch --nproc_per_node 8 examples/seed_4_4_hybrid.py --check
+    python -m autopar.launch --nproc_per_node 8 examples/hybrid_parallel.py --check
 """
 import numpy as np
 import torch

@@ -1,15 +1,15 @@
-"""Seed 001, parallelize: a tiny Llama trained on 8 ranks, dp2 x mp2 x pp2, with one config.
+"""Paddle's parallelize API: a tiny Llama trained on 8 ranks, dp2 x mp2 x pp2, with one config.
 
     python -m autopar.launch --nproc_per_node 8 examples/parallelize_llama.py --check
 
-The model is plain PyTorch, shaped like the seed's: token and position embeddings, decoder
-layers (RMSNorm, attention with a fused qkv_proj and an o_proj, RMSNorm, an MLP with a
-fused gate_up_proj and a down_proj) and an LM head whose weight is used as x @ w.  The
-seed's plan places it: Megatron tensor parallel over "mp" (qkv/gate_up by columns, o/down
-by rows, the LM head by vocabulary), sequence parallel between the layers (activations
-[s, b, h] split on s, gathered around attention and the MLP), the layers cut into two
-pipeline stages over "pp" that run each step as `--micro-batches` micro-batches in 1F1B
-order, the batch split over "dp" with ZeRO-1.  autopar derives the rest.
+The model is plain PyTorch, shaped like the Llama of Paddle's parallelize docs: token and
+position embeddings, decoder layers (RMSNorm, attention with a fused qkv_proj and an o_proj,
+RMSNorm, an MLP with a fused gate_up_proj and a down_proj) and an LM head whose weight is
+used as x @ w.  The docs' plan places it: Megatron tensor parallel over "mp" (qkv/gate_up by
+columns, o/down by rows, the LM head by vocabulary), sequence parallel between the layers
+(activations [s, b, h] split on s, gathered around attention and the MLP), the layers cut
+into two pipeline stages over "pp" that run each step as `--micro-batches` micro-batches in
+1F1B order, the batch split over "dp" with ZeRO-1.  autopar derives the rest.
 """
 import argparse
 
@@ -107,7 +107,7 @@ class LlamaForCausalLM(torch.nn.Module):
 
 
 def parallel_config(sharding_level=1, micro_batches=2):
-    """The seed's config: tensor + sequence parallel, pipeline over the layers (1F1B over
+    """The parallelize docs' config: tensor + sequence parallel, pipeline over the layers (1F1B over
     `micro_batches` micro-batches per step), ZeRO."""
     plan = {
         "llama.embed_tokens": [dist.ColWiseParallel(), dist.SequenceParallelBegin()],
@@ -117,7 +117,7 @@ def parallel_config(sharding_level=1, micro_batches=2):
         "llama.layers.*.self_attn": dist.SequenceParallelDisable(),
         "llama.layers.*.mlp.gate_up_proj": dist.ColWiseParallel(),
         "llama.layers.*.mlp.down_proj": dist.RowWiseParallel(),
-        # the seed says need_transpose=False here, and it trains to the same numbers; but a torch
+        # Paddle's docs say need_transpose=False here, and it trains to the same numbers; but a torch
         # Linear flattens [s, b, h] to [s*b, h], which with the batch split over dp on dim 1
         # costs an all-to-all over dp each way: transposing back to [b, s, h] (a local copy)
         # halves this example's bytes per step (722 KB -> 386 KB on dp2 x mp2)
@@ -144,7 +144,7 @@ def batches(args):
 
 
 def train(args, mesh=None, config=None, static=False):
-    """Train from the seed; with a mesh, parallelized by `config` (default: the seed's), its
+    """Train from `args.seed`; with a mesh, parallelized by `config` (default: the docs'), its
     steps in micro-batches through the pipeline (`pipelining.build_schedule`, which reads the
     schedule from pp_config), and with `static` as a captured program (`to_static`: the first
     micro-batch's step is recorded and cut into the stages, then replayed in 1F1B order)."""
@@ -196,7 +196,7 @@ def main():
     args = p.parse_args()
     if dist.get_world_size() != 8:
         raise SystemExit("the parallelize example runs on 8 ranks (dp2 x mp2 x pp2)")
-    # the seed's mesh: "pp" is the last dim, so stage 0 is ranks 0, 2, 4, 6
+    # the docs' mesh: "pp" is the last dim, so stage 0 is ranks 0, 2, 4, 6
     mesh = dist.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["dp", "mp", "pp"])
     model, losses = train(args, mesh, static=args.static)
     if dist.get_rank() == 0:

@@ -1,7 +1,8 @@
-"""Seed 4.3, pipeline parallel: w0 lives on mesh0, w1 on mesh1; an explicit reshard moves
-the activation from stage 0 to stage 1 (and its gradient back in backward).
+"""Pipeline parallel: w0 lives on mesh0, w1 on mesh1; an explicit reshard moves the
+activation from stage 0 to stage 1 (and its gradient back in backward).  Section 4.3 of
+Paddle's auto-parallel training guide.
 
-    python -m autopar.launch --nproc_per_node 8 examples/seed_4_3_pipeline.py --check
+    python -m autopar.launch --nproc_per_node 8 examples/pipeline_parallel.py --check
 
 Every rank runs the whole program: a rank skips the ops of the stage it is not in, and
 `loss.backward()` on every rank drives the backward across the meshes.

@@ -1,6 +1,7 @@
-"""Seed 4.2, tensor parallel: w0 sharded by columns, w1 by rows; nothing else marked.
+"""Tensor parallel: w0 sharded by columns, w1 by rows; nothing else marked (section 4.2 of
+Paddle's auto-parallel training guide).
 
-    python -m autopar.launch --nproc_per_node 4 examples/seed_4_2_tensor_parallel.py --check
+    python -m autopar.launch --nproc_per_node 4 examples/tensor_parallel.py --check
 """
 import torch
 

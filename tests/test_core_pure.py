@@ -75,7 +75,7 @@ def test_split_rule_is_array_split():
 
 
 def test_seed_shard_example_local_shapes():
-    """Seed 2.2: a (4, 3) tensor on mesh [[2,4,5],[0,1,3]] with [Shard(0), Shard(1)] gives (2, 1) pieces."""
+    """The guide's §2.2: a (4, 3) tensor on mesh [[2,4,5],[0,1,3]] with [Shard(0), Shard(1)] gives (2, 1) pieces."""
     mesh = dist.ProcessMesh([[2, 4, 5], [0, 1, 3]], dim_names=["x", "y"])
     spec = DistSpec(mesh, (Shard(0), Shard(1)), TensorMeta.contiguous((4, 3), torch.int64))
     for r in mesh.process_ids:

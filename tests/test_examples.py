@@ -1,6 +1,7 @@
-"""The seed's four strategies (dynamic, and static as in seed 4.5), seed 001's parallelize and
-the main job, launched as users launch them, with --check (each exits non-zero unless every
-loss and the final weights match the single-process run)."""
+"""The four strategies of Paddle's auto-parallel training guide (dynamic, and static through
+`to_static`), Paddle's parallelize API on a Llama and the main job, launched as users launch
+them, with --check (each exits non-zero unless every loss and the final weights match the
+single-process run)."""
 import os
 import subprocess
 import sys
@@ -14,16 +15,16 @@ SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
 @pytest.mark.parametrize(
     "script, nproc, args",
     [
-        ("seed_4_1_data_parallel.py", 4, SMALL),
-        ("seed_4_2_tensor_parallel.py", 4, SMALL),
-        ("seed_4_3_pipeline.py", 4, SMALL),
-        ("seed_4_4_hybrid.py", 8, SMALL),
-        # seed 4.5: the same four programs as captured programs (dist.to_static)
-        ("seed_4_1_data_parallel.py", 4, SMALL + ["--static"]),
-        ("seed_4_2_tensor_parallel.py", 4, SMALL + ["--static"]),
-        ("seed_4_3_pipeline.py", 4, SMALL + ["--static"]),
-        ("seed_4_4_hybrid.py", 8, SMALL + ["--static"]),
-        ("parallelize_llama.py", 8, SMALL),  # seed 001: dist.parallelize, dp2 x mp2 x pp2
+        ("data_parallel.py", 4, SMALL),
+        ("tensor_parallel.py", 4, SMALL),
+        ("pipeline_parallel.py", 4, SMALL),
+        ("hybrid_parallel.py", 8, SMALL),
+        # the same four programs as captured programs (dist.to_static)
+        ("data_parallel.py", 4, SMALL + ["--static"]),
+        ("tensor_parallel.py", 4, SMALL + ["--static"]),
+        ("pipeline_parallel.py", 4, SMALL + ["--static"]),
+        ("hybrid_parallel.py", 8, SMALL + ["--static"]),
+        ("parallelize_llama.py", 8, SMALL),  # dist.parallelize, dp2 x mp2 x pp2
         ("parallelize_llama.py", 8, SMALL + ["--static"]),
         ("train_gpt.py", 4, ["--steps", "6"]),
         ("train_gpt.py", 4, ["--steps", "6", "--static"]),

@@ -364,7 +364,7 @@ def test_tensor_and_sequence_parallel_llama_on_dp_x_mp():
 
 
 def test_pipeline_tensor_and_sequence_parallel_llama_on_pp_x_mp():
-    # the seed's MLP plan: need_transpose=False, the MLP runs on [s, b, h]
+    # the MLP plan of Paddle's parallelize docs: need_transpose=False, the MLP runs on [s, b, h]
     results = run_dist(_parallel_llama, 4, [[0, 1], [2, 3]], ["pp", "mp"], ("dp_config",), 1, False)
     _check_llama(results)
     for rank, (_, _, ops, local) in enumerate(results):

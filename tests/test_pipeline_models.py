@@ -15,7 +15,7 @@ H, FFN, ROWS, STEPS = 16, 32, 8, 2
 
 
 class SeedMlp(torch.nn.Module):
-    """Seed 4.3: w0 on mesh0, w1 on mesh1, an explicit reshard between the stages."""
+    """The guide's pipeline (§4.3): w0 on mesh0, w1 on mesh1, an explicit reshard between the stages."""
 
     def __init__(self, mesh0=None, mesh1=None):
         super().__init__()

@@ -194,7 +194,7 @@ def test_a_plan_that_recomputes_checkpoints_its_layers_and_matches_one_process(l
 
 
 def _seed_llama_steps(planned_vpp):
-    """The seed's Llama (4 layers) trained 3 steps by one process or, with a plan pinned to
+    """The Llama of examples/parallelize_llama.py (4 layers) trained 3 steps by one process or, with a plan pinned to
     pp2 x vpp2, by its interleaved schedule on 2 ranks."""
     import torch.nn.functional as F
 

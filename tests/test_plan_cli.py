@@ -1,7 +1,9 @@
-"""`python -m autopar.plan`: Llama-3 70B on 1024 H100s as JSON within the time limit, the
-calibration command, and `dist.plan` surviving an import of the module `autopar.plan`."""
+"""`python -m autopar.planner`: Llama-3 70B on 1024 H100s as JSON within the time limit, the
+calibration command, and the old spelling `python -m autopar.plan`, which leaves `dist.plan`
+the planner function."""
 import json
 import os
+import runpy
 import subprocess
 import sys
 import time
@@ -13,9 +15,9 @@ LLAMA3_70B = ("--model llama --layers 80 --hidden 8192 --heads 64 --kv-heads 8 -
               "--seq 4096 --global-batch 1024 --ranks 1024 --device h100").split()
 
 
-def _cli(*args, timeout=120):
+def _cli(*args, timeout=120, command="autopar.planner"):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "autopar.plan", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", command, *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -71,15 +73,26 @@ def test_calibrate_writes_a_measured_profile(tmp_path):
     assert load_profile(str(path)).peak_flops_fp32 == prof["peak_flops_fp32"]
 
 
-def test_dist_plan_survives_importing_the_cli_module():
-    code = ("import autopar as dist, autopar.plan, inspect; "
-            "from autopar.planner import TransformerSpec; "
-            "p = dist.plan(TransformerSpec(2, 64, 4, 2, 128, 128, 16), world_size=2, global_batch=4); "
-            "print(p.degrees['dp'] * p.degrees['mp'] * p.degrees['pp'])")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+def test_the_old_spelling_runs_the_command_line():
+    out = _cli("--help", command="autopar.plan")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "2"
+    assert out.stdout.startswith("usage: python -m autopar.planner")
+
+
+def test_dist_plan_stays_the_function_after_the_old_command_and_an_import_of_it(monkeypatch, capsys):
+    """`autopar.plan` is the function: the old command runs without importing a module of that
+    name, and importing one is refused (it would rebind `autopar.plan` to the module)."""
+    import autopar as dist
+    from autopar.planner.api import plan
+
+    monkeypatch.setattr(sys, "argv", ["autopar.plan", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("autopar.plan", run_name="__main__", alter_sys=True)
+    assert done.value.code == 0 and "python -m autopar.planner" in capsys.readouterr().out
+    assert dist.plan is plan
+    with pytest.raises(ImportError, match="python -m autopar.planner"):
+        import autopar.plan  # noqa: F401
+    assert dist.plan is plan
 
 
 def test_parse_degrees():

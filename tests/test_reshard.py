@@ -72,7 +72,7 @@ def test_each_transition_uses_the_cheapest_collective_and_minimal_bytes():
 
 
 def _cross_mesh_seed():
-    """Seed 2.3: Replicate on [0, 1] -> Shard(0) on [2, 3]."""
+    """The guide's §2.3: Replicate on [0, 1] -> Shard(0) on [2, 3]."""
     mesh0 = dist.ProcessMesh([0, 1], dim_names=["x"])
     mesh1 = dist.ProcessMesh([2, 3], dim_names=["x"])
     dense = torch.tensor([[1, 2, 3], [4, 5, 6]])

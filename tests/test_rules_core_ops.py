@@ -33,7 +33,7 @@ def _cases(world):
         (torch.mm, [a, b], [[R], [S1]], [S1], False),
         (torch.mm, [a, b], [[S0], [R]], [S0], False),
         (torch.mm, [a, b], [[S1], [S0]], [P], False),
-        (torch.mm, [a, b], [[R], [S0]], [P], False),  # the seed: Replicate operand sliced locally
+        (torch.mm, [a, b], [[R], [S0]], [P], False),  # Paddle's rule: Replicate operand sliced locally
         (torch.mm, [a, b], [[P], [R]], [P], False),
         (torch.matmul, [x3, b], [[S0], [R]], [S0], False),  # 3-D @ 2-D: view + mm + view
         (torch.matmul, [x3, b], [[S2], [S0]], [P], False),

@@ -29,7 +29,7 @@ _INFERRED = object()  # a batch item's global size comes from every rank's piece
 
 
 class ShardDataloader:
-    """Iterable (and callable, as the seed's `dataloader()`) over distributed batches."""
+    """Iterable (and callable, `dataloader()`, as Paddle's guide loops over it) over distributed batches."""
 
     def __init__(
         self,

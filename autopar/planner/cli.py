@@ -1,9 +1,9 @@
-"""`python -m autopar.plan`: plan a Llama-shaped model on N devices, or calibrate this machine.
+"""`python -m autopar.planner`: plan a Llama-shaped model on N devices, or calibrate this machine.
 
-    python -m autopar.plan --model llama --layers 80 --hidden 8192 --heads 64 --kv-heads 8 \\
+    python -m autopar.planner --model llama --layers 80 --hidden 8192 --heads 64 --kv-heads 8 \\
         --ffn 28672 --vocab 128256 --seq 4096 --global-batch 1024 --ranks 1024 --device h100 \\
         --compare tp8,pp4 [--json]
-    python -m autopar.plan --calibrate cpu.json      # then --device cpu.json, or AUTOPAR_CPU_PROFILE
+    python -m autopar.planner --calibrate cpu.json      # then --device cpu.json, or AUTOPAR_CPU_PROFILE
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def parse_degrees(text: str) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m autopar.plan", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m autopar.planner", description=__doc__.splitlines()[0])
     p.add_argument("--calibrate", metavar="OUT.json", help="measure this machine (2 gloo ranks) into a device profile")
     p.add_argument("--model", choices=["llama"], default="llama")
     for name, default in (("layers", 32), ("hidden", 4096), ("heads", 32), ("kv-heads", None), ("ffn", 14336),
@@ -70,7 +70,7 @@ def main(argv: Optional[list] = None) -> int:
         result = plan(spec, world_size=args.ranks, global_batch=args.global_batch, device=args.device,
                       memory_per_rank=memory, precision=args.precision, fixed=args.fix, compare=args.compare)
     except ValueError as err:
-        print(f"autopar.plan: {err}", file=sys.stderr)
+        print(f"autopar.planner: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_json(), indent=1) if args.json else result)
     if args.png:

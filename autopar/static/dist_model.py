@@ -300,8 +300,8 @@ def to_static(layer: torch.nn.Module, loader=None, loss: Optional[Callable] = No
     """Run `layer` (annotated as for the dynamic mode) as a captured program.
 
     `loss(outputs[, label])` and `optimizer` (a `shard_optimizer`) make `train()` and
-    `eval()` available; without them the model predicts.  `loader` is accepted for the
-    seed's signature; it is not read: the program is captured from the first batch itself.
+    `eval()` available; without them the model predicts.  `loader` is accepted for
+    Paddle's signature; it is not read: the program is captured from the first batch itself.
     `strategy` (a `Strategy`) turns on ZeRO sharding of the optimizer, gradient merge over
     micro-batches and bfloat16 autocast.
 
