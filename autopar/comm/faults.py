@@ -148,16 +148,21 @@ def meet(store, ranks) -> None:
     member is there.  A member that shut its groups down after an op raised on it (`raised`)
     makes this group under a new prefix and never comes: that is raised here at once (a
     RuntimeError that `fail` turns into its error), where the group's own rendezvous would
-    wait for AUTOPAR_TIMEOUT."""
+    wait for AUTOPAR_TIMEOUT.  A member that does not come within AUTOPAR_TIMEOUT is raised
+    here too, naming it (the backend's own rendezvous would wait for the store's timeout)."""
     me = get_rank()
     store.set(f"meet/{me}", "")
     here = [f"meet/{r}" for r in ranks]
     shut = [_key("shut", 0)]
     deadline = time.monotonic() + timeout_seconds()
-    while not store.check(here) and time.monotonic() < deadline:
+    while not store.check(here):
         main = _store()
         if main is not None and main.check(shut) and _shut_by_peer(ranks) is not None:
             raise RuntimeError(f"making the group of ranks {list(ranks)}: a member shut its groups down")
+        if time.monotonic() > deadline:
+            missing = [r for r, key in zip(ranks, here) if not store.check([key])]
+            raise RuntimeError(f"making the group of ranks {list(ranks)}: ranks {missing} did not come within "
+                               f"AUTOPAR_TIMEOUT={timeout_seconds():g} s")
         time.sleep(0.02)
 
 
