@@ -35,6 +35,7 @@ def _meta_call(op, *args, **kwargs):
             if isinstance(t, torch.Tensor)]
     out = op(*args, **kwargs)
     outs = out if isinstance(out, (list, tuple)) else [] if out is None else [out]
+    outs = [t for o in outs for t in (o if isinstance(o, list) else [o])]  # a functional step's lists
     return OpCall(op, tuple(metas(a) for a in args), {k: metas(v) for k, v in kwargs.items()},
                   [TensorMeta.of(t) for t in flat], [TensorMeta.of(t) for t in outs])
 
@@ -74,6 +75,38 @@ def test_foreach_and_fused_choices_without_processes():
     current = [(Shard(0),)] * 2 + [(P,)] * 2 + [(Shard(0),)] * 4 + [(R,)] * 2
     ins, outs, _ = engine.choose(call, mesh, current, inplace=True)
     assert ins == [(Shard(0),)] * 8 + [(R,)] * 2 and outs == []
+    # the functional step returns the new params, grads and states, each placed as its input
+    call = _meta_call(aten._fused_adamw.default, xs, ys, xs, xs, [], steps, lr=0.1, beta1=0.9, beta2=0.99,
+                      weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+    ins, outs, _ = engine.choose(call, mesh, current, inplace=False)
+    assert ins == [(Shard(0),)] * 8 + [(R,)] * 2 and outs == [(Shard(0),)] * 8
+
+
+def _functional_fused_adamw(world):
+    """aten._fused_adamw (what a captured optimizer calls) on Shard(0) params and a Partial
+    gradient, against one process: the new lists, each where its input was."""
+    mesh = ProcessMesh(list(range(world)))
+    g = torch.Generator().manual_seed(5)
+    params, grads, avgs, sqs = ([torch.randn(6, 3, generator=g) for _ in range(2)] for _ in range(4))
+    sqs = [s.abs() for s in sqs]
+    steps = [torch.tensor(3.0), torch.tensor(3.0)]
+    kw = dict(lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    want = aten._fused_adamw(params, grads, avgs, sqs, [], steps, **kw)
+    shard = lambda ts: [dist.shard_tensor(t, mesh, [Shard(0)]) for t in ts]  # noqa: E731
+    partial = [dist.dtensor_from_local(t / world, mesh, [P]) for t in grads]
+    params, avgs, sqs = shard(params), shard(avgs), shard(sqs)
+    with dist.comm_log() as log:
+        got = aten._fused_adamw(params, partial, avgs, sqs, [], steps, **kw)
+    for got_list, want_list in zip(got, want):
+        for a, b in zip(got_list, want_list):
+            assert a.placements == [Shard(0)]
+            torch.testing.assert_close(dist.unshard_dtensor(a), b, rtol=1e-5, atol=1e-6)
+    return [(r.op, r.bytes) for r in log]
+
+
+def test_the_functional_fused_step_matches_one_process():
+    for ops in run_dist(_functional_fused_adamw, 2, 2):
+        assert ops == [("reduce_scatter", 36)] * 2, ops  # each Partial gradient reduced to its shard, 9 floats
 
 
 # -- numeric runs on 2 and 4 ranks -------------------------------------------------------------------

@@ -10,7 +10,8 @@ repeated over the entries.  Linear ones pass Partial through:
   (each term would add the scalar once);
   lerp(self, end, w) = (1-w) self + w end and addcmul/addcdiv(self, t1, t2): sum/avg with
   self and the linear operand Partial, the other whole.
-Fused optimizer steps (_fused_adam_/adamw_/sgd_/adagrad_): every tensor list follows the
+Fused optimizer steps (_fused_adam_/adamw_/sgd_/adagrad_, and _fused_adam/adamw, which return
+the new lists instead of writing them): every tensor list follows the
 param's placement (Shard(d) or Replicate), 0-dim step/lr/scale tensors stay whole.  The
 params are updated in place, so the engine keeps their placement; a Partial grad is reduced
 to it (reduce-scatter to Shard, all-reduce to Replicate) and, being written by the op,
@@ -98,6 +99,12 @@ def fused_rule(call: OpCall) -> list[OpStrategy]:
     roles, reps = _roles(call)
     param = reps[0].shape
     return [
-        OpStrategy((), tuple(Shard(d) if reps[r].shape == param else Replicate() for r in roles))
+        OpStrategy((Shard(d),) * len(call.outputs), tuple(Shard(d) if reps[r].shape == param else Replicate()
+                                                          for r in roles))
         for d in range(len(param))
     ]
+
+
+# the functional steps (what a captured or compiled optimizer calls) return the new params,
+# grads and states, each placed as its input
+register([aten._fused_adam, aten._fused_adamw])(fused_rule)
