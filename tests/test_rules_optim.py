@@ -3,6 +3,8 @@ the single-process params after several steps, keep their state with the params'
 placements, and reduce a Partial gradient once per param and step."""
 import warnings
 
+import numpy as np
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -226,3 +228,49 @@ def _owner(model, name):
 
 def test_data_parallel_training():
     run_dist(_dp_rank, 2, 2)
+
+
+def _grad_scaler_steps(world):
+    """torch's GradScaler over a tensor-parallel MLP (first layer by columns, second by rows)
+    and the plain model, same batches; at step 2 one weight's gradient holds an inf in the
+    rows only the last rank holds: every rank skips that step and lowers its scale, as the
+    plain run does.  Returns the losses, the scales and found_inf per step."""
+    mesh = ProcessMesh(list(range(world)))
+
+    def plan(name, layer, mesh):
+        if name == "0":
+            layer.weight = dist.shard_tensor(layer.weight, mesh, [Shard(0)])
+            layer.bias = dist.shard_tensor(layer.bias, mesh, [Shard(0)])
+        elif name == "2":
+            layer.weight = dist.shard_tensor(layer.weight, mesh, [Shard(1)])
+
+    runs = []
+    for distributed in (False, True):
+        model = _model()
+        if distributed:
+            model = dist.shard_layer(model, mesh, plan)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        g = torch.Generator().manual_seed(9)
+        seen = []
+        for step in range(4):
+            x = torch.randn(8, 4, generator=g)
+            loss = model(x).pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 2:  # an overflow in the last rows of the first weight's gradient
+                overflow = torch.zeros(6, 4)
+                overflow[-1, 0] = float("inf")
+                with torch.no_grad():
+                    model[0].weight.grad.add_(overflow)
+            scaler.step(opt)
+            seen.append([loss.item(), scaler.get_scale()])
+            scaler.update()
+            opt.zero_grad()
+        runs.append(seen)
+    return runs
+
+
+def test_grad_scaler_skips_the_same_steps_on_every_rank():
+    for plain, distributed in run_dist(_grad_scaler_steps, 2, 2):
+        assert [s for _, s in distributed] == [s for _, s in plain]
+        np.testing.assert_allclose([loss for loss, _ in distributed], [loss for loss, _ in plain], rtol=1e-5)
