@@ -8,6 +8,7 @@ Every value arrives as torch computes it in one process: a complex tensor moves 
 from __future__ import annotations
 
 import math
+import time
 from typing import Sequence
 
 import torch
@@ -17,7 +18,7 @@ from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, Broadc
 from ..placement import ReduceType
 from .backend import SIMULATING, current_device, get_rank, group_for
 from .faults import arrive, check_signature, debugging, fail
-from .log import record
+from .log import blocked_since, record
 from .fake import filling_outputs, plausible
 from .observers import _CAPTURES, _STARTS, capture_running  # (read on every transfer)
 
@@ -104,6 +105,7 @@ class Wire:
 
     def __call__(self, *tensors) -> None:
         seq = _enter(self.op, self.ranks, tensors[-1])
+        start = time.perf_counter()
         try:
             if SIMULATING[0]:  # the fake group copies the input to the outputs: the transfer's bytes
                 with filling_outputs():
@@ -112,6 +114,7 @@ class Wire:
                 self.run(*tensors)
         except RuntimeError as e:
             fail(self.op, self.ranks, seq, e)
+        blocked_since(start)
         if SIMULATING[0]:
             plausible(self.op, tensors, self.logs)
         for log in self.logs:
@@ -322,10 +325,12 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             work, self.work = self.work, None
+            start = time.perf_counter()
             try:
                 work.wait()
             except RuntimeError as e:
                 fail(self.op, self.ranks, self.seq, e)
+            blocked_since(start)
             if SIMULATING[0]:
                 plausible(self.op, self.moved, ())
             record(self.op, self.ranks, *self.log)
