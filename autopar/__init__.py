@@ -48,6 +48,7 @@ from .tensor.dtensor import DistTensor
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard
 from .planner import plan
+from .planner.meter import StepMeter, StepStats
 from .static import CaptureError, DistModel, Strategy, to_static
 from . import auto_parallel  # noqa: F401  (dist.auto_parallel.set_mesh)
 from . import pipelining  # noqa: F401  (dist.pipelining.PipelineStage, schedules)
@@ -90,6 +91,8 @@ __all__ = [
     "ReduceType",
     "Replicate",
     "Shard",
+    "StepMeter",
+    "StepStats",
     "comm_log",
     "simulate",
     "representative_ranks",

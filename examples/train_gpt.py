@@ -123,19 +123,21 @@ def train_pipelined(args, mesh, progress=False, static=False):
     if progress and not static:
         print(step.format_order())
     losses = []
+    meter = dist.StepMeter(args.batch * args.seq, model, seq=args.seq)
     bar = tqdm(batches(args, args.steps), total=args.steps, disable=not progress, desc="train", unit="step")
     for x, y in bar:
-        if static:
-            losses.append(float(step(x, y)))
-        else:
-            losses.append(step.step(x, target=y).item())
-            opt.step()
-            opt.zero_grad()
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        with meter.step():
+            if static:
+                losses.append(float(step(x, y)))
+            else:
+                losses.append(step.step(x, target=y).item())
+                opt.step()
+                opt.zero_grad()
+        bar.set_postfix_str(f"loss {losses[-1]:.3f}  {meter.last}")
     times = None if static else step.format_times()  # (collective: every rank)
     if progress:
         print(step.dist_main_program().split("\n")[0] if static else f"the last step, per rank:\n{times}")
-    return model, losses
+    return model, losses, meter
 
 
 def train(args, mesh, progress=False, static=False):
@@ -149,25 +151,27 @@ def train(args, mesh, progress=False, static=False):
     strategy = dist.Strategy({"gradient_merge": {"enable": args.merge > 1, "k_steps": args.merge, "avg": True}})
     step = dist.to_static(model, None, loss_fn, opt, strategy) if static else None
     losses = []
+    meter = dist.StepMeter(args.batch * args.seq, model, seq=args.seq)
     data = batches(args, args.steps)
     bar = tqdm(data, total=args.steps, disable=not progress, desc="train", unit="step")
     for x, y in bar:
-        if mesh is not None:
-            x = dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Replicate()])
-            y = dist.shard_tensor(y, mesh, [dist.Shard(0), dist.Replicate()])
-        if step is not None:
-            losses.append(float(step(x, y)))
-        else:
-            loss = loss_fn(model(x), y)
-            (loss / args.merge).backward()
-            if len(losses) % args.merge == args.merge - 1:
-                opt.step()
-                opt.zero_grad()
-            losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        with meter.step():
+            if mesh is not None:
+                x = dist.shard_tensor(x, mesh, [dist.Shard(0), dist.Replicate()])
+                y = dist.shard_tensor(y, mesh, [dist.Shard(0), dist.Replicate()])
+            if step is not None:
+                losses.append(float(step(x, y)))
+            else:
+                loss = loss_fn(model(x), y)
+                (loss / args.merge).backward()
+                if len(losses) % args.merge == args.merge - 1:
+                    opt.step()
+                    opt.zero_grad()
+                losses.append(loss.item())
+        bar.set_postfix_str(f"loss {losses[-1]:.3f}  {meter.last}")
     if step is not None and progress:
         print("static program (forward, backward, gradient reduction):", step.dist_main_program().splitlines()[0])
-    return model, losses
+    return model, losses, meter
 
 
 def print_plan(model, mesh):
@@ -247,8 +251,13 @@ def main():
     else:
         build(args, mesh)
     start = time.perf_counter()
-    _, losses = train(args, mesh, progress=rank == 0, static=args.static)
+    _, losses, meter = train(args, mesh, progress=rank == 0, static=args.static)
     elapsed = time.perf_counter() - start
+    speed = meter.summary()
+    # every rank's peak memory, read as a value of the job (collective: every rank)
+    everyone = dist.ProcessMesh(list(range(world)))
+    peaks = dist.unshard_dtensor(dist.dtensor_from_local(torch.tensor([speed.peak_memory_bytes]), everyone,
+                                                         [dist.Shard(0)])).tolist()
     ref = train(args, None)[1] if args.check else None
     if ref is not None:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
@@ -259,7 +268,11 @@ def main():
     rows = [("mesh", f"{layout} ({world} ranks), {mode}"),
             ("model", f"GPT {args.layers} layers, dim {args.dim}, vocab {args.vocab}, batch {args.batch} x {args.seq}"),
             ("steps", f"{args.steps}, {1000 * elapsed / args.steps:.0f} ms/step"),
-            ("loss", f"{losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess: {math.log(args.vocab):.3f})")]
+            ("loss", f"{losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess: {math.log(args.vocab):.3f})"),
+            ("speed", f"{speed.tokens_per_second:,.0f} tokens/s, MFU {100 * speed.mfu:.2f}% of a {meter.profile} "
+                      f"{meter.precision} peak, {100 * speed.comm_share:.0f}% of rank 0's step blocked in transfers "
+                      f"(medians after the first step)"),
+            ("peak memory", ", ".join(f"rank {r} {p / 2**20:,.0f} MiB" for r, p in enumerate(peaks)))]
     if ref is not None:
         rows.append(("check", f"{args.steps} losses match the single-process run"))
     if args.plot:

@@ -380,3 +380,29 @@ def test_integer_dtypes_the_backends_refuse_move_and_reduce(k):
     for rank, results in enumerate(run_dist(_narrow_ints, k)):
         for dtype, checks in zip(NARROW, results):
             assert all(checks), (rank, dtype, checks)
+
+
+def _fp8_moves():
+    """fp8 tensors (gloo refuses them) gathered, all-to-all'd and read; a Partial sum reduced
+    in float32 and rounded once to fp8; every rank against one process."""
+    k, me = dist.get_world_size(), dist.get_rank()
+    mesh = dist.ProcessMesh(list(range(k)))
+    out = []
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        full = (torch.linspace(-3, 3, 7 * 5).reshape(7, 5)).to(dtype)
+        t = dist.shard_tensor(full, mesh, [dist.Shard(0)])
+        whole = dist.reshard(t, mesh, [dist.Replicate()])._local
+        cols = dist.unshard_dtensor(dist.reshard(t, mesh, [dist.Shard(1)]))
+        terms = [(full.float() * (r + 1) / 4).to(dtype) for r in range(k)]
+        total = torch.stack([x.float() for x in terms]).sum(0).to(dtype)
+        part = dist.dtensor_from_local(terms[me].clone(), mesh, [dist.Partial("sum")])
+        summed = dist.reshard(part, mesh, [dist.Replicate()])._local
+        out.append([whole.view(torch.uint8).equal(full.view(torch.uint8)),
+                    cols.view(torch.uint8).equal(full.view(torch.uint8)),
+                    torch.equal(summed.float(), total.float())])
+    return out
+
+
+def test_fp8_tensors_move_and_reduce():
+    for rank, results in enumerate(run_dist(_fp8_moves, 3)):
+        assert results == [[True] * 3] * 2, (rank, results)

@@ -303,10 +303,14 @@ def test_main_job_prints_a_clean_summary_and_plots_the_loss(tmp_path):
     lines = r.stdout.splitlines()
     assert all(line.startswith("[rank0]: ") and not line.startswith("[rank0]: [rank0]") for line in lines), r.stdout
     summary = lines[lines.index("[rank0]: summary"):]
-    assert [line.split()[1] for line in summary[1:]] == ["mesh", "model", "steps", "loss", "check", "plot"], summary
+    assert [line.split()[1] for line in summary[1:]] == ["mesh", "model", "steps", "loss", "speed", "peak", "check",
+                                                          "plot"], summary
     assert "dp 2 x mp 2 (4 ranks)" in summary[1] and summary[-1].endswith(str(png))
+    assert re.search(r"speed +[\d,]+ tokens/s, MFU \d+\.\d+% of a cpu fp32 peak, \d+% of rank 0's step blocked", summary[5])
+    assert re.fullmatch(r".*peak memory +rank 0 [\d,]+ MiB, rank 1 [\d,]+ MiB, rank 2 [\d,]+ MiB, rank 3 [\d,]+ MiB",
+                        summary[6]), summary[6]
     bars = [line for line in r.stderr.splitlines() if line.startswith("[rank0]: train:")]
-    assert len(bars) == 1 and "4/4" in bars[0], r.stderr
+    assert len(bars) == 1 and "4/4" in bars[0] and "tok/s" in bars[0] and "MFU" in bars[0], r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -3,6 +3,8 @@ the single-process params after several steps, keep their state with the params'
 placements, and reduce a Partial gradient once per param and step."""
 import warnings
 
+import numpy as np
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -35,6 +37,7 @@ def _meta_call(op, *args, **kwargs):
             if isinstance(t, torch.Tensor)]
     out = op(*args, **kwargs)
     outs = out if isinstance(out, (list, tuple)) else [] if out is None else [out]
+    outs = [t for o in outs for t in (o if isinstance(o, list) else [o])]  # a functional step's lists
     return OpCall(op, tuple(metas(a) for a in args), {k: metas(v) for k, v in kwargs.items()},
                   [TensorMeta.of(t) for t in flat], [TensorMeta.of(t) for t in outs])
 
@@ -74,6 +77,38 @@ def test_foreach_and_fused_choices_without_processes():
     current = [(Shard(0),)] * 2 + [(P,)] * 2 + [(Shard(0),)] * 4 + [(R,)] * 2
     ins, outs, _ = engine.choose(call, mesh, current, inplace=True)
     assert ins == [(Shard(0),)] * 8 + [(R,)] * 2 and outs == []
+    # the functional step returns the new params, grads and states, each placed as its input
+    call = _meta_call(aten._fused_adamw.default, xs, ys, xs, xs, [], steps, lr=0.1, beta1=0.9, beta2=0.99,
+                      weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+    ins, outs, _ = engine.choose(call, mesh, current, inplace=False)
+    assert ins == [(Shard(0),)] * 8 + [(R,)] * 2 and outs == [(Shard(0),)] * 8
+
+
+def _functional_fused_adamw(world):
+    """aten._fused_adamw (what a captured optimizer calls) on Shard(0) params and a Partial
+    gradient, against one process: the new lists, each where its input was."""
+    mesh = ProcessMesh(list(range(world)))
+    g = torch.Generator().manual_seed(5)
+    params, grads, avgs, sqs = ([torch.randn(6, 3, generator=g) for _ in range(2)] for _ in range(4))
+    sqs = [s.abs() for s in sqs]
+    steps = [torch.tensor(3.0), torch.tensor(3.0)]
+    kw = dict(lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    want = aten._fused_adamw(params, grads, avgs, sqs, [], steps, **kw)
+    shard = lambda ts: [dist.shard_tensor(t, mesh, [Shard(0)]) for t in ts]  # noqa: E731
+    partial = [dist.dtensor_from_local(t / world, mesh, [P]) for t in grads]
+    params, avgs, sqs = shard(params), shard(avgs), shard(sqs)
+    with dist.comm_log() as log:
+        got = aten._fused_adamw(params, partial, avgs, sqs, [], steps, **kw)
+    for got_list, want_list in zip(got, want):
+        for a, b in zip(got_list, want_list):
+            assert a.placements == [Shard(0)]
+            torch.testing.assert_close(dist.unshard_dtensor(a), b, rtol=1e-5, atol=1e-6)
+    return [(r.op, r.bytes) for r in log]
+
+
+def test_the_functional_fused_step_matches_one_process():
+    for ops in run_dist(_functional_fused_adamw, 2, 2):
+        assert ops == [("reduce_scatter", 36)] * 2, ops  # each Partial gradient reduced to its shard, 9 floats
 
 
 # -- numeric runs on 2 and 4 ranks -------------------------------------------------------------------
@@ -193,3 +228,49 @@ def _owner(model, name):
 
 def test_data_parallel_training():
     run_dist(_dp_rank, 2, 2)
+
+
+def _grad_scaler_steps(world):
+    """torch's GradScaler over a tensor-parallel MLP (first layer by columns, second by rows)
+    and the plain model, same batches; at step 2 one weight's gradient holds an inf in the
+    rows only the last rank holds: every rank skips that step and lowers its scale, as the
+    plain run does.  Returns the losses, the scales and found_inf per step."""
+    mesh = ProcessMesh(list(range(world)))
+
+    def plan(name, layer, mesh):
+        if name == "0":
+            layer.weight = dist.shard_tensor(layer.weight, mesh, [Shard(0)])
+            layer.bias = dist.shard_tensor(layer.bias, mesh, [Shard(0)])
+        elif name == "2":
+            layer.weight = dist.shard_tensor(layer.weight, mesh, [Shard(1)])
+
+    runs = []
+    for distributed in (False, True):
+        model = _model()
+        if distributed:
+            model = dist.shard_layer(model, mesh, plan)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        g = torch.Generator().manual_seed(9)
+        seen = []
+        for step in range(4):
+            x = torch.randn(8, 4, generator=g)
+            loss = model(x).pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 2:  # an overflow in the last rows of the first weight's gradient
+                overflow = torch.zeros(6, 4)
+                overflow[-1, 0] = float("inf")
+                with torch.no_grad():
+                    model[0].weight.grad.add_(overflow)
+            scaler.step(opt)
+            seen.append([loss.item(), scaler.get_scale()])
+            scaler.update()
+            opt.zero_grad()
+        runs.append(seen)
+    return runs
+
+
+def test_grad_scaler_skips_the_same_steps_on_every_rank():
+    for plain, distributed in run_dist(_grad_scaler_steps, 2, 2):
+        assert [s for _, s in distributed] == [s for _, s in plain]
+        np.testing.assert_allclose([loss for loss, _ in distributed], [loss for loss, _ in plain], rtol=1e-5)

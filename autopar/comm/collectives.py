@@ -8,6 +8,7 @@ Every value arrives as torch computes it in one process: a complex tensor moves 
 from __future__ import annotations
 
 import math
+import time
 from typing import Sequence
 
 import torch
@@ -17,7 +18,7 @@ from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, Broadc
 from ..placement import ReduceType
 from .backend import SIMULATING, current_device, get_rank, group_for
 from .faults import arrive, check_signature, debugging, fail
-from .log import record
+from .log import blocked_since, record
 from .fake import filling_outputs, plausible
 from .observers import _CAPTURES, _STARTS, capture_running  # (read on every transfer)
 
@@ -33,15 +34,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# integer dtypes gloo and NCCL refuse ("Invalid scalar type"): moved as their bytes, reduced in
-# a wider integer (the same bits come back: integer sums wrap alike)
-_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64, torch.uint64: torch.int64}
+# dtypes gloo (and NCCL, but for its own fp8) refuse ("Invalid scalar type"): moved as their
+# bytes, reduced in a wider dtype: integers (the same bits come back: integer sums wrap alike)
+# and the 8-bit floats (summed in float32 and rounded once, as one fp8 addition rounds)
+_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64, torch.uint64: torch.int64,
+          **{getattr(torch, name): torch.float32 for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                              "float8_e5m2fnuz", "float8_e8m0fnu")
+             if hasattr(torch, name)}}
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
     """`t` as the backend moves it: a complex tensor as a real view of its (re, im) pairs (gloo
-    and NCCL know no complex dtype; torch.distributed's own API views them the same way), an
-    integer dtype they refuse as its bytes in a trailing dim (every leading dim, the one
+    and NCCL know no complex dtype; torch.distributed's own API views them the same way), a
+    dtype they refuse as its bytes in a trailing dim (every leading dim, the one
     gathers and all-to-alls split included, stays as it is)."""
     if t.is_complex():
         return torch.view_as_real(t)
@@ -49,7 +54,7 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 
 def _widened(reduce, t: torch.Tensor, *args) -> torch.Tensor:
-    """`reduce(t, *args)` run on `t` in a wider integer dtype (see _WIDER), back in `t`'s."""
+    """`reduce(t, *args)` run on `t` in a wider dtype (see _WIDER), back in `t`'s."""
     return reduce(t.to(_WIDER[t.dtype]), *args).to(t.dtype)
 
 
@@ -100,6 +105,7 @@ class Wire:
 
     def __call__(self, *tensors) -> None:
         seq = _enter(self.op, self.ranks, tensors[-1])
+        start = time.perf_counter()
         try:
             if SIMULATING[0]:  # the fake group copies the input to the outputs: the transfer's bytes
                 with filling_outputs():
@@ -108,6 +114,7 @@ class Wire:
                 self.run(*tensors)
         except RuntimeError as e:
             fail(self.op, self.ranks, seq, e)
+        blocked_since(start)
         if SIMULATING[0]:
             plausible(self.op, tensors, self.logs)
         for log in self.logs:
@@ -318,10 +325,12 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             work, self.work = self.work, None
+            start = time.perf_counter()
             try:
                 work.wait()
             except RuntimeError as e:
                 fail(self.op, self.ranks, self.seq, e)
+            blocked_since(start)
             if SIMULATING[0]:
                 plausible(self.op, self.moved, ())
             record(self.op, self.ranks, *self.log)

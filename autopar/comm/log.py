@@ -1,6 +1,8 @@
-"""comm_log: what collectives this rank ran and how many bytes it sent."""
+"""comm_log: what collectives this rank ran and how many bytes it sent; `blocked_seconds`:
+how long it waited in them."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 
@@ -74,3 +76,19 @@ def record(op: str, ranks: tuple, sent: int, received: int = 0, shape: tuple = (
         rec = CommRecord(op, tuple(ranks), int(sent), int(received), tuple(shape))
         for log in _ACTIVE:
             log.records.append(rec)
+
+
+_BLOCKED = [0.0]
+
+
+def blocked_seconds() -> float:
+    """Seconds this process has spent blocked in transfers (a blocking collective, a wait on a
+    started one, a point-to-point wait), since it started: a step's share of communication
+    is the difference over the step.  Host time: on a GPU, where NCCL runs on the stream and
+    the host does not wait, it counts only the waits the host makes."""
+    return _BLOCKED[0]
+
+
+def blocked_since(start: float) -> None:
+    """Count the time since `start` (time.perf_counter()) as blocked in a transfer."""
+    _BLOCKED[0] += time.perf_counter() - start

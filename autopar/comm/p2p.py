@@ -21,7 +21,7 @@ import torch.distributed as tdist
 
 from .backend import SIMULATING, CommError, channel_group, get_rank
 from .collectives import _nbytes, _real, _sendable, send_recv
-from .log import record
+from .log import blocked_since, record
 from .fake import received
 from .observers import capture_running
 
@@ -37,6 +37,7 @@ class P2PWork:
     def wait(self) -> torch.Tensor:
         work, self.work = self.work, None
         if work is not None:
+            start = time.perf_counter()
             try:
                 work.wait()
             except RuntimeError as e:
@@ -45,6 +46,7 @@ class P2PWork:
                     f"{self.op} {direction} rank {self.peer} on channel {self.channel!r} failed on rank {get_rank()}: "
                     f"{e}. The peer may have crashed or not reached this transfer (timeout: AUTOPAR_TIMEOUT)."
                 ) from e
+            blocked_since(start)
             if SIMULATING[0] and self.op == "recv":
                 received(self.tensor)
         return self.tensor
@@ -93,6 +95,7 @@ class SendWindow:
                 raise CommError(f"send to rank {dst} failed on rank {get_rank()}: {e}") from e
         self.pending.clear()
         self.send_seconds += time.perf_counter() - t0
+        blocked_since(t0)
 
 
 _DEFERRED: list[SendWindow] = []  # the open windows, innermost last
@@ -128,11 +131,13 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
         ops = [tdist.P2POp(tdist.irecv, _real(buf), src) for buf, src in recvs]
         for buf, src in recvs:
             record("recv", (src, me), 0, _nbytes(buf), tuple(buf.shape))
+        start = time.perf_counter()
         try:
             for work in tdist.batch_isend_irecv(ops):
                 work.wait()
         except RuntimeError as e:
             raise CommError(f"receive from ranks {[s for _, s in recvs]} failed on rank {me}: {e}") from e
+        blocked_since(start)
         if SIMULATING[0]:
             for buf, _ in recvs:
                 received(buf)

@@ -15,12 +15,23 @@ to the scores (B, Hq, L, S); outputs out (B, Hq, L, Ev) and logsumexp (B, Hq, L)
   Partial gradients.
 The sharded strategies run the kernel `sdpa`, which also skips the op on an empty piece
 (more ranks than heads or rows: the CPU op faults on zero heads or rows).
+
+On a GPU the same call reaches one of three CUDA kernels, each with its backward:
+_scaled_dot_product_flash_attention, _efficient_attention (with an additive bias) and
+_cudnn_attention.  They split by batch and by heads as above (the bias and its gradient
+with them).  Their query rows do not split here: the flash and cuDNN kernels carry the
+longest sequence as an int the backward reads, the efficient kernel pads its logsumexp
+to a multiple of 32 rows, and a causal flash kernel takes no mask to offset (a sequence
+split is context parallel's ring).  With dropout the kernel draws its mask from the
+global positions of a philox stream no piece can reproduce: such a call runs whole
+(Replicate), never split into different masks.
 """
 from __future__ import annotations
 
 import torch
 
 from ..placement import Partial, Replicate, Shard
+from ..spec import TensorMeta
 from .registry import register, register_kernel
 from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
@@ -119,4 +130,94 @@ def sdpa_kernel(func, args, kwargs, in_specs, out_specs, coord):
             args = list(args[:at]) + [False] + list(args[at + 1:])
         else:
             kwargs["is_causal"] = False
+    return func(*args, **kwargs)
+
+
+# -- the CUDA kernels ---------------------------------------------------------------------------
+_CUDA_FWD = (
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+)
+_CUDA_BWD = (
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
+)
+# each tensor argument's part: split like the query rows, like the keys, like the scores
+# (the bias), or whole (the philox seed and offset, the cumulative sequence lengths)
+_ROW_ARGS = {"query", "grad_out", "grad_out_", "out", "logsumexp"}
+_KV_ARGS = {"key", "value"}
+
+
+def _tensor_args(call: OpCall) -> list:
+    """(argument name, meta) of each tensor input, in the order of `call.inputs`."""
+    names = [a.name for a in call.func._schema.arguments]
+    given = list(zip(names, call.args)) + list(call.kwargs.items())
+    return [(name, v) for name, v in given if isinstance(v, TensorMeta)]
+
+
+def _cuda_strategies(call: OpCall, backward: bool) -> list[OpStrategy]:
+    args = _tensor_args(call)
+    by_name = dict(args)
+    q, k = by_name["query"], by_name["key"]
+    mask = by_name.get("attn_bias")
+    scores = (q.shape[_B], q.shape[_H], q.shape[_L], k.shape[2])
+    hq, hk = q.shape[_H], k.shape[_H]
+    at = {name: i for i, (name, _) in enumerate(args)}
+    dropout = call.arg([a.name for a in call.func._schema.arguments].index("dropout_p"), "dropout_p", 0.0)
+    strategies = []
+    if not dropout:
+        qkv_even = tuple((at[n], _H) for n in ("query", "key", "value"))
+        options = [(_B, True, ()), (_H, True, () if hq == hk else qkv_even)]
+        if hk == 1 and hq != 1:
+            options.append((_H, False, ()))
+        for dim, kv_sharded, even in options:
+            row = Shard(dim)
+            kv = row if kv_sharded else Replicate()
+            bias = _mask_placement(mask, scores, dim) if mask is not None else None
+            part = {**{n: row for n in _ROW_ARGS}, **{n: kv for n in _KV_ARGS}, "attn_bias": bias}
+            inputs = tuple(part.get(name, Replicate()) for name, _ in args)
+            if backward:  # grad_query, grad_key, grad_value[, grad_bias]
+                grads = (row, kv, kv) if kv_sharded else (row, Partial(), Partial())
+                outputs = (grads + (bias,))[: len(call.outputs)]
+            else:  # output, logsumexp, then the philox state and debug outputs, whole
+                outputs = (row, row) + (Replicate(),) * (len(call.outputs) - 2)
+            strategies.append(OpStrategy(outputs, inputs, "sdpa_cuda", even))
+    if backward:  # linear in grad_out, the rest fixed: a Partial grad_out gives Partial gradients
+        first = at["grad_out"] if "grad_out" in at else at["grad_out_"]
+        rest = [Replicate()] * len(args)
+        for p in LINEAR_PARTIALS:
+            inputs = tuple(p if i == first else r for i, r in enumerate(rest))
+            strategies.append(OpStrategy((p,) * len(call.outputs), inputs))
+    return strategies
+
+
+@register(_CUDA_FWD)
+def sdpa_cuda_rule(call: OpCall) -> list[OpStrategy]:
+    return _cuda_strategies(call, False)
+
+
+@register(_CUDA_BWD)
+def sdpa_cuda_backward_rule(call: OpCall) -> list[OpStrategy]:
+    return _cuda_strategies(call, True)
+
+
+def _cuda_is_plain(func, in_specs, coord) -> bool:
+    """Non-empty pieces: the kernel has nothing to fix."""
+    return all(0 not in s.local_shape(coord) for s in in_specs[:4])
+
+
+@register_kernel("sdpa_cuda", plain_when=_cuda_is_plain)
+def sdpa_cuda_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    """The local attention on a batch or head split, with the two fixes of `sdpa_kernel`
+    that apply: q, k, v (and grad_out, out) get a contiguous last dim, and an empty piece
+    (fewer heads or sequences than ranks) gives zeros instead of calling the kernel."""
+    names = [a.name for a in func._schema.arguments]
+    args = [a.contiguous() if names[i] in _ROW_ARGS | _KV_ARGS and a.dim() and a.stride(-1) != 1 else a
+            for i, a in enumerate(args)]
+    qi = names.index("query")
+    if args[qi].numel() == 0 or args[qi + 1].numel() == 0:
+        device = args[qi].device
+        return tuple(torch.zeros(s.local_shape(coord), dtype=s.meta.dtype, device=device) for s in out_specs)
     return func(*args, **kwargs)

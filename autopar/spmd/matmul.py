@@ -1,5 +1,6 @@
 """Matrix products: mm, bmm, addmm, baddbmm, addbmm, dot/vdot/mv/addmv, addr, bilinear's
-_trilinear and cdist, with their einsum letters.
+_trilinear and cdist, with their einsum letters; the scaled (fp8) product _scaled_mm and the
+grouped product of mixture-of-experts layers, _grouped_mm.
 
 `linear`/`matmul` are composite in aten and reach the dispatcher as view + mm/addmm.
 """
@@ -122,3 +123,72 @@ def addmv_rule(call: OpCall) -> list[OpStrategy]:
 def addr_rule(call: OpCall) -> list[OpStrategy]:
     """self + the outer product of vec1 and vec2."""
     return _with_bias(einsum_strategies("m,n->mn", linear_in=(0, 1)), call.inputs[0].shape, 2)
+
+
+def _trailing(strategies: list[OpStrategy], extra: tuple) -> list[OpStrategy]:
+    """`strategies` with inputs appended, each placed by `extra[i](strategy)`."""
+    return [OpStrategy(st.outputs, st.inputs + tuple(f(st) for f in extra)) for st in strategies]
+
+
+@register(aten._scaled_mm)
+def scaled_mm_rule(call: OpCall) -> list[OpStrategy]:
+    """out = scale_a * scale_b * (a @ b) (+ bias), a (m, k), b (k, n) in fp8.  A scale is one
+    number (whole) or one per row of a, (m, 1), and per column of b, (1, n), which split with
+    their rows and columns; the bias (n) splits with n.  k splits into Partial sums only
+    with per-tensor or per-row scales (each term is scaled alike), no bias (added once) and
+    no scale_result (an fp8 output saturates before any sum)."""
+    a, b, scale_a, scale_b = call.inputs[:4]
+    m, n = a.shape[0], b.shape[1]
+    bias = call.arg(4, "bias")
+    scale_result = call.arg(5, "scale_result")
+    row_a, col_b = tuple(scale_a.shape) == (m, 1), tuple(scale_b.shape) == (1, n)
+    whole_a = all(d == 1 for d in scale_a.shape)
+    whole_b = all(d == 1 for d in scale_b.shape)
+    strategies = []
+    if row_a or whole_a:
+        strategies.append(OpStrategy((Shard(0),), (Shard(0), Replicate(), Shard(0) if row_a and m != 1 else Replicate(),
+                                                   Replicate())))
+    if col_b or whole_b:
+        strategies.append(OpStrategy((Shard(1),), (Replicate(), Shard(1), Replicate(),
+                                                   Shard(1) if col_b and n != 1 else Replicate())))
+    if bias is None and scale_result is None and (row_a or whole_a) and (col_b or whole_b):
+        strategies.append(OpStrategy((Partial(),), (Shard(1), Shard(0), Replicate(), Replicate())))
+    extra = ()
+    if bias is not None:
+        extra += (lambda st: Shard(0) if st.outputs[0] == Shard(1) else Replicate(),)
+    if scale_result is not None:
+        extra += (lambda st: Replicate(),)
+    return _trailing(strategies, extra)
+
+
+@register(aten._grouped_mm)
+def grouped_mm_rule(call: OpCall) -> list[OpStrategy]:
+    """The products of several groups (experts) at once.  With `offs` the groups are runs of
+    rows (a 2-D `self` against a 3-D stack of weights, g k n: the tokens routed to each
+    expert) or of the contracted dim (two 2-D operands, out g m n: the weights' gradient);
+    a run's bounds are global positions, so the dim they cut stays whole and the others
+    split; without `offs` it is a batched product, "gmk,gkn->gmn".  The bias (g, n) follows
+    n."""
+    a, b = call.inputs[0], call.inputs[1]
+    grouped = call.arg(2, "offs") is not None
+    bias = call.arg(3, "bias") is not None
+    linear = () if bias else (0, 1)
+    if not grouped:
+        eq = {(3, 3): "gmk,gkn->gmn", (2, 3): "mk,gkn->gmn", (3, 2): "gmk,kn->gmn"}.get((len(a.shape), len(b.shape)))
+        strategies = einsum_strategies(eq, linear_in=linear) if eq else []
+    elif (len(a.shape), len(b.shape)) == (2, 3):  # token runs: rows t stay whole
+        strategies = [st for st in einsum_strategies("tk,gkn->tn", linear_in=linear)
+                      if st.inputs[0] != Shard(0) and st.inputs[1] != Shard(0)]
+    elif (len(a.shape), len(b.shape)) == (2, 2):  # runs of the contracted dim: k stays whole
+        strategies = [st for st in einsum_strategies("mk,kn->gmn", linear_in=linear)
+                      if st.inputs[0] != Shard(1) and st.inputs[1] != Shard(0)]
+    else:
+        strategies = []
+    if bias:
+        strategies = [st for st in strategies if type(st.outputs[0]) is Shard]
+    n_dim = len(call.outputs[0].shape) - 1
+    extra = (lambda st: Replicate(),) if grouped else ()
+    if bias:
+        extra += (lambda st: Shard(1) if st.outputs[0] == Shard(n_dim) else
+                  Shard(0) if st.outputs[0] == Shard(0) and len(call.outputs[0].shape) == 3 else Replicate(),)
+    return _trailing(strategies, extra)

@@ -10,20 +10,28 @@ repeated over the entries.  Linear ones pass Partial through:
   (each term would add the scalar once);
   lerp(self, end, w) = (1-w) self + w end and addcmul/addcdiv(self, t1, t2): sum/avg with
   self and the linear operand Partial, the other whole.
-Fused optimizer steps (_fused_adam_/adamw_/sgd_/adagrad_): every tensor list follows the
+Fused optimizer steps (_fused_adam_/adamw_/sgd_/adagrad_, and _fused_adam/adamw, which return
+the new lists instead of writing them): every tensor list follows the
 param's placement (Shard(d) or Replicate), 0-dim step/lr/scale tensors stay whole.  The
 params are updated in place, so the engine keeps their placement; a Partial grad is reduced
 to it (reduce-scatter to Shard, all-reduce to Replicate) and, being written by the op,
 keeps the reduced placement afterwards.
+GradScaler's unscale (_amp_foreach_non_finite_check_and_unscale_): each gradient is unscaled
+where it is (Shard(d) or Replicate; a Partial one is reduced first: a term may overflow where
+its sum would not) and found_inf, which each rank sets from its own pieces, is the largest
+over the ranks holding the other pieces, so that every rank of the mesh skips the same steps.
+_amp_update_scale_ works on whole scalars.
 """
 from __future__ import annotations
 
 import torch
 
-from ..placement import Replicate, Shard
+from .. import comm
+from ..placement import ReduceType, Replicate, Shard
 from ..spec import TensorMeta
 from .pointwise import shard_strategies
-from .registry import register
+from .reduction import shard_group
+from .registry import register, register_kernel
 from .strategy import AFFINE_PARTIALS, ALL_PARTIALS, LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
@@ -98,6 +106,33 @@ def fused_rule(call: OpCall) -> list[OpStrategy]:
     roles, reps = _roles(call)
     param = reps[0].shape
     return [
-        OpStrategy((), tuple(Shard(d) if reps[r].shape == param else Replicate() for r in roles))
+        OpStrategy((Shard(d),) * len(call.outputs), tuple(Shard(d) if reps[r].shape == param else Replicate()
+                                                          for r in roles))
         for d in range(len(param))
     ]
+
+
+# the functional steps (what a captured or compiled optimizer calls) return the new params,
+# grads and states, each placed as its input
+register([aten._fused_adam, aten._fused_adamw])(fused_rule)
+
+
+@register(aten._amp_foreach_non_finite_check_and_unscale_)
+def amp_unscale_rule(call: OpCall) -> list[OpStrategy]:
+    roles, reps = _roles(call)  # the gradients, found_inf, inv_scale
+    return [OpStrategy((), tuple(Shard(d) if r == 0 else Replicate() for r in roles), "amp_unscale")
+            for d in range(len(reps[0].shape))]
+
+
+@register_kernel("amp_unscale")
+def amp_unscale_kernel(func, args, kwargs, in_specs, out_specs, coord):
+    func(*args, **kwargs)
+    group = shard_group(in_specs[0], range(len(in_specs[0].meta.shape)), coord)
+    if len(group) > 1:  # a non-finite value in any piece skips the step on every rank
+        found_inf = args[1]
+        found_inf.copy_(comm.all_reduce(found_inf, group, ReduceType.MAX))
+
+
+@register(aten._amp_update_scale_)
+def amp_update_scale_rule(call: OpCall) -> list[OpStrategy]:
+    return []  # the scale, its growth tracker and found_inf: whole on every rank
