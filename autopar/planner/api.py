@@ -11,6 +11,7 @@ from .cost import DeviceProfile, load_profile
 from .describe import HF_LLAMA, ModelNames, apply_recompute, config_json, describe, parallelize_config
 from .model import Estimate, TransformerSpec
 from .search import SOLVE_SECONDS, VPP_DEGREES, search
+from .profile_check import check_profile
 
 GB = 1e9
 
@@ -192,6 +193,7 @@ def plan(
 
         world_size = get_world_size()
     profile = load_profile(device)
+    check_profile(profile)  # a cpu profile made elsewhere warns, saying what moved
     result = search(spec, world_size, global_batch, profile, memory_per_rank, precision, fixed)
     limit = profile.memory_bytes if memory_per_rank is None else memory_per_rank
     compared = None

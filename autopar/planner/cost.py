@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import json
 import math
 import os
+import platform
 from dataclasses import dataclass
 from typing import Union
 
@@ -66,6 +68,9 @@ class DeviceProfile:
     # (ranks per core, factor) on each rank's host time where ranks share cores and switch at
     # every collective (caches refilled, switches paid), ascending; empty: 1
     shared_host: tuple = ()
+    # where and when it was measured (`machine_signature()`, an ISO date); empty: datasheet figures
+    calibrated_on: str = ""
+    calibrated_at: str = ""
 
     def peak_flops(self, precision: str) -> float:
         return {"bf16": self.peak_flops_bf16, "fp32": self.peak_flops_fp32}[precision]
@@ -127,7 +132,8 @@ CPU = DeviceProfile(
     shared_host=((1.0, 1.08), (2.0, 1.2), (4.0, 1.32)),
     op_links=(("all_gather", 9.25e-4, 1.53e9), ("reduce_scatter", 1.63e-3, 5.94e8),
               ("all_to_all", 7.28e-4, 1.89e9)),
-    host_overlaps=False,
+    host_overlaps=False, calibrated_on="the development machine (2 cores, 24 GiB; its processor not recorded)",
+    calibrated_at="2026-11-25",
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
 CPU_PROFILE_ENV = "AUTOPAR_CPU_PROFILE"  # path of a calibrated profile JSON for "cpu"
@@ -534,7 +540,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         inter_bandwidth=bandwidth, inter_latency=latency, ranks_per_node=_ONE_MACHINE,
         matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
         cores=cores, gemm_curve=gemm, memory_curve=memory, element_costs=elements, strided_costs=strided,
-        shared_links=shared, shared_host=host, op_links=ops, host_overlaps=False,
+        shared_links=shared, shared_host=host, op_links=ops, host_overlaps=False, **calibration_stamp(),
     )
     with _one_thread():
         op, node, dispatch = framework_costs(profile)
@@ -548,6 +554,22 @@ def machine_cores() -> int:
 
 def _total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def machine_signature() -> str:
+    """This machine in a line: its processor, cores and memory."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {len(os.sched_getaffinity(0))} cores, {_total_memory() / 2**30:.0f} GiB"
+
+
+def calibration_stamp() -> dict:
+    """The `calibrated_on` / `calibrated_at` fields of a profile measured here and now."""
+    return {"calibrated_on": machine_signature(), "calibrated_at": datetime.date.today().isoformat()}
 
 
 def save_profile(profile: DeviceProfile, path: str) -> None:

@@ -26,6 +26,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ..comm.collectives import gathered_all_reduce
 from .cost import _RING, DeviceProfile, load_profile, machine_cores, median_time, op_link
+from .profile_check import check_profile
 
 aten = torch.ops.aten
 
@@ -635,6 +636,7 @@ def predict_step(make_step: Callable[[], Callable[[], object]], world_size: int,
     large job built on the meta device is priced from its stages' first ranks.
     """
     profile = load_profile(device)
+    check_profile(profile)  # a cpu profile made elsewhere warns, saying what moved
     if mesh is None:
         return job_time([record_step(make_step, world_size, r, warmup) for r in range(world_size)], profile, load)
     from ..tools.simulate import rank_roles

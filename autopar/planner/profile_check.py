@@ -1,0 +1,73 @@
+"""Whether a CPU profile describes the machine it is used on.
+
+A profile is a measurement of one machine (`python -m autopar.planner --calibrate`); on
+another, or on the same one changed, every prediction made with it is off by what moved.
+It records where and when it was calibrated, and on its first use in a process two of its
+constants are measured again (the GEMM rate at 128 x 128, cache-cold as calibrated, and the
+per-op latency: under a tenth of a second); one that moved by more than TOLERANCE gives a
+`ProfileMismatchWarning` saying what moved, where the profile was made, and how to
+calibrate this machine.
+"""
+from __future__ import annotations
+
+import warnings
+
+from .cost import CPU_PROFILE_ENV, DeviceProfile, _cold_call, _net, _one_thread, _per_call, machine_signature
+
+TOLERANCE = 0.3  # a constant more than 30% off its profile's value no longer describes the machine
+_CHECKED: dict = {}  # profile -> the problems found, once per process
+_GEMM = 128
+
+
+class ProfileMismatchWarning(UserWarning):
+    """The device profile's measured constants do not hold on this machine."""
+
+
+def measure_constants() -> dict:
+    """The constants the check compares, measured now as `calibrate` measures them: the
+    per-op latency and the GEMM rate at 128 x 128 (FLOP/s)."""
+    import torch
+
+    with _one_thread():
+        a, b = torch.ones(1), torch.ones(1)
+        op = _per_call(lambda: torch.add(a, b))
+        seconds = _cold_call(lambda: (torch.randn(_GEMM, _GEMM), torch.randn(_GEMM, _GEMM)), torch.mm,
+                             8 * _GEMM * _GEMM, 1 << 25)
+    return {"kernel_latency": op, "gemm_rate": 2.0 * _GEMM**3 / _net(seconds, op)}
+
+
+def _profile_constants(profile: DeviceProfile) -> dict:
+    from .predict import flop_rate
+
+    return {"kernel_latency": profile.kernel_latency, "gemm_rate": flop_rate(2.0 * _GEMM**3, profile)}
+
+
+def moved_constants(profile: DeviceProfile, measured: dict) -> list[str]:
+    """The constants of `profile` that `measured` (from `measure_constants`) puts more than
+    TOLERANCE away, each as 'name: profile's value, measured value'."""
+    moved = []
+    for name, want in _profile_constants(profile).items():
+        got = measured[name]
+        if abs(got - want) > TOLERANCE * want:
+            moved.append(f"{name} {want:.3g} in the profile, {got:.3g} measured ({got / want:.2f}x)")
+    return moved
+
+
+def check_profile(profile: DeviceProfile) -> list[str]:
+    """On the first use of a CPU profile in this process, measure its constants again and warn
+    (`ProfileMismatchWarning`) if one moved; the problems found (none: it holds).  Profiles of
+    other devices (datasheet figures) are not checked: this machine cannot measure them."""
+    if profile.name != "cpu":
+        return []
+    if profile not in _CHECKED:
+        moved = moved_constants(profile, measure_constants())
+        _CHECKED[profile] = moved
+        if moved:
+            where = (f"calibrated on {profile.calibrated_on or 'an unrecorded machine'}"
+                     f"{' on ' + profile.calibrated_at if profile.calibrated_at else ''}")
+            warnings.warn(
+                f"the cpu profile does not describe this machine ({machine_signature()}): {'; '.join(moved)}. "
+                f"It was {where}; predictions made with it are off by as much.  Calibrate this machine: "
+                f"python -m autopar.planner --calibrate cpu.json, then {CPU_PROFILE_ENV}=cpu.json",
+                ProfileMismatchWarning, stacklevel=3)
+    return _CHECKED[profile]
