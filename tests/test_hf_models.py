@@ -2,7 +2,9 @@
 through `parallelize` over 2 ranks against the single-process run: GPT-2 (Conv1D layers with
 [in, out] weights, a fused qkv projection, tied LM head), Qwen2 (GQA, biases on q/k/v), BERT
 (post-norm encoder, masked-LM head tied to the embeddings), T5 (relative position bias shared
-by the blocks, encoder-decoder) and BART (learned positions, cross-attention)."""
+by the blocks, encoder-decoder) and BART (learned positions, cross-attention); and the
+mixture-of-experts models Mixtral and Qwen2-MoE (a top-k router, the experts' grouped
+weights run through _grouped_mm) under data parallel."""
 import pytest
 import torch
 
@@ -38,6 +40,16 @@ def _config(name):
             vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=FFN,
             decoder_ffn_dim=FFN, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
             max_position_embeddings=4 * SEQ, **NO_DROPOUT[name])
+    if name == "mixtral":
+        return hf.MixtralForCausalLM, hf.MixtralConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=4 * SEQ)
+    if name == "qwen2_moe":
+        return hf.Qwen2MoeForCausalLM, hf.Qwen2MoeConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=FFN // 2,
+            shared_expert_intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2, max_position_embeddings=4 * SEQ)
     return hf.BertForMaskedLM, hf.BertConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
         num_attention_heads=HEADS, max_position_embeddings=4 * SEQ, **NO_DROPOUT[name])
@@ -205,3 +217,15 @@ def test_sdpa_kernel_gives_the_cpu_flash_op_a_contiguous_last_dim():
     got = sdpa_kernel(_BWD, [*odd, got[1], 0.0, False], {}, [spec] * 6, [spec] * 3, (0,))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("level", [0, 3])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_mixture_of_experts_models_train_data_parallel_as_one_process(name, level):
+    """HF's MoE blocks route each token to its top-2 of 4 experts and run the experts' grouped
+    weights through _grouped_mm in fp32 (whose meta kernel takes bf16 only): data parallel
+    and ZeRO-3 match one process.  (The experts sort the tokens of the whole batch by expert,
+    so the batch is gathered there and stays whole after: expert parallel is what splits it.)"""
+    ref = reference(name)
+    for got, *_ in run_dist(_parallel, 2, name, {"dp_config": {"sharding_level": level}}, ["dp"]):
+        assert_matches(got, ref)

@@ -10,7 +10,7 @@ import torch
 
 from ..placement import Partial, Replicate, Shard
 from .einsum import einsum_strategies
-from .registry import register
+from .registry import META_OUTPUTS, register
 from .strategy import OpCall, OpStrategy
 
 aten = torch.ops.aten
@@ -192,3 +192,14 @@ def grouped_mm_rule(call: OpCall) -> list[OpStrategy]:
         extra += (lambda st: Shard(1) if st.outputs[0] == Shard(n_dim) else
                   Shard(0) if st.outputs[0] == Shard(0) and len(call.outputs[0].shape) == 3 else Replicate(),)
     return _trailing(strategies, extra)
+
+
+def _grouped_mm_meta(a, b, offs=None, bias=None, out_dtype=None):
+    """_grouped_mm's meta kernel takes bf16 only; its CPU kernel also takes fp32 (HF's experts
+    call it so): the shapes from the meta kernel at bf16, the dtype the kernel gives."""
+    bf = torch.bfloat16
+    out = torch.ops.aten._grouped_mm.default(a.to(bf), b.to(bf), offs, None if bias is None else bias.to(bf))
+    return out.to(out_dtype or a.dtype)
+
+
+META_OUTPUTS[aten._grouped_mm.default] = _grouped_mm_meta

@@ -26,6 +26,11 @@ RULE_FNS: dict = {}
 # ops that draw from the random generator: a rank outside their mesh still draws (and
 # discards) the same numbers, so every rank's stream stays the single-process stream
 DRAWS_RANDOM: set = set()
+# op -> fn(*meta args, **meta kwargs): its output on meta tensors, for ops whose meta kernel
+# refuses inputs that their kernels on a device take (_grouped_mm's takes bf16 only; the CPU
+# kernel, which HF's mixture-of-experts layers call in fp32, takes fp32 too): the shapes a
+# program gets are inferred as strictly as the program runs, no more
+META_OUTPUTS: dict = {}
 
 
 def register(ops: Iterable | object, local_args: Callable | None = None, writes: Callable | None = None):

@@ -34,7 +34,7 @@ from ..placement import Partial, Replicate
 from ..redistribute import piece_of_replicated, redistribute_local
 from ..spec import DistSpec, TensorMeta
 from ..spmd import engine
-from ..spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS, UNDECLARED_WRITES
+from ..spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS, META_OUTPUTS, UNDECLARED_WRITES
 from ..spmd.strategy import OpCall
 
 aten = torch.ops.aten
@@ -294,7 +294,7 @@ def decide(func, args, kwargs, flat) -> Decision:
         if meta_kwargs.get("device") is not None:  # _to_copy(..., device=cpu), new_zeros(..., device=...)
             meta_kwargs["device"] = "meta"
         try:
-            meta_out = func(*meta_args, **meta_kwargs)
+            meta_out = META_OUTPUTS.get(func, func)(*meta_args, **meta_kwargs)
         except (NotImplementedError, RuntimeError, ValueError, IndexError) as err:
             if not _no_meta_kernel(err):
                 raise _user_error(func, flat, err) from err
