@@ -224,8 +224,36 @@ def test_sdpa_kernel_gives_the_cpu_flash_op_a_contiguous_last_dim():
 def test_mixture_of_experts_models_train_data_parallel_as_one_process(name, level):
     """HF's MoE blocks route each token to its top-2 of 4 experts and run the experts' grouped
     weights through _grouped_mm in fp32 (whose meta kernel takes bf16 only): data parallel
-    and ZeRO-3 match one process.  (The experts sort the tokens of the whole batch by expert,
-    so the batch is gathered there and stays whole after: expert parallel is what splits it.)"""
+    and ZeRO-3 match one process.  Each rank's experts run on its own tokens (a local region,
+    spmd/experts.py: op by op they would sort the whole batch's tokens by expert), so the batch
+    stays split to the logits."""
     ref = reference(name)
-    for got, *_ in run_dist(_parallel, 2, name, {"dp_config": {"sharding_level": level}}, ["dp"]):
+    for got, comm, _, logits in run_dist(_parallel, 2, name, {"dp_config": {"sharding_level": level}}, ["dp"]):
         assert_matches(got, ref)
+        assert logits == [S0], logits
+        # the batch from the first rank (send/recv), the loss's scalars and the gradients (and
+        # ZeRO-3's parameters): no activation gathered
+        assert {op for op, _ in comm} <= {"send", "recv", "all_reduce", "all_gather", "reduce_scatter"}, comm
+        if level == 0:
+            assert not {op for op, _ in comm} & {"all_gather", "reduce_scatter"}, comm
+
+
+def test_the_experts_rule_vouches_only_for_tokens_split_alike_and_whole_weights():
+    from autopar.spec import DistSpec, TensorMeta
+    from autopar.spmd.experts import experts_module_rule
+
+    experts = tiny("mixtral").model.layers[0].mlp.experts
+    mesh = dist.ProcessMesh([0, 1])
+    R = dist.Replicate()
+
+    def spec(shape, placement, dtype=torch.float32):
+        return DistSpec(mesh, (placement,), TensorMeta.contiguous(shape, dtype))
+
+    weights = [spec(tuple(p.shape), R) for p in experts.parameters()]
+    tokens = (spec((64, HIDDEN), S0), spec((64, 2), S0, torch.long), spec((64, 2), S0))
+    assert experts_module_rule(experts, tokens, {}, weights) is tokens[0]
+    assert experts_module_rule(experts, tokens[:1] + (spec((64, 2), R, torch.long), tokens[2]), {}, weights) is None
+    assert experts_module_rule(experts, (spec((64, HIDDEN), Shard(1)),) + tokens[1:], {}, weights) is None
+    assert experts_module_rule(experts, tokens, {}, [spec(tuple(p.shape), S0) for p in experts.parameters()]) is None
+    assert experts_module_rule(experts, tuple(spec(t.shape, R, t.meta.dtype) for t in tokens), {}, weights) is None
+    assert experts_module_rule(torch.nn.Linear(4, 4), tokens, {}, weights) is None
