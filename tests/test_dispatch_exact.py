@@ -232,6 +232,29 @@ def test_ops_whose_output_shape_depends_on_values_run_on_the_gathered_inputs():
     assert all(results[0][name][2] for name in ["masked_select", "nonzero", "unique", "histogram", "geqrf"])
 
 
+# -- a composite that reads a tensor argument's memory ----------------------------------------
+def _split_by_index_tensor():
+    """tensor_split by a distributed tensor of indices (torch's kernel reads the indices' memory
+    before dispatch) splits as one process does, forward and gradient; torch's own kernel still
+    serves plain indices, its errors included."""
+    mesh, g = _mesh(), torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, generator=g)
+    for idx in (torch.tensor([1, 3]), torch.tensor([4, 0, 2]), torch.tensor(3)):
+        for pl in ([Shard(0)], [Replicate()])[idx.dim() == 0:]:
+            for dim in (0, 1):
+                check(lambda a, i: torch.tensor_split(a, i, dim), [x, idx], [[Shard(1)], pl], mesh)
+                check(lambda a, i: a.tensor_split(i, dim), [x, idx], [[Shard(0)], pl], mesh)
+    plain = torch.tensor_split(x, torch.tensor([2]), 1)
+    assert [tuple(p.shape) for p in plain] == [(5, 2), (5, 4)]
+    with pytest.raises(RuntimeError, match="dtype of long"):
+        torch.tensor_split(x, torch.tensor([2.0]))
+    return True
+
+
+def test_tensor_split_by_a_distributed_index_tensor():
+    assert all(run_dist(_split_by_index_tensor, 2))
+
+
 # -- an op that raises on one rank ----------------------------------------------------------
 def _raises_on_one_rank(case):
     """Ids out of range in rank 1's piece (or in both pieces): the embedding's local lookup

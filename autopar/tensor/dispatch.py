@@ -27,7 +27,7 @@ from ..comm import faults
 from ..comm.backend import CommError, value_read
 from ..comm.collectives import reading_values
 from ..comm.fake import readable
-from .dtensor import DistTensor, local_piece, new_dist
+from .dtensor import DistTensor, local_piece, new_dist, on_first_dist_tensor
 from .observers import _REDUCERS, _WATCHERS, before_partial_read  # (read on every op)
 from .op_call import fast_op, meta_like
 from ..placement import Partial, Replicate
@@ -752,3 +752,28 @@ def _run_groups(func, args, kwargs, groups):
                 results[i] = o
     return results if any_out else None
 
+
+_SPLIT_BY_TENSOR = aten.tensor_split.tensor_indices_or_sections
+_KERNELS_OVER_TORCH: list = []  # the torch.library registrations below, kept alive
+
+
+def _split_by_tensor(self, indices, dim=0):
+    """tensor_split by a 1-D tensor of indices reads that tensor's memory in C++, before any op
+    reaches dispatch, and a DistTensor has none ("data is not allocated"): a distributed one is
+    read as its value (collective, as `.tolist()`), then split by the list.  Any other call
+    runs torch's own kernel."""
+    if type(indices) is DistTensor and indices.dim() == 1 and indices.dtype == torch.int64:
+        return aten.tensor_split.indices(self, indices.tolist(), dim)
+    return _SPLIT_BY_TENSOR._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, self, indices, dim)
+
+
+def _kernels_over_torch() -> None:
+    """torch's composite kernels that read a tensor argument's memory directly, replaced at the
+    autograd keys (where composites run) by ones that read a DistTensor's value first."""
+    lib = torch.library.Library("aten", "IMPL")
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        lib.impl(_SPLIT_BY_TENSOR.__name__, _split_by_tensor, key)
+    _KERNELS_OVER_TORCH.append(lib)
+
+
+on_first_dist_tensor(_kernels_over_torch)
