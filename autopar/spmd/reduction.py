@@ -422,13 +422,15 @@ def foreach_norm_kernel(func, args, kwargs, in_specs, out_specs, coord):
 
 @register_kernel("logsumexp")
 def logsumexp_kernel(func, args, kwargs, in_specs, out_specs, coord):
-    """log sum exp(x - m) + m with m the all-reduced max (two small all-reduces)."""
+    """log sum exp(x - m) + m with m the all-reduced max (two small all-reduces); of the real
+    part for complex x, as torch takes it (complex values have no max)."""
     spec = in_specs[0]
     x = args[0].to(out_specs[0].meta.dtype)
     dims = reduced_dims(_get(args, kwargs, 1, "dim"), x.dim())
     keepdim = _get(args, kwargs, 2, "keepdim", False)
     group = shard_group(spec, dims, coord)
-    m = comm.all_reduce(_extreme_or(x, dims, ReduceType.MAX, -math.inf), group, ReduceType.MAX)
+    real = x.real if x.is_complex() else x
+    m = comm.all_reduce(_extreme_or(real, dims, ReduceType.MAX, -math.inf), group, ReduceType.MAX)
     m = m.masked_fill(m.isinf(), 0)  # all -inf (or an inf) rows: as torch, shift by 0
     s = comm.all_reduce((x - m).exp().sum(dims, keepdim=True), group, ReduceType.SUM)
     return _squeeze(s.log().add_(m), dims, keepdim)
