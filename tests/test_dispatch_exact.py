@@ -232,6 +232,58 @@ def test_ops_whose_output_shape_depends_on_values_run_on_the_gathered_inputs():
     assert all(results[0][name][2] for name in ["masked_select", "nonzero", "unique", "histogram", "geqrf"])
 
 
+# -- a composite that reads a tensor argument's memory ----------------------------------------
+def _split_by_index_tensor():
+    """tensor_split by a distributed tensor of indices (torch's kernel reads the indices' memory
+    before dispatch) splits as one process does, forward and gradient; torch's own kernel still
+    serves plain indices, its errors included."""
+    mesh, g = _mesh(), torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, generator=g)
+    for idx in (torch.tensor([1, 3]), torch.tensor([4, 0, 2]), torch.tensor(3)):
+        for pl in ([Shard(0)], [Replicate()])[idx.dim() == 0:]:
+            for dim in (0, 1):
+                check(lambda a, i: torch.tensor_split(a, i, dim), [x, idx], [[Shard(1)], pl], mesh)
+                check(lambda a, i: a.tensor_split(i, dim), [x, idx], [[Shard(0)], pl], mesh)
+    plain = torch.tensor_split(x, torch.tensor([2]), 1)
+    assert [tuple(p.shape) for p in plain] == [(5, 2), (5, 4)]
+    with pytest.raises(RuntimeError, match="dtype of long"):
+        torch.tensor_split(x, torch.tensor([2.0]))
+    return True
+
+
+def test_tensor_split_by_a_distributed_index_tensor():
+    assert all(run_dist(_split_by_index_tensor, 2))
+
+
+# -- ops whose decomposition or derivative writes into views --------------------------------
+def _writes_into_views():
+    """householder_product's and ormqr's backward fill a diagonal and add into narrowed columns of
+    the input autograd saved; circular padding writes its borders into slices of its output.  On
+    split matrix dims or a split padded dim those views would need communication (a copy, the
+    write refused): the values and gradients are the single process's instead."""
+    mesh, g = _mesh(), torch.Generator().manual_seed(0)
+    a, tau, c = torch.randn(6, 4, generator=g), torch.randn(4, generator=g), torch.randn(6, 5, generator=g)
+    batch = torch.randn(3, 5, 4, generator=g), torch.randn(3, 2, generator=g)
+    for pa, pt in (([Shard(0)], [Shard(0)]), ([Shard(1)], [Replicate()]), ([Replicate()], [Shard(0)])):
+        check(torch.linalg.householder_product, [a, tau], [pa, pt], mesh)
+        for left, transpose in ((True, False), (True, True)):
+            check(lambda x, t, o: torch.ormqr(x, t, o, left, transpose), [a, tau, c], [pa, pt, pa], mesh)
+    # a split batch dim stays split: the backward's views are local there
+    out, log = check(torch.linalg.householder_product, list(batch), [[Shard(0)], [Shard(0)]], mesh)
+    assert out.placements == [Shard(0)] and len(log) == 0
+    x = torch.randn(2, 3, 5, 6, generator=g)
+    for pad in ((1, 2, 0, 0), (-1, 1, -2, 1), (2, 0, 0, 3), (0, 0, -2, 2), (3, 3, 1, 1)):
+        for pl in ([Shard(3)], [Shard(2)], [Shard(0)]):
+            check(lambda t: F.pad(t, pad, mode="circular"), [x], [pl], mesh)
+    with pytest.raises(ValueError, match="more than once"):
+        F.pad(dist.shard_tensor(x, mesh, [Shard(3)]), (0, 0, 3, -3), mode="circular")
+    return True
+
+
+def test_ops_writing_into_views_are_the_single_process_ones():
+    assert all(run_dist(_writes_into_views, 2))
+
+
 # -- an op that raises on one rank ----------------------------------------------------------
 def _raises_on_one_rank(case):
     """Ids out of range in rank 1's piece (or in both pieces): the embedding's local lookup

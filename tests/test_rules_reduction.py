@@ -300,6 +300,70 @@ def test_placements_and_comm():
     assert all(run_dist(_placement_and_comm_rank, 2))
 
 
+def _check_complex(fn, x, placements, mesh):
+    """fn of a complex x, distributed as `placements`, against the single process: the value and
+    the gradient of sum(re(fn(x) * w)) (NaN where the single process has NaN)."""
+    w = torch.randn(fn(x).shape, dtype=x.dtype, generator=torch.Generator().manual_seed(1))
+    ref = x.clone().requires_grad_()
+    want = fn(ref)
+    (want * w).real.sum().backward()
+    dx = dist.shard_tensor(x, mesh, placements, stop_gradient=False)
+    got = fn(dx)
+    torch.testing.assert_close(dist.unshard_dtensor(got), want.detach(), rtol=1e-5, atol=1e-5, equal_nan=True)
+    (got.clone() * w).real.sum().backward()
+    torch.testing.assert_close(dist.unshard_dtensor(dx.grad), ref.grad, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def _complex_norm_rank():
+    """A complex norm in a wider dtype takes |x| in that dtype, as torch does: the max modulus is
+    torch's to the bit, so renorm's gradient (which compares |x| with that norm) follows the
+    single process, its NaNs included (its complex64 |x| never equals the complex128 norm)."""
+    mesh = dist.ProcessMesh([0, 1])
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 4, 3, dtype=torch.complex64, generator=gen) * 5
+    for ord in (math.inf, -math.inf, 2):
+        for dims, pl in (((0, 1), S0), ((0, 2), S2), ((1,), S1)):
+            want = torch.linalg.vector_norm(x, ord, dims, dtype=torch.complex128)
+            got = dist.unshard_dtensor(torch.linalg.vector_norm(dist.shard_tensor(x, mesh, [pl]), ord, dims,
+                                                                dtype=torch.complex128))
+            assert got.dtype == torch.float64
+            if math.isinf(ord):
+                assert torch.equal(got, want), (ord, dims)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    xs = [x, x[:, 0]]
+    got = torch._foreach_norm([dist.shard_tensor(t, mesh, [S0]) for t in xs], math.inf, dtype=torch.complex128)
+    assert all(torch.equal(dist.unshard_dtensor(g), w)
+               for g, w in zip(got, torch._foreach_norm(xs, math.inf, dtype=torch.complex128)))
+    for pl in (S0, S1, S2):
+        _check_complex(lambda t: torch.renorm(t, math.inf, 2, 0.5), x, [pl], mesh)
+    real = x.real.contiguous()
+    for pl in ([S0], [S1], [S2]):
+        check(lambda t: torch.renorm(t, math.inf, 2, 0.5), [real], [pl], mesh)
+    return True
+
+
+def test_complex_norm_in_wide_dtype():
+    assert all(run_dist(_complex_norm_rank, 2))
+
+
+def _complex_logsumexp_rank(mesh_ids):
+    """Complex logsumexp over sharded dims shifts by the all-reduced max of the real parts, as
+    torch does (complex values have no max), rows of -inf real parts included."""
+    mesh = dist.ProcessMesh(mesh_ids)
+    x = torch.randn(5, 6, dtype=torch.complex64, generator=torch.Generator().manual_seed(2)) * 4
+    x[2] = torch.complex(torch.full((6,), -math.inf), torch.zeros(6))
+    nd = mesh.ndim
+    for dims, pl in ((1, [S1] * nd), ((0, 1), [S0] + [S1] * (nd - 1)), (0, [S0] * nd), (1, [S0] * nd)):
+        _check_complex(lambda t: torch.logsumexp(t, dims), x, pl, mesh)
+        _check_complex(lambda t: torch.logsumexp(t, dims, keepdim=True), x, pl, mesh)
+    return True
+
+
+def test_complex_logsumexp():
+    assert all(run_dist(_complex_logsumexp_rank, 2, [0, 1]))
+    assert all(run_dist(_complex_logsumexp_rank, 4, [[2, 0], [1, 3]]))
+
+
 def _clip_rank(mesh_ids, foreach):
     mesh = dist.ProcessMesh(mesh_ids)
     nd = mesh.ndim

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import autopar as dist
 from autopar import Partial, Replicate, Shard
+from autopar.placement import StridedShard
 from autopar.spmd import engine
 from autopar.spmd.registry import rule_for
 from distpool import run_dist
@@ -123,6 +124,9 @@ def _join_cut(world):
         (cat0, [a, b], [[S0], [R]], None, True),
         (cat1, [a, c], [[S0], [S0]], [S0], False),
         (cat1, [a, c], [[P], [P]], [P], False),
+        # equal pieces split on the cat dim give a StridedShard, an empty one too (each block empty)
+        (cat0, [torch.randn(0), torch.randn(0)], [[S0], [S0]], [StridedShard(0, 2)], False),
+        (lambda x, y: torch.cat([x, y]) * 2, [torch.randn(0, 3), torch.randn(0, 3)], [[S0], [S0]], None, False),
         (lambda x: torch.stack([x, x * 2], 1), [a], [[S0]], [S0], False),
         (lambda x: torch.stack([x, x]), [a], [[S1]], [S2], False),
         (lambda x: x.split(2, 1), [a], [[S0]], [[S0]] * 3, False),

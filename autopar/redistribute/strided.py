@@ -10,8 +10,8 @@ from ..spec import DistSpec, split_range
 
 
 def _blocks(t: torch.Tensor, dim: int, block: int) -> torch.Tensor:
-    """`t` with dim `dim` read as [n_blocks, block]."""
-    return t.unflatten(dim, (t.shape[dim] // block, block))
+    """`t` with dim `dim` read as [n_blocks, block] (an empty dim: one empty block)."""
+    return t.unflatten(dim, (t.shape[dim] // block if block else 1, block))
 
 
 def cut(full: torch.Tensor, spec: DistSpec, coord) -> torch.Tensor:

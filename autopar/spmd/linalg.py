@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..placement import Replicate, Shard
-from .registry import register
+from .registry import WHOLE_FOR_AUTOGRAD, register
 from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
@@ -64,6 +64,11 @@ def _batch_dim(shape, core: int, nb: int, b: int):
     """Dim of an operand aligned with broadcast batch dim b (None: the operand lacks it)."""
     d = b - (nb - (len(shape) - core))
     return d if 0 <= d < len(shape) - core else None
+
+
+# their backward writes into the diagonal and narrowed columns of the reflectors it saved (input
+# and tau: see the registry); ormqr's `other` splits as its rule allows
+WHOLE_FOR_AUTOGRAD.update({aten.linalg_householder_product.default: (2, 1), aten.ormqr.default: (2, 1)})
 
 
 @register(list(_OPS))

@@ -358,6 +358,15 @@ def _norm_combine(ord) -> ReduceType:
     return {math.inf: ReduceType.MAX, -math.inf: ReduceType.MIN}.get(ord, ReduceType.SUM)
 
 
+def _modulus(x: torch.Tensor, dtype, out_dtype) -> torch.Tensor:
+    """|x| as a norm's kernel takes it: in the `dtype` asked for, as torch does (the modulus of a
+    complex64 value rounds otherwise than its complex128 one, and renorm's gradient compares |x|
+    with the norm bit for bit)."""
+    if dtype is not None and dtype.is_complex == x.is_complex():
+        x = x.to(dtype)
+    return x.abs().to(out_dtype)
+
+
 def _norm_terms(a: torch.Tensor, ord, dims) -> torch.Tensor:
     """This piece's share of the `ord`-norm of |x| = `a` over `dims` (kept)."""
     if ord == math.inf:
@@ -392,7 +401,7 @@ def vector_norm_kernel(func, args, kwargs, in_specs, out_specs, coord):
     ord = 2 if ord is None else ord
     dims = reduced_dims(_get(args, kwargs, 2, "dim"), x.dim())
     keepdim = _get(args, kwargs, 3, "keepdim", False)
-    terms = _norm_terms(x.abs().to(out_specs[0].meta.dtype), ord, dims)
+    terms = _norm_terms(_modulus(x, kwargs.get("dtype"), out_specs[0].meta.dtype), ord, dims)
     total = comm.all_reduce(terms, shard_group(spec, dims, coord), _norm_combine(ord))
     return _squeeze(_norm_root(total, ord), dims, keepdim)
 
@@ -402,7 +411,8 @@ def foreach_norm_kernel(func, args, kwargs, in_specs, out_specs, coord):
     """Every tensor's share in one vector, one all-reduce for the whole group."""
     xs = args[0]
     ord = _get(args, kwargs, 1, "ord", 2)
-    terms = [_norm_terms(x.abs().to(out.meta.dtype), ord, tuple(range(x.dim()))).reshape(())
+    wide = _get(args, kwargs, 2, "dtype")
+    terms = [_norm_terms(_modulus(x, wide, out.meta.dtype), ord, tuple(range(x.dim()))).reshape(())
              for x, out in zip(xs, out_specs)]
     spec = in_specs[0]
     group = shard_group(spec, range(spec.ndim), coord)
@@ -412,13 +422,15 @@ def foreach_norm_kernel(func, args, kwargs, in_specs, out_specs, coord):
 
 @register_kernel("logsumexp")
 def logsumexp_kernel(func, args, kwargs, in_specs, out_specs, coord):
-    """log sum exp(x - m) + m with m the all-reduced max (two small all-reduces)."""
+    """log sum exp(x - m) + m with m the all-reduced max (two small all-reduces); of the real
+    part for complex x, as torch takes it (complex values have no max)."""
     spec = in_specs[0]
     x = args[0].to(out_specs[0].meta.dtype)
     dims = reduced_dims(_get(args, kwargs, 1, "dim"), x.dim())
     keepdim = _get(args, kwargs, 2, "keepdim", False)
     group = shard_group(spec, dims, coord)
-    m = comm.all_reduce(_extreme_or(x, dims, ReduceType.MAX, -math.inf), group, ReduceType.MAX)
+    real = x.real if x.is_complex() else x
+    m = comm.all_reduce(_extreme_or(real, dims, ReduceType.MAX, -math.inf), group, ReduceType.MAX)
     m = m.masked_fill(m.isinf(), 0)  # all -inf (or an inf) rows: as torch, shift by 0
     s = comm.all_reduce((x - m).exp().sum(dims, keepdim=True), group, ReduceType.SUM)
     return _squeeze(s.log().add_(m), dims, keepdim)

@@ -21,8 +21,6 @@ UNDECLARED_WRITES: dict = {}
 # local_region), else None.  Rules see specs, not tensors: each tensor argument is its DistSpec
 # (None for a plain tensor), `param_specs` the module's parameters' (None for a plain one).
 MODULE_RULES: dict = {}
-# op -> the function registered for it (RULES holds its out= wrapper for out overloads)
-RULE_FNS: dict = {}
 # ops that draw from the random generator: a rank outside their mesh still draws (and
 # discards) the same numbers, so every rank's stream stays the single-process stream
 DRAWS_RANDOM: set = set()
@@ -31,6 +29,12 @@ DRAWS_RANDOM: set = set()
 # kernel, which HF's mixture-of-experts layers call in fp32, takes fp32 too): the shapes a
 # program gets are inferred as strictly as the program runs, no more
 META_OUTPUTS: dict = {}
+# op -> the number of core (matrix) dims of its leading tensor inputs, for ops whose derivative
+# formula writes in place into views of the inputs autograd saved (householder_product's backward
+# fills a diagonal, adds into narrowed columns): autograd is given those inputs with their core
+# dims whole, so every view the backward writes into is local (a view that needed communication
+# holds a copy, and a write into it is refused)
+WHOLE_FOR_AUTOGRAD: dict = {}
 
 
 def register(ops: Iterable | object, local_args: Callable | None = None, writes: Callable | None = None):

@@ -15,6 +15,7 @@ them waits for it.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -27,14 +28,14 @@ from ..comm import faults
 from ..comm.backend import CommError, value_read
 from ..comm.collectives import reading_values
 from ..comm.fake import readable
-from .dtensor import DistTensor, local_piece, new_dist
+from .dtensor import DistTensor, local_piece, new_dist, on_first_dist_tensor
 from .observers import _REDUCERS, _WATCHERS, before_partial_read  # (read on every op)
 from .op_call import fast_op, meta_like
-from ..placement import Partial, Replicate
+from ..placement import Partial, Replicate, Shard, StridedShard
 from ..redistribute import piece_of_replicated, redistribute_local
 from ..spec import DistSpec, TensorMeta
 from ..spmd import engine
-from ..spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS, META_OUTPUTS, UNDECLARED_WRITES
+from ..spmd.registry import DRAWS_RANDOM, KERNELS, LOCAL_ARGS, META_OUTPUTS, UNDECLARED_WRITES, WHOLE_FOR_AUTOGRAD
 from ..spmd.strategy import OpCall
 
 aten = torch.ops.aten
@@ -752,3 +753,83 @@ def _run_groups(func, args, kwargs, groups):
                 results[i] = o
     return results if any_out else None
 
+
+_SPLIT_BY_TENSOR = aten.tensor_split.tensor_indices_or_sections
+_KERNELS_OVER_TORCH: list = []  # the torch.library registrations below, kept alive
+
+
+def _split_by_tensor(self, indices, dim=0):
+    """tensor_split by a 1-D tensor of indices reads that tensor's memory in C++, before any op
+    reaches dispatch, and a DistTensor has none ("data is not allocated"): a distributed one is
+    read as its value (collective, as `.tolist()`), then split by the list.  Any other call
+    runs torch's own kernel."""
+    if type(indices) is DistTensor and indices.dim() == 1 and indices.dtype == torch.int64:
+        return aten.tensor_split.indices(self, indices.tolist(), dim)
+    return _SPLIT_BY_TENSOR._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, self, indices, dim)
+
+
+_PAD_CIRCULAR = aten._pad_circular.default
+
+
+def _pad_circular(self, pad):
+    """Circular padding of a distributed tensor, out of place: along each padded dim the input
+    is cropped by its negative pads to rows [a, b), then output row o is row a + (o - before)
+    mod (b - a), an index_select per dim (its gradient sums the wrapped rows back).  torch's
+    composite writes the wrapped borders into slices of its output, which are copies wherever
+    a slice needed communication (the write is refused there).  torch's own checks run first,
+    on the meta device."""
+    composite = functools.partial(_PAD_CIRCULAR._op_dk, torch._C.DispatchKey.CompositeImplicitAutograd)
+    if type(self) is not DistTensor:
+        return composite(self, pad)
+    composite(torch.empty(self.shape, dtype=self.dtype, device="meta"), pad)
+    out = self
+    for i in range(len(pad) // 2):
+        dim, before, after = self.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
+        if before or after:
+            a, b = max(-before, 0), self.shape[dim] - max(-after, 0)
+            if max(before, after) > b - a:
+                raise ValueError(f"circular padding {list(pad)} of a distributed tensor of shape {list(self.shape)} "
+                                 f"wraps dim {dim}, cropped to {b - a}, more than once (torch reads uninitialised "
+                                 f"memory there): crop and pad in two steps")
+            rows = torch.arange(-max(before, 0), b - a + max(after, 0), device=self.device) % (b - a) + a
+            out = out.index_select(dim, rows)
+    return out
+
+
+def _cores_whole(t: DistTensor, core: int) -> DistTensor:
+    """`t` (differentiably) with its last `core` dims whole and no Partial; batch shards kept."""
+    from .convert import reshard_to  # (convert imports this module)
+
+    first = t.dim() - core
+    placements = [Replicate() if type(p) is Partial or (type(p) in (Shard, StridedShard) and p.dim >= first) else p
+                  for p in t._spec.placements]
+    return reshard_to(t, t._spec.with_placements(placements))
+
+
+def _saving_whole_cores(op, cores):
+    """`op`'s autograd kernel given its distributed inputs with their core dims whole (see
+    spmd.registry.WHOLE_FOR_AUTOGRAD): its backward then writes only into local views."""
+
+    def kernel(*args, **kwargs):
+        whole = [_cores_whole(a, c) if type(a) is DistTensor else a for a, c in zip(args, cores)]
+        return op._op_dk(torch._C.DispatchKey.Autograd, *whole, *args[len(cores):], **kwargs)
+
+    return kernel
+
+
+def _kernels_over_torch() -> None:
+    """torch's kernels at the autograd keys (where composites run and autograd saves inputs)
+    replaced, for the ops that need it, by ones that prepare distributed arguments first: a
+    composite that reads a tensor argument's memory, one that writes into views of its output,
+    the ops whose backward writes into views."""
+    kernels = {_SPLIT_BY_TENSOR: _split_by_tensor, _PAD_CIRCULAR: _pad_circular}
+    kernels.update({op: _saving_whole_cores(op, cores) for op, cores in WHOLE_FOR_AUTOGRAD.items()})
+    lib = torch.library.Library("aten", "IMPL")
+    for op, kernel in kernels.items():
+        name = op._schema.name.split("::")[1] + ("" if op._overloadname == "default" else "." + op._overloadname)
+        for key in ("AutogradCPU", "AutogradCUDA"):
+            lib.impl(name, kernel, key)
+    _KERNELS_OVER_TORCH.append(lib)
+
+
+on_first_dist_tensor(_kernels_over_torch)
