@@ -246,12 +246,12 @@ def test_gradient_accumulation_and_clipping(level):
             torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5)
 
 
-def _gathered_bytes():
-    """Bytes of ZeRO-3 gathered parameters held now on this rank."""
+def _gathered_bytes(model):
+    """Bytes of the model's ZeRO-3 gathered parameters held now on this rank."""
     from autopar.runtime.zero import zero3
 
-    units = {id(u): u for u in (ref() for ref in zero3._UNIT_OF.values()) if u is not None}.values()
-    return sum(w.untyped_storage().nbytes() for u in units for w in u.writes)
+    gathered = [zero3.gathered_piece(p) for p in model.parameters()]
+    return sum(g.untyped_storage().nbytes() for g in gathered if g is not None)
 
 
 def _zero3_memory():
@@ -259,11 +259,11 @@ def _zero3_memory():
     model, opt, mesh = _zero_mlp(3, 4)
     seen = []
     for layer in model.modules():
-        layer.register_forward_pre_hook(lambda *_: seen.append(_gathered_bytes()))
-        layer.register_full_backward_pre_hook(lambda *_: seen.append(_gathered_bytes()))
+        layer.register_forward_pre_hook(lambda *_: seen.append(_gathered_bytes(model)))
+        layer.register_full_backward_pre_hook(lambda *_: seen.append(_gathered_bytes(model)))
     losses = _steps(model, opt, _data(3), mesh)
     sharded = sum(p.local_value().numel() * 4 for p in model.parameters())
-    return losses, _weights(model), max(seen), _gathered_bytes(), sharded
+    return losses, _weights(model), max(seen), _gathered_bytes(model), sharded
 
 
 def test_zero3_holds_about_one_layer_gathered():
