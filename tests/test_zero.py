@@ -280,6 +280,47 @@ def test_zero3_holds_about_one_layer_gathered():
         assert after == 0
 
 
+def _registries_after_the_parameters_go():
+    """ZeRO-1 on a converted model (its parameters reduced in backward) and ZeRO-3 on plain
+    parameters (sharded in place, registered with no unit: units keep their parameters
+    alive); both dropped; then new parameters, some at the addresses (ids) the dropped
+    ones had."""
+    import gc
+
+    from autopar.runtime import grad_reduce
+    from autopar.runtime.zero import zero3
+
+    gc.collect()
+    sizes = lambda: (len(grad_reduce._IN_BACKWARD), len(zero3._ZERO_PARAMS))  # noqa: E731
+    before = sizes()
+    model1, opt1, mesh = _zero_mlp(1, 2)
+    model3 = _Stack()
+    opt3 = dist.shard_optimizer(torch.optim.AdamW(model3.parameters()), dist.ShardingStage3("dp", mesh))
+    params = [*model1.parameters(), *model3.parameters()]
+    registered = sum(grad_reduce.registered(p) is not None for p in params)
+    held = [s - b for s, b in zip(sizes(), before)]
+    dead = {id(p) for p in params}
+    del model1, opt1, model3, opt3, params
+    gc.collect()
+    left = [s - b for s, b in zip(sizes(), before)]
+    fresh = [dist.shard_tensor(torch.nn.Parameter(torch.zeros(16, 16)), mesh, [R]) for _ in range(200)]
+    reused = [t for t in fresh if id(t) in dead]
+    stale = [t for t in reused if grad_reduce.registered(t) is not None or zero3.gathers(t)
+             or zero3.gathered_piece(t) is not None]
+    return registered, held, left, len(reused), len(stale)
+
+
+def test_a_dead_parameters_zero_state_goes_with_it():
+    """Per-parameter entries are keyed by the tensor, weakly: they go when the parameter goes,
+    and a new tensor at a dead parameter's address finds none of its state."""
+    for registered, held, left, reused, stale in run_dist(_registries_after_the_parameters_go, 2):
+        # 5 weights + 5 biases each; ZeRO-3's without a unit are reduced in backward too
+        assert registered == 20 and held == [20, 10], (registered, held)
+        assert left == [0, 0], left
+        assert reused > 0  # (CPython reuses the freed objects' memory)
+        assert stale == 0
+
+
 def _plain_optimizer_before_shard_layer(stage3_on_plain):
     """An optimizer built on the plain model and never given to shard_optimizer (shard_layer
     converts the Parameters it holds in place); or a plain model whose parameters only

@@ -69,8 +69,8 @@ class OptimizerSharding:
     """An optimizer's parameters under `shard` (see the module doc); `params`: one ZeroParam
     per parameter, in the order of the optimizer's groups."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], dispatch_foreach: tuple = (),
-                 models: list = (), convert_in_place: Optional[Callable] = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], dispatch_foreach: tuple,
+                 models: list, convert_in_place: Callable):
         self.optimizer = optimizer
         self.shard_fn = shard_fn
         self.stage = getattr(shard_fn, "stage", None)
