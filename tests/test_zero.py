@@ -281,10 +281,9 @@ def test_zero3_holds_about_one_layer_gathered():
 
 
 def _registries_after_the_parameters_go():
-    """ZeRO-1 on a converted model (its parameters reduced in backward) and ZeRO-3 on plain
-    parameters (sharded in place, registered with no unit: units keep their parameters
-    alive); both dropped; then new parameters, some at the addresses (ids) the dropped
-    ones had."""
+    """ZeRO-2 (its parameters reduced in every backward) and ZeRO-3 (its parameters gathered
+    by units) on converted models; both dropped; then new parameters, some at the addresses
+    (ids) the dropped ones had."""
     import gc
 
     from autopar.runtime import grad_reduce
@@ -293,14 +292,12 @@ def _registries_after_the_parameters_go():
     gc.collect()
     sizes = lambda: (len(grad_reduce._IN_BACKWARD), len(zero3._ZERO_PARAMS))  # noqa: E731
     before = sizes()
-    model1, opt1, mesh = _zero_mlp(1, 2)
-    model3 = _Stack()
-    opt3 = dist.shard_optimizer(torch.optim.AdamW(model3.parameters()), dist.ShardingStage3("dp", mesh))
-    params = [*model1.parameters(), *model3.parameters()]
-    registered = sum(grad_reduce.registered(p) is not None for p in params)
+    (model2, opt2, mesh), (model3, opt3, _) = _zero_mlp(2, 2), _zero_mlp(3, 2)
+    params = [*model2.parameters(), *model3.parameters()]
+    registered = [sum(grad_reduce.registered(p) is not None for p in params), sum(map(zero3.gathers, params))]
     held = [s - b for s, b in zip(sizes(), before)]
     dead = {id(p) for p in params}
-    del model1, opt1, model3, opt3, params
+    del model2, opt2, model3, opt3, params
     gc.collect()
     left = [s - b for s, b in zip(sizes(), before)]
     fresh = [dist.shard_tensor(torch.nn.Parameter(torch.zeros(16, 16)), mesh, [R]) for _ in range(200)]
@@ -311,11 +308,11 @@ def _registries_after_the_parameters_go():
 
 
 def test_a_dead_parameters_zero_state_goes_with_it():
-    """Per-parameter entries are keyed by the tensor, weakly: they go when the parameter goes,
-    and a new tensor at a dead parameter's address finds none of its state."""
+    """Per-parameter entries are keyed by the tensor, weakly: they go when the parameter goes
+    (nothing of ZeRO's keeps a dropped model's parameters alive), and a new tensor at a dead
+    parameter's address finds none of its state."""
     for registered, held, left, reused, stale in run_dist(_registries_after_the_parameters_go, 2):
-        # 5 weights + 5 biases each; ZeRO-3's without a unit are reduced in backward too
-        assert registered == 20 and held == [20, 10], (registered, held)
+        assert registered == held == [10, 10], (registered, held)  # 5 weights + 5 biases each
         assert left == [0, 0], left
         assert reused > 0  # (CPython reuses the freed objects' memory)
         assert stale == 0

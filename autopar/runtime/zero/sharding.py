@@ -26,6 +26,8 @@ the gradients ZeRO-2's backward left unreduced.
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -65,6 +67,13 @@ def shard(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], models
     return sharding
 
 
+def _grad_arrived(sharding: "weakref.ref[OptimizerSharding]", n: int, _param: torch.Tensor) -> None:
+    """Parameter n's gradient arrived (a ZeRO-2 hook; an optimizer dropped leaves its hooks behind)."""
+    live = sharding()
+    if live is not None:
+        live.grad_arrived(n)
+
+
 class OptimizerSharding:
     """An optimizer's parameters under `shard` (see the module doc); `params`: one ZeroParam
     per parameter, in the order of the optimizer's groups."""
@@ -98,9 +107,13 @@ class OptimizerSharding:
         reduce_pending_on_read(self)  # (held weakly: it goes with the optimizer)
         self.arrived: list = []  # ZeRO-2: parameters whose gradients backward left unreduced
         if self.stage == 2:
-            for zp, spec in targets:
-                if spec is not None and zp.param.requires_grad:
-                    zp.param.register_post_accumulate_grad_hook(lambda _p, zp=zp: self._grad_arrived(zp))
+            # weakly: the garbage collector does not see a distributed Parameter's
+            # post-accumulate-grad hooks, so a hook holding the sharding (or the ZeroParam,
+            # which holds the parameter) would keep them all for good
+            sharding = weakref.ref(self)
+            for n, zp in enumerate(self.params):
+                if type(zp.param) is DistTensor and zp.step_spec() is not None and zp.param.requires_grad:
+                    zp.param.register_post_accumulate_grad_hook(functools.partial(_grad_arrived, sharding, n))
 
     def _cut(self, p: torch.Tensor) -> tuple:
         """(p's placements, the sharding mesh dim's index, p's placements sharded over it or
@@ -157,10 +170,11 @@ class OptimizerSharding:
         if any(p.grad is t for group in self.optimizer.param_groups for p in group["params"]):
             self.prepare_grads()
 
-    def _grad_arrived(self, zp: ZeroParam) -> None:
+    def grad_arrived(self, n: int) -> None:
         """ZeRO-2 keeps no whole gradient past its backward: gradients that backward left
         unreduced (a first call of a local region runs op by op; a model outside regions) are
         reduced in buckets where the backward ends."""
+        zp = self.params[n]
         g = zp.param.grad
         if type(g) is DistTensor and not grad_plan(g._spec, zp.step_spec())[0]:
             return

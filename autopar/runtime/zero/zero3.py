@@ -197,6 +197,9 @@ class _Unit:
         rank = get_rank()
         self.groups = []
         by_dtype: dict = {}
+        # the garbage collector does not see a distributed Parameter's post-accumulate-grad
+        # hooks: a hook holding the unit would keep it and its parameters for good
+        unit = weakref.ref(self)
         for i, zp in enumerate(params):
             p, spec = zp.param, zp.param._spec
             m = spec.mesh.dim_index(mesh_dim)
@@ -207,7 +210,7 @@ class _Unit:
             zp.gathered = torch.nn.Parameter(new_dist(local, zp.unsharded), requires_grad=p.requires_grad)
             zp.gathered_local = local.data  # its own version counter: refills do not touch autograd's
             if p.requires_grad:
-                zp.gathered.register_post_accumulate_grad_hook(lambda _p, i=i: self.grad_ready(i))
+                zp.gathered.register_post_accumulate_grad_hook(lambda _p, i=i: unit().grad_ready(i))
             if coord is not None:
                 ranks = spec.mesh.group_of(rank, (m,))
                 by_dtype.setdefault((ranks, p.dtype), []).append((i, spec.placements[m].dim))
