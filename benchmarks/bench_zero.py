@@ -104,9 +104,8 @@ def gathered_bytes(model) -> int:
     """Bytes of the parameters ZeRO-3 (autopar's units) or FSDP2 holds gathered right now."""
     from autopar.runtime.zero import zero3
 
-    units = {id(u): u for u in (ref() for ref in zero3._UNIT_OF.values()) if u is not None}.values()
-    total = sum(w.untyped_storage().nbytes() for u in units for w in u.writes
-                if any(p is q for p in model.parameters() for q in u.params))
+    gathered = [zero3.gathered_piece(p) for p in model.parameters()]
+    total = sum(g.untyped_storage().nbytes() for g in gathered if g is not None)
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
         group = state()._fsdp_param_group if state is not None else None

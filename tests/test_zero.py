@@ -246,12 +246,12 @@ def test_gradient_accumulation_and_clipping(level):
             torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5)
 
 
-def _gathered_bytes():
-    """Bytes of ZeRO-3 gathered parameters held now on this rank."""
+def _gathered_bytes(model):
+    """Bytes of the model's ZeRO-3 gathered parameters held now on this rank."""
     from autopar.runtime.zero import zero3
 
-    units = {id(u): u for u in (ref() for ref in zero3._UNIT_OF.values()) if u is not None}.values()
-    return sum(w.untyped_storage().nbytes() for u in units for w in u.writes)
+    gathered = [zero3.gathered_piece(p) for p in model.parameters()]
+    return sum(g.untyped_storage().nbytes() for g in gathered if g is not None)
 
 
 def _zero3_memory():
@@ -259,11 +259,11 @@ def _zero3_memory():
     model, opt, mesh = _zero_mlp(3, 4)
     seen = []
     for layer in model.modules():
-        layer.register_forward_pre_hook(lambda *_: seen.append(_gathered_bytes()))
-        layer.register_full_backward_pre_hook(lambda *_: seen.append(_gathered_bytes()))
+        layer.register_forward_pre_hook(lambda *_: seen.append(_gathered_bytes(model)))
+        layer.register_full_backward_pre_hook(lambda *_: seen.append(_gathered_bytes(model)))
     losses = _steps(model, opt, _data(3), mesh)
     sharded = sum(p.local_value().numel() * 4 for p in model.parameters())
-    return losses, _weights(model), max(seen), _gathered_bytes(), sharded
+    return losses, _weights(model), max(seen), _gathered_bytes(model), sharded
 
 
 def test_zero3_holds_about_one_layer_gathered():
@@ -278,6 +278,44 @@ def test_zero3_holds_about_one_layer_gathered():
         assert sharded <= sum(v.numel() for v in ref_weights.values()) * 4 / 4 + 16 * 4
         assert 0 < peak <= 2 * layer, (peak, layer)
         assert after == 0
+
+
+def _registries_after_the_parameters_go():
+    """ZeRO-2 (its parameters reduced in every backward) and ZeRO-3 (its parameters gathered
+    by units) on converted models; both dropped; then new parameters, some at the addresses
+    (ids) the dropped ones had."""
+    import gc
+
+    from autopar.runtime import grad_reduce
+    from autopar.runtime.zero import zero3
+
+    gc.collect()
+    sizes = lambda: (len(grad_reduce._IN_BACKWARD), len(zero3._ZERO_PARAMS))  # noqa: E731
+    before = sizes()
+    (model2, opt2, mesh), (model3, opt3, _) = _zero_mlp(2, 2), _zero_mlp(3, 2)
+    params = [*model2.parameters(), *model3.parameters()]
+    registered = [sum(grad_reduce.registered(p) is not None for p in params), sum(map(zero3.gathers, params))]
+    held = [s - b for s, b in zip(sizes(), before)]
+    dead = {id(p) for p in params}
+    del model2, opt2, model3, opt3, params
+    gc.collect()
+    left = [s - b for s, b in zip(sizes(), before)]
+    fresh = [dist.shard_tensor(torch.nn.Parameter(torch.zeros(16, 16)), mesh, [R]) for _ in range(200)]
+    reused = [t for t in fresh if id(t) in dead]
+    stale = [t for t in reused if grad_reduce.registered(t) is not None or zero3.gathers(t)
+             or zero3.gathered_piece(t) is not None]
+    return registered, held, left, len(reused), len(stale)
+
+
+def test_a_dead_parameters_zero_state_goes_with_it():
+    """Per-parameter entries are keyed by the tensor, weakly: they go when the parameter goes
+    (nothing of ZeRO's keeps a dropped model's parameters alive), and a new tensor at a dead
+    parameter's address finds none of its state."""
+    for registered, held, left, reused, stale in run_dist(_registries_after_the_parameters_go, 2):
+        assert registered == held == [10, 10], (registered, held)  # 5 weights + 5 biases each
+        assert left == [0, 0], left
+        assert reused > 0  # (CPython reuses the freed objects' memory)
+        assert stale == 0
 
 
 def _plain_optimizer_before_shard_layer(stage3_on_plain):

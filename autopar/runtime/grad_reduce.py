@@ -31,10 +31,10 @@ places do it:
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import all_reduce_start, get_rank, reduce_scatter_start
 from ..tensor.dispatch import keep_reduced
@@ -198,7 +198,9 @@ class _Collective:
 
 
 # -- reduction in backward -------------------------------------------------------------------
-_IN_BACKWARD: dict = {}  # id(parameter) -> (weak reference, target spec, reduce every backward)
+# parameter -> (the spec its gradient is reduced to, reduce every backward); keyed weakly, by
+# identity: an entry goes with its parameter (a Parameter's __eq__ is elementwise)
+_IN_BACKWARD: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _GENERATION = [0]  # bumped by every registration: regions rebuild their bucket plans
 
 
@@ -215,14 +217,14 @@ def reduce_in_backward(targets: list, every_backward: bool = False) -> None:
     gradient accumulation (the reduced gradients add up) instead of deferring to the step."""
     for p, spec in targets:
         if type(p) is DistTensor:
-            ref = weakref.ref(p, lambda _, key=id(p): _IN_BACKWARD.pop(key, None))
-            _IN_BACKWARD[id(p)] = (ref, spec, every_backward)
+            _IN_BACKWARD[p] = (spec, every_backward)
     _GENERATION[0] += 1
 
 
-def _registered(p) -> Optional[tuple]:
-    entry = _IN_BACKWARD.get(id(p))
-    return entry if entry is not None and entry[0]() is p else None
+def registered(p: torch.Tensor) -> Optional[tuple]:
+    """(the spec p's gradient is reduced to in backward, whether every backward), or None when
+    p was not given to `reduce_in_backward`."""
+    return _IN_BACKWARD.get(p)
 
 
 class _Bucket:
@@ -260,12 +262,13 @@ class BucketPlan:
         reducible = []  # (position, spec reduced to, collective, every backward), last parameter first
         for i in reversed(range(len(params))):
             p, gs = params[i], grad_specs[i]
-            entry = _registered(p)
+            entry = registered(p)
             if entry is None or not p.requires_grad or rank not in p._spec.mesh:
                 continue
-            _, how, spec = grad_plan(gs, entry[1])
+            target, every_backward = entry
+            _, how, spec = grad_plan(gs, target)
             if how is not None and how[1]:
-                reducible.append((i, spec, how, entry[2]))
+                reducible.append((i, spec, how, every_backward))
         nbytes = {i: params[i]._local.numel() * params[i]._local.element_size() for i, _, _, _ in reducible}
         # a region whose gradients fit one DDP bucket is one bucket: no small first bucket per
         # region (a model of many small regions would send two collectives per region)

@@ -81,35 +81,31 @@ class _Pair:
         )
 
 
-def whole_piece(p):
-    """Where a parameter is stepped without ZeRO: (its spec, its local piece), None when plain."""
-    return (p._spec, p._local) if type(p) is DistTensor else None
-
-
 class LocalStep:
-    """Swaps an optimizer's distributed parameters for their local pieces around a step;
-    `piece_of(p)` says where each is stepped: (spec, local tensor), or None for a plain one."""
+    """Swaps an optimizer's distributed parameters for their local pieces around a step; each
+    parameter's `ZeroParam` says where it is stepped (`piece()`: (spec, local tensor), None for
+    a plain one) and keeps its `_Pair` from the last step that updated its states in place."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dispatch_foreach: tuple = (), piece_of=whole_piece):
+    def __init__(self, optimizer: torch.optim.Optimizer, dispatch_foreach: tuple = ()):
         self.optimizer = optimizer
-        self.piece_of = piece_of
         self.dispatch_foreach = dispatch_foreach  # groups whose foreach is on for dispatched steps only
-        # (group, its params, their pieces, their stand-ins, their _Pair or states before the step, foreach forced)
+        # (group, its params, their ZeroParams, pieces, stand-ins, _Pair or states before the step, foreach forced)
         self.swapped: list = []
-        self.pairs: dict = {}  # id(parameter) -> _Pair, from the last step that updated in place
 
-    def swap(self) -> None:
-        self.restore()  # a step that raised left its swap behind
+    def swap(self, groups: list) -> None:
+        """Step the local pieces of `groups`, (param group, its ZeroParams) pairs, where they
+        qualify (after `restore` of any swap a step that raised left behind)."""
         if not isinstance(self.optimizer, ELEMENTWISE):
             return
-        state, pairs = self.optimizer.state, self.pairs
-        self.pairs = {}
-        for group in self.optimizer.param_groups:
-            params = group["params"]
+        state = self.optimizer.state
+        for group, zero_params in groups:
+            pairs = [zp.pair for zp in zero_params]  # (a pair holds for one step: restore keeps it)
+            for zp in zero_params:
+                zp.pair = None
             pieces, stand_ins, states = [], [], []
-            for p in params:
-                grad, st, piece = p.grad, state.get(p, _NO_STATE), self.piece_of(p)
-                pair = pairs.get(id(p))
+            for zp, pair in zip(zero_params, pairs):
+                p = zp.param
+                grad, st, piece = p.grad, state.get(p, _NO_STATE), zp.piece()
                 if pair is not None and piece is not None and pair.holds(piece, st):
                     local = piece[1] if grad is None or _placed_like(grad, piece[0]) else None
                     st = pair
@@ -121,7 +117,8 @@ class LocalStep:
                 stand_ins.append(local)
                 states.append(st)
             else:
-                for p, local, st in zip(params, stand_ins, states):
+                for zp, local, st in zip(zero_params, stand_ins, states):
+                    p = zp.param
                     if local is p:
                         continue
                     local.grad = None if p.grad is None else p.grad._local
@@ -129,19 +126,21 @@ class LocalStep:
                         state[local] = st.local
                     elif st is not _NO_STATE:
                         state[local] = {k: local_piece(v) for k, v in st.items()}
+                params = group["params"]
                 group["params"] = stand_ins
                 forced = any(g is group for g in self.dispatch_foreach)
                 if forced:
                     group["foreach"] = None
-                self.swapped.append((group, params, pieces, stand_ins, states, forced))
+                self.swapped.append((group, params, zero_params, pieces, stand_ins, states, forced))
 
     def restore(self) -> None:
         state = self.optimizer.state
-        for group, params, pieces, stand_ins, states, forced in self.swapped:
+        for group, params, zero_params, pieces, stand_ins, states, forced in self.swapped:
             group["params"] = params
             if forced:
                 group["foreach"] = True
-            for p, piece, local, old in zip(params, pieces, stand_ins, states):
+            for zp, piece, local, old in zip(zero_params, pieces, stand_ins, states):
+                p = zp.param
                 if local is p:
                     continue
                 local.grad = None
@@ -150,11 +149,11 @@ class LocalStep:
                     continue
                 if type(old) is _Pair:
                     if new is old.local and _same(new, old.local_values):
-                        self.pairs[id(p)] = old
+                        zp.pair = old
                         continue
                     old = old.state
                 if _updated_in_place(old, new):
-                    self.pairs[id(p)] = _Pair(piece, old, new)
+                    zp.pair = _Pair(piece, old, new)
                 else:
                     state[p] = {k: _as_state(v, piece, old.get(k)) for k, v in new.items()}
         self.swapped = []

@@ -7,9 +7,9 @@ data-parallel mesh dim, and so are its `.grad` and its states.  The layers of th
 given to `shard_layer` / `parallelize` that hold such parameters are cut into units: each
 child of an `nn.ModuleList` (the repeated blocks of a transformer) and every other layer
 holding parameters directly; a parameter held in several units belongs to their closest
-common ancestor (a tied embedding: the model itself).  A unit keeps, per parameter, a
-full-size Parameter placed like the sharded one but Replicate over the data-parallel dim,
-whose storage holds data only around the unit's use:
+common ancestor (a tied embedding: the model itself).  A unit keeps, on each parameter's
+`ZeroParam`, a full-size Parameter placed like the sharded one but Replicate over the
+data-parallel dim, whose storage holds data only around the unit's use:
 
 - forward: the unit's pre-hook finishes its all-gather (one collective for all its
   parameters; the unit before it started it: prefetch) and puts the full Parameters into its
@@ -37,50 +37,60 @@ from typing import Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...comm import all_gather_start, get_rank
 from ...comm.observers import capture_running
-from ...tensor.dtensor import DistTensor, new_dist
+from ...tensor.dtensor import new_dist
 from .flat_shards import FlatShards
+from .param import ZeroParam
 from ..grad_reduce import GradReduction, grad_plan
-from ...placement import Replicate
 
 _resize = torch.ops.inductor.resize_storage_bytes_
 
-_UNIT_OF: dict = {}  # id(sharded parameter) -> weak reference to its _Unit (alive with its layer's hooks)
+# sharded parameter -> weak reference to its ZeroParam; keyed weakly, by identity: an entry
+# goes with its parameter, and one whose ZeroParam went (its optimizer and units) is no unit's
+_ZERO_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _unit_of(p: torch.Tensor) -> Optional["_Unit"]:
-    ref = _UNIT_OF.get(id(p))
-    unit = ref() if ref is not None else None
-    return unit if unit is not None and any(q is p for q in unit.params) else None
+def _gathered(p: torch.Tensor) -> Optional[ZeroParam]:
+    """p's ZeroParam when a live ZeRO-3 unit gathers p."""
+    ref = _ZERO_PARAMS.get(p)
+    zp = ref() if ref is not None else None
+    return zp if zp is not None and zp.unit is not None else None
 
 
 def gathers(p: torch.Tensor) -> bool:
     """True when a ZeRO-3 unit gathers `p` around its use (and reduces its gradient)."""
-    return _unit_of(p) is not None
+    return _gathered(p) is not None
 
 
 def gathered_piece(p: torch.Tensor) -> Optional[torch.Tensor]:
     """The local piece of the full Parameter a ZeRO-3 unit gathers for `p` (its storage holds
     data only around the unit's use), or None."""
-    unit = _unit_of(p)
-    return None if unit is None else next(w for q, w in zip(unit.params, unit.writes) if q is p)
+    zp = _gathered(p)
+    return None if zp is None else zp.gathered_local
 
 
-def install(params: list, mesh_dim, models: list) -> None:
+def install(zero_params: list, mesh_dim, models: list) -> None:
     """Cut the `models` (those `shard_layer` or `parallelize` converted) that hold these
-    sharded parameters into units (see the module doc).  Parameters in none of them are left
-    to the op-by-op dispatch."""
-    wanted = {id(p): p for p in params}
+    sharded parameters into units (see the module doc).  Parameters in none of them, or
+    gathered by another optimizer's units already, are left to the op-by-op dispatch."""
+    wanted = set()
+    for zp in zero_params:
+        if not gathers(zp.param):
+            _ZERO_PARAMS[zp.param] = weakref.ref(zp)
+            wanted.add(zp)
     for model in models:
-        owners: dict = {}  # id(parameter) -> [(layer name, layer, attribute)]
+        owners: dict = {}  # ZeroParam -> [(layer name, layer, attribute)]
         for name, layer in model.named_modules():
             for attr, p in layer._parameters.items():
-                if p is not None and id(p) in wanted and _unit_of(p) is None:
-                    owners.setdefault(id(p), []).append((name, layer, attr))
+                ref = _ZERO_PARAMS.get(p) if p is not None else None
+                zp = ref() if ref is not None else None
+                if zp in wanted and zp.unit is None:
+                    owners.setdefault(zp, []).append((name, layer, attr))
         if owners:
-            _Model(model, owners, wanted, mesh_dim)
+            _Model(model, owners, mesh_dim)
 
 
 def _unit_roots(model: torch.nn.Module) -> dict:
@@ -110,15 +120,16 @@ def _common(names: list) -> str:
 class _Model:
     """One model's units, their forward order, and the end-of-forward/backward bookkeeping."""
 
-    def __init__(self, model: torch.nn.Module, owners: dict, params: dict, mesh_dim):
+    def __init__(self, model: torch.nn.Module, owners: dict, mesh_dim):
         blocks = _unit_roots(model)
-        members: dict = {}  # unit root name -> [(parameter, [(layer dict, attribute)])]
+        members: dict = {}  # unit root name -> [ZeroParam]
         layers = dict(model.named_modules())
-        for pid, holders in owners.items():
+        for zp, holders in owners.items():
             root = _common([blocks.get(name, name) for name, _, _ in holders])
             while isinstance(layers[root], (torch.nn.ModuleList, torch.nn.ModuleDict)):  # (never called)
                 root = root.rpartition(".")[0]
-            members.setdefault(root, []).append((params[pid], [(layer._parameters, attr) for _, layer, attr in holders]))
+            zp.holders = [(layer._parameters, attr) for _, layer, attr in holders]
+            members.setdefault(root, []).append(zp)
         self.units = [_Unit(self, layers[name], name, group, mesh_dim) for name, group in members.items()]
         self.order: list = []  # units in the order their forward starts
         self.last: Optional[_Unit] = None  # the unit whose forward ends last (kept for backward)
@@ -176,39 +187,41 @@ class _Model:
 
 
 class _Unit:
-    """A layer's parameters under ZeRO-3: sharded ones (the user's), full ones (used in the
-    layer's forward and backward), one all-gather and one reduce-scatter per use."""
+    """A layer's parameters under ZeRO-3 (FSDP2's FSDPParamGroup): their ZeroParams, each with
+    the sharded Parameter (the user's) and the full one (used in the layer's forward and
+    backward); one all-gather and one reduce-scatter per use."""
 
-    def __init__(self, model: _Model, layer: torch.nn.Module, name: str, members: list, mesh_dim):
+    def __init__(self, model: _Model, layer: torch.nn.Module, name: str, params: list, mesh_dim):
         self.model, self.name = model, name
-        self.params = [p for p, _ in members]
-        self.holders = [h for _, h in members]
+        self.params = params
         rank = get_rank()
-        self.full, self.writes, self.groups = [], [], []
+        self.groups = []
         by_dtype: dict = {}
-        for i, p in enumerate(self.params):
-            spec = p._spec
+        # the garbage collector does not see a distributed Parameter's post-accumulate-grad
+        # hooks: a hook holding the unit would keep it and its parameters for good
+        unit = weakref.ref(self)
+        for i, zp in enumerate(params):
+            p, spec = zp.param, zp.param._spec
             m = spec.mesh.dim_index(mesh_dim)
-            full = spec.with_placements([Replicate() if k == m else pl for k, pl in enumerate(spec.placements)])
             coord = spec.mesh.coordinate(rank)
-            local = torch.empty(full.local_shape(coord) if coord is not None else (0,), dtype=p.dtype,
+            local = torch.empty(zp.unsharded.local_shape(coord) if coord is not None else (0,), dtype=p.dtype,
                                 device=p._local.device)
-            fp = torch.nn.Parameter(new_dist(local, full), requires_grad=p.requires_grad)
-            self.full.append(fp)
-            self.writes.append(local.data)  # its own version counter: refills do not touch autograd's
+            zp.unit = self
+            zp.gathered = torch.nn.Parameter(new_dist(local, zp.unsharded), requires_grad=p.requires_grad)
+            zp.gathered_local = local.data  # its own version counter: refills do not touch autograd's
             if p.requires_grad:
-                fp.register_post_accumulate_grad_hook(lambda _p, i=i: self.grad_ready(i))
+                zp.gathered.register_post_accumulate_grad_hook(lambda _p, i=i: unit().grad_ready(i))
             if coord is not None:
                 ranks = spec.mesh.group_of(rank, (m,))
                 by_dtype.setdefault((ranks, p.dtype), []).append((i, spec.placements[m].dim))
-            _UNIT_OF[id(p)] = weakref.ref(self, lambda ref, key=id(p): _UNIT_OF.pop(key) if _UNIT_OF.get(key) is ref else None)
         for (ranks, _), entries in by_dtype.items():
             idx = [i for i, _ in entries]
-            layout = FlatShards.of(tuple(tuple(self.writes[i].shape) for i in idx), tuple(d for _, d in entries), len(ranks))
+            layout = FlatShards.of(tuple(tuple(params[i].gathered_local.shape) for i in idx),
+                                   tuple(d for _, d in entries), len(ranks))
             self.groups.append((idx, ranks, ranks.index(rank), layout))
-        self.trainable = sum(p.requires_grad for p in self.params)
+        self.trainable = sum(zp.param.requires_grad for zp in params)
         self.pending: list = []  # all-gathers in flight
-        self.gathered: Optional[list] = None  # (id, version) of each shard the full copy holds
+        self.gathered: Optional[list] = None  # (local piece, version) of each shard the full copy holds
         self.in_use = self.keep = False
         self.grads: dict = {}
         self.reduction = None
@@ -218,15 +231,23 @@ class _Unit:
 
     # -- gathering --------------------------------------------------------------------------
     def _versions(self) -> list:
-        return [(id(p._local), p._local._version) for p in self.params]
+        return [(zp.param._local, zp.param._local._version) for zp in self.params]
+
+    def _holds_current(self) -> bool:
+        """The full copy holds the shards as they are now (the same pieces, unchanged since)."""
+        return self.gathered is not None and all(
+            zp.param._local is local and local._version == version
+            for zp, (local, version) in zip(self.params, self.gathered)
+        )
 
     def start_gather(self) -> None:
-        if self.pending or (self.gathered is not None and self.gathered == self._versions()):
+        if self.pending or self._holds_current():
             return
-        for w in self.writes:
+        for zp in self.params:
+            w = zp.gathered_local
             _resize(w, w.numel() * w.element_size())
         for idx, ranks, me, layout in self.groups:
-            send = layout.pack_pieces([self.params[i]._local for i in idx], me)
+            send = layout.pack_pieces([self.params[i].param._local for i in idx], me)
             self.pending.append(all_gather_start(send, ranks))
         self.gathered = None
 
@@ -238,7 +259,7 @@ class _Unit:
             versions = self._versions()
             with torch.no_grad():
                 for (idx, _, _, layout), pending in zip(self.groups, self.pending):
-                    layout.unpack(pending.wait(), [self.writes[i] for i in idx])
+                    layout.unpack(pending.wait(), [self.params[i].gathered_local for i in idx])
             self.pending = []
             self.gathered = versions
 
@@ -251,12 +272,14 @@ class _Unit:
             self.gathered = None
 
     def _free_storage(self) -> None:
-        for w in self.writes:
-            _resize(w, 0)
+        for zp in self.params:
+            _resize(zp.gathered_local, 0)
 
-    def _use(self, params: list) -> None:
-        for p, holders in zip(params, self.holders):
-            for where, attr in holders:
+    def _use(self, gathered: bool) -> None:
+        """Put the full Parameters (or the sharded ones back) into the unit's layers."""
+        for zp in self.params:
+            p = zp.gathered if gathered else zp.param
+            for where, attr in zp.holders:
                 where[attr] = p
 
     # -- hooks ------------------------------------------------------------------------------
@@ -266,10 +289,10 @@ class _Unit:
         self.model.forward_started(self)
         self.wait_gather()
         self.in_use = True
-        self._use(self.full)
+        self._use(True)
 
     def after_forward(self, out, inputs=()):
-        self._use(self.params)
+        self._use(False)
         self.in_use = False
         self.model.unit_done(self)
         grad = torch.is_grad_enabled()
@@ -294,7 +317,7 @@ class _Unit:
         self.wait_gather()
 
     def grad_ready(self, i: int) -> None:
-        full = self.full[i]
+        full = self.params[i].gathered
         self.grads[i], full.grad = full.grad, None
         self.model.backward_started(None)
         if len(self.grads) == self.trainable:
@@ -308,7 +331,7 @@ class _Unit:
             return
         idx = sorted(self.grads)
         grads = [self.grads[i] for i in idx]
-        plans = [grad_plan(g._spec, self.params[i]._spec) for i, g in zip(idx, grads)]
+        plans = [grad_plan(g._spec, self.params[i].param._spec) for i, g in zip(idx, grads)]
         self.reduction = (idx, GradReduction(grads, plans))
         self.grads = {}
 
@@ -319,5 +342,5 @@ class _Unit:
         self.reduction = None
         with torch.no_grad():
             for i, g in zip(idx, reduction.finish()):
-                p = self.params[i]
+                p = self.params[i].param
                 p.grad = g if p.grad is None else p.grad + g

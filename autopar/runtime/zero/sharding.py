@@ -1,0 +1,259 @@
+"""An optimizer's parameters and states sharded over one mesh dim: what `shard_optimizer` runs.
+
+The optimizer stays the torch optimizer itself, stepping the user's Parameters (so
+`opt.state[p]`, `state_dict()` and `load_state_dict()` are torch's), with step hooks:
+- any stage: every gradient is brought to where its parameter is stepped before the update
+  (Partial ones reduced once, in buckets: `grad_reduce.py`) unless backward already did; an
+  elementwise optimizer (Adam, SGD, ...) then steps the local pieces as plain tensors
+  (`local_step.py`): as fast as on one device;
+- no stage: data-parallel gradients are all-reduced during backward, as DDP does;
+- stage 1: each rank steps its shard of every parameter (the parameter's placements with the
+  sharding mesh dim cutting one tensor dim): gradients are reduce-scattered to the shards
+  during backward, one collective per bucket, so `.grad` holds the shard (a distributed
+  tensor); the states are the shard's size, and the updated shards are all-gathered back
+  into the whole parameters, one collective per bucket.  Under gradient accumulation the
+  gradients stay whole (Partial) until the step, which reduce-scatters their sum once;
+- stage 2: as stage 1, but gradients are reduce-scattered in every backward (they add up as
+  shards): no whole gradient outlives its backward;
+- stage 3: the parameters themselves are sharded over the mesh dim, in place (the model, the
+  optimizer and the user keep the same Parameter objects); each layer gathers its
+  parameters just before it runs and frees them after, gathers them again for its backward
+  and reduce-scatters their gradients (`zero3.py`).
+
+`OptimizerSharding` is the optimizer's side (FSDP2's FSDPParamGroup, for all of its
+parameters): the stage, one `ZeroParam` per parameter, the all-gather buckets of ZeRO-1/2,
+the gradients ZeRO-2's backward left unreduced.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from ...comm import all_gather_into, get_rank
+from ...tensor.dtensor import DistTensor
+from ...tensor.observers import reduce_pending_on_read
+from .. import grad_reduce
+from ..grad_reduce import grad_plan, reduce_grads, reduce_in_backward
+from ...redistribute import piece_of_full
+from . import zero3
+from .flat_shards import FlatShards
+from .local_step import LocalStep
+from .param import ZeroParam, full_local, param_spec, piece_within, sharded_spec
+from .states import place_states, placed
+
+
+def shard(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], models: list,
+          convert_in_place: Callable) -> "OptimizerSharding":
+    """Put `optimizer` under `shard_fn` (a ShardingStage, another state function, or None):
+    its sharding is `optimizer._autopar_sharding`, run by the optimizer's step and
+    load_state_dict hooks.  ZeRO-3 cuts the converted `models` into units and converts plain
+    Parameters in place with `convert_in_place(old, new, name)`."""
+    dispatch_foreach = []
+    for group in optimizer.param_groups:
+        # a step through the dispatch (a group the local step cannot take) runs foreach ops:
+        # one dispatch per group of equally placed tensors instead of one per parameter
+        distributed = any(isinstance(p, DistTensor) for p in group["params"])
+        if distributed and "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True
+            dispatch_foreach.append(group)
+    sharding = OptimizerSharding(optimizer, shard_fn, tuple(dispatch_foreach), models, convert_in_place)
+    optimizer._autopar_sharding = sharding
+    optimizer.register_step_pre_hook(sharding.pre_step)
+    optimizer.register_step_post_hook(sharding.post_step)
+    optimizer.register_load_state_dict_post_hook(lambda opt: sharding.place_states())
+    return sharding
+
+
+def _grad_arrived(sharding: "weakref.ref[OptimizerSharding]", n: int, _param: torch.Tensor) -> None:
+    """Parameter n's gradient arrived (a ZeRO-2 hook; an optimizer dropped leaves its hooks behind)."""
+    live = sharding()
+    if live is not None:
+        live.grad_arrived(n)
+
+
+class OptimizerSharding:
+    """An optimizer's parameters under `shard` (see the module doc); `params`: one ZeroParam
+    per parameter, in the order of the optimizer's groups."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], dispatch_foreach: tuple,
+                 models: list, convert_in_place: Callable):
+        self.optimizer = optimizer
+        self.shard_fn = shard_fn
+        self.stage = getattr(shard_fn, "stage", None)
+        self.gathers: Optional[list] = None  # ZeRO-1/2: the all-gathers after the step, planned once
+        self.states_sharded = False
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.stage == 3:
+            self.params = self._shard_parameters(params, models, convert_in_place)
+        elif self.stage in (1, 2):
+            self.params = [self._stepped_at_shard(p) for p in params]
+        else:
+            self.params = [ZeroParam(p) for p in params]
+        self._groups: list = []  # (param group, its params list, their ZeroParams), as last seen
+        start = 0
+        for group in optimizer.param_groups:
+            end = start + len(group["params"])
+            self._groups.append((group, group["params"], self.params[start:end]))
+            start = end
+        # gradients go to where they are stepped: reduce them during backward (stage 3: its layers do)
+        targets = [(zp, zp.step_spec()) for zp in self.params if type(zp.param) is DistTensor]
+        reduce_in_backward([(zp.param, s) for zp, s in targets if s is not None and not zero3.gathers(zp.param)],
+                           every_backward=self.stage == 2)
+        self.local_step = LocalStep(optimizer, dispatch_foreach)
+        self.place_states()
+        reduce_pending_on_read(self)  # (held weakly: it goes with the optimizer)
+        self.arrived: list = []  # ZeRO-2: parameters whose gradients backward left unreduced
+        if self.stage == 2:
+            # weakly: the garbage collector does not see a distributed Parameter's
+            # post-accumulate-grad hooks, so a hook holding the sharding (or the ZeroParam,
+            # which holds the parameter) would keep them all for good
+            sharding = weakref.ref(self)
+            for n, zp in enumerate(self.params):
+                if type(zp.param) is DistTensor and zp.step_spec() is not None and zp.param.requires_grad:
+                    zp.param.register_post_accumulate_grad_hook(functools.partial(_grad_arrived, sharding, n))
+
+    def _cut(self, p: torch.Tensor) -> tuple:
+        """(p's placements, the sharding mesh dim's index, p's placements sharded over it or
+        None when it has no tensor dim to cut)."""
+        spec = param_spec(p, self.shard_fn.mesh)
+        dim = spec.mesh.dim_index(self.shard_fn.sharding_mesh_dim)
+        return spec, dim, sharded_spec(spec, dim)
+
+    def _stepped_at_shard(self, p: torch.Tensor) -> ZeroParam:
+        """ZeRO-1/2: p stepped at this rank's shard over the sharding mesh dim."""
+        spec, dim, target = self._cut(p)
+        return ZeroParam(p) if target is None else ZeroParam(p, spec, target, dim)
+
+    def _shard_parameters(self, params: list, models: list, convert_in_place: Callable) -> list:
+        """ZeRO-3: every parameter sharded over the mesh dim in place; the layers holding them
+        gather them around their use."""
+        zero_params, sharded = [], []
+        for n, p in enumerate(params):
+            spec, dim, target = self._cut(p)
+            if target is None:
+                zero_params.append(ZeroParam(p))
+                continue
+            if type(p) is DistTensor:
+                with torch.no_grad():
+                    p._local = piece_within(p._local, spec, target).clone()
+                p._spec = target
+            else:
+                new = torch.nn.Parameter(DistTensor(piece_of_full(p.detach(), target), target), p.requires_grad)
+                convert_in_place(p, new, f"#{n} of the optimizer")
+            zero_params.append(ZeroParam(p, spec, target, dim, in_place=True))
+            sharded.append(zero_params[-1])
+        zero3.install(sharded, self.shard_fn.sharding_mesh_dim, models)
+        return zero_params
+
+    def groups(self) -> list:
+        """(param group, its ZeroParams) for every group of the optimizer; parameters given to
+        it since `shard_optimizer` (`add_param_group`, a group's list edited) are stepped whole."""
+        current = self.optimizer.param_groups
+        if len(current) != len(self._groups) or any(
+            group is not seen or group["params"] is not params or len(params) != len(zps)
+            or any(zp.param is not p for zp, p in zip(zps, params))
+            for group, (seen, params, zps) in zip(current, self._groups)
+        ):
+            self._groups = [(group, group["params"], [self._zero_param(p) for p in group["params"]])
+                            for group in current]
+        return [(group, zps) for group, _, zps in self._groups]
+
+    def _zero_param(self, p: torch.Tensor) -> ZeroParam:
+        return next((zp for zp in self.params if zp.param is p), None) or ZeroParam(p)
+
+    def reduce_if_pending(self, t: DistTensor) -> None:
+        """Before one Partial gradient of this optimizer's parameters is reduced for a read,
+        reduce all of them, in the pre-step's buckets."""
+        if any(p.grad is t for group in self.optimizer.param_groups for p in group["params"]):
+            self.prepare_grads()
+
+    def grad_arrived(self, n: int) -> None:
+        """ZeRO-2 keeps no whole gradient past its backward: gradients that backward left
+        unreduced (a first call of a local region runs op by op; a model outside regions) are
+        reduced in buckets where the backward ends."""
+        zp = self.params[n]
+        g = zp.param.grad
+        if type(g) is DistTensor and not grad_plan(g._spec, zp.step_spec())[0]:
+            return
+        if not self.arrived:
+            torch.autograd.Variable._execution_engine.queue_callback(self.prepare_grads)
+        self.arrived.append(zp)
+
+    def place_states(self) -> None:
+        place_states(self.optimizer, ((zp.param, zp.step_spec()) for _, zps in self.groups() for zp in zps))
+
+    # -- the step ---------------------------------------------------------------------------
+    def pre_step(self, optimizer, args, kwargs) -> None:
+        self.local_step.restore()  # a step that raised left its swap behind: the groups hold stand-ins
+        self.prepare_grads()
+        self.local_step.swap(self.groups())
+
+    def prepare_grads(self) -> None:
+        """Bring every gradient to where its parameter is stepped (Partial ones reduced, in
+        buckets).  Idempotent: the static mode runs it inside the captured program, then the
+        step's own call finds nothing to do."""
+        self.arrived = []
+        pending = []
+        for _, zps in self.groups():
+            for zp in zps:
+                p = zp.param
+                g, spec = p.grad, zp.step_spec()
+                if g is None or spec is None:
+                    continue
+                if type(g) is not DistTensor:  # a plain gradient is the global value
+                    g = p.grad = placed(g, spec)
+                plan = grad_plan(g._spec, spec)
+                if plan[0]:
+                    pending.append((p, plan))
+        reduce_grads(pending)
+
+    def post_step(self, optimizer, args, kwargs) -> None:
+        self.local_step.restore()
+        self._publish()
+        if self.shard_fn is not None and self.stage is None and not self.states_sharded:
+            self.states_sharded = True
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    state = optimizer.state.get(p, {})
+                    for key, value in list(state.items()):
+                        if isinstance(value, torch.Tensor) and value.dim() > 0:
+                            state[key] = self.shard_fn(key, p, value)
+
+    def _publish(self) -> None:
+        """ZeRO-1/2: all-gather the updated shards into the whole parameters, one collective
+        per bucket."""
+        if self.gathers is None:
+            self.gathers = self._gather_buckets()
+        with torch.no_grad():
+            for ranks, me, bucket, layout in self.gathers:
+                gathered = all_gather_into(layout.pack_pieces([zp.piece()[1] for zp in bucket], me), ranks)
+                layout.unpack(gathered, [full_local(zp.param) for zp in bucket])
+
+    def _gather_buckets(self) -> list:
+        """(ranks, this rank's index, ZeroParams, their chunk layout) per bucket of shards on
+        the same ranks and dtype, at most BUCKET_BYTES gathered."""
+        rank = get_rank()
+        buckets: dict = {}  # (ranks, dtype) -> [[bytes, ZeroParams...], ...]
+        for zp in self.params:
+            if not zp.steps_a_shard:
+                continue
+            if rank not in zp.unsharded.mesh or zp.unsharded.mesh.shape[zp.mesh_dim] == 1:
+                continue  # (a mesh dim of one rank: the shard is the whole piece, updated in place)
+            ranks = zp.unsharded.mesh.group_of(rank, (zp.mesh_dim,))
+            filling = buckets.setdefault((ranks, zp.sharded.meta.dtype), [[0]])
+            full = full_local(zp.param)
+            nbytes = full.numel() * full.element_size()
+            if len(filling[-1]) > 1 and filling[-1][0] + nbytes > grad_reduce.BUCKET_BYTES:
+                filling.append([0])
+            filling[-1][0] += nbytes
+            filling[-1].append(zp)
+        out = []
+        for (ranks, _), bucket_list in buckets.items():
+            for _, *bucket in bucket_list:
+                shapes = tuple(tuple(full_local(zp.param).shape) for zp in bucket)
+                layout = FlatShards.of(shapes, tuple(zp.cut_dim for zp in bucket), len(ranks))
+                out.append((ranks, ranks.index(rank), bucket, layout))
+        return out
