@@ -74,13 +74,18 @@ _STARTS: list[StartObserver] = []
 
 
 @contextlib.contextmanager
-def capturing(capture: TransferCapture) -> Iterator[TransferCapture]:
-    """Attach `capture` for the block."""
-    _CAPTURES.append(capture)
+def attached(registry: list, observer) -> Iterator:
+    """`observer` in `registry` (innermost last) for the block: how every observer attaches."""
+    registry.append(observer)
     try:
-        yield capture
+        yield observer
     finally:
-        _CAPTURES.remove(capture)
+        registry.remove(observer)
+
+
+def capturing(capture: TransferCapture) -> contextlib.AbstractContextManager:
+    """Attach `capture` for the block."""
+    return attached(_CAPTURES, capture)
 
 
 @contextlib.contextmanager
@@ -105,11 +110,6 @@ def active_captures() -> tuple:
     return tuple(_CAPTURES)
 
 
-@contextlib.contextmanager
-def observing_starts(observer: StartObserver) -> Iterator[StartObserver]:
+def observing_starts(observer: StartObserver) -> contextlib.AbstractContextManager:
     """Attach `observer` for the block."""
-    _STARTS.append(observer)
-    try:
-        yield observer
-    finally:
-        _STARTS.remove(observer)
+    return attached(_STARTS, observer)

@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from torch.utils.hooks import RemovableHandle
+
+from ..comm.observers import attached
 
 if TYPE_CHECKING:
     from .dispatch import Decision
@@ -54,14 +56,9 @@ _WATCHERS: list[OpWatcher] = []
 _REDUCERS: OrderedDict[int, weakref.ref] = OrderedDict()
 
 
-@contextlib.contextmanager
-def watching(watcher: OpWatcher) -> Iterator[OpWatcher]:
+def watching(watcher: OpWatcher) -> contextlib.AbstractContextManager:
     """Attach `watcher` for the block."""
-    _WATCHERS.append(watcher)
-    try:
-        yield watcher
-    finally:
-        _WATCHERS.remove(watcher)
+    return attached(_WATCHERS, watcher)
 
 
 def reduce_pending_on_read(reducer: PendingGradients) -> RemovableHandle:
