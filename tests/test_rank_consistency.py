@@ -151,3 +151,54 @@ def test_global_shape_of_pieces_is_a_pure_rule():
     assert global_shape_of_pieces(mesh, [Shard(0), Shard(0)], nested) == (7,)
     with pytest.raises(ValueError, match="rank 1 holds"):
         global_shape_of_pieces(mesh, [Shard(0), Replicate()], {0: (2,), 1: (3,), 2: (2,), 3: (2,)})
+
+
+# -- resuming a loader mid-epoch ---------------------------------------------------------------
+def _global(batch) -> list:
+    return dist.unshard_dtensor(batch).flatten().tolist()
+
+
+def _interrupted(after: int, whole_batches: bool):
+    """Two epochs of a shuffled loader on every rank of this job; the loader's state and
+    torch's random state taken after `after` batches of the second epoch (what a checkpoint
+    saves), and the batches handed out, globally."""
+    torch.manual_seed(7)
+    mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["dp"])
+    # whole_batches: two meshes make the loader read each batch whole (and cut rank 0's)
+    loader = dist.shard_dataloader(_loader(), [mesh, mesh] if whole_batches else mesh, shard_dims="dp")
+    seen, saved = [], None
+    for epoch in range(2):
+        for i, batch in enumerate(loader):
+            seen.append(_global(batch))
+            if epoch == 1 and i + 1 == after:
+                saved = (loader.state_dict(), torch.get_rng_state())
+    return seen, saved
+
+
+def _resumed(saved, whole_batches: bool):
+    """A fresh job (another world size) restores torch's random state and the loader's and
+    reads the rest of the epoch; torch's stream then goes on as the uninterrupted job's."""
+    state, rng_state = saved
+    torch.manual_seed(1234)  # the fresh job's own seed, overridden by the checkpoint's state
+    mesh = dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["dp"])
+    # whole_batches: two meshes make the loader read each batch whole (and cut rank 0's)
+    loader = dist.shard_dataloader(_loader(), [mesh, mesh] if whole_batches else mesh, shard_dims="dp")
+    torch.set_rng_state(rng_state)
+    loader.load_state_dict(state)
+    rest = [_global(b) for b in loader]
+    return rest, torch.rand(2).tolist()
+
+
+@pytest.mark.parametrize("whole_batches", [False, True])
+def test_a_loader_resumes_mid_epoch_on_another_data_parallel_degree(whole_batches):
+    seen, saved = run_dist(_interrupted, 2, 2, whole_batches)[0]
+    first_epoch, second_epoch = seen[:4], seen[4:]
+    assert sorted(x for b in second_epoch for x in b) == list(range(16)) and second_epoch != first_epoch
+    state, rng_state = saved
+    assert state["batches"] == 2
+    torch.set_rng_state(rng_state)
+    after_save = torch.rand(2).tolist()  # (the uninterrupted job's stream, from the same state)
+    for world in (1, 4):
+        for rest, stream in run_dist(_resumed, world, saved, whole_batches):
+            assert rest == second_epoch[2:], (world, rest, second_epoch)
+            assert stream == after_save

@@ -9,6 +9,11 @@ Shuffling: each rank iterates its own copy of the loader, so every rank must dra
 order.  Before every epoch the generator the sampler draws from (its own, or torch's global
 one) takes rank 0's state: every rank cuts rank 0's permutation, which is the one a single
 process seeded like rank 0 draws.  `set_epoch(e)` is passed on to a sampler that has one.
+
+Resuming: `state_dict()` says where the epoch is (how many batches have been handed out, and
+the random states its order was drawn from); `load_state_dict(state)` on a fresh loader makes
+its next iteration continue with the next batch, on any data-parallel degree (a batch is the
+loader's global batch; each rank takes its piece of it).
 """
 from __future__ import annotations
 
@@ -49,6 +54,9 @@ class ShardDataloader:
         self.shard_dims = [None if d is None else m.dim_index(d) for m, d in zip(self.meshes, dims)]
         self.input_keys = list(input_keys) if input_keys is not None else None
         self.is_dataset_splitted = is_dataset_splitted
+        self._handed_out = 0  # batches of the current epoch
+        self._epoch_states: list = []  # (generator, state) each draw of this epoch's order started from
+        self._resume: Optional[dict] = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -62,6 +70,54 @@ class ShardDataloader:
         for sampler in self._samplers():
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
+
+    # -- resuming ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The batches of the current epoch handed out so far and the random states the epoch's
+        order was drawn from (the same on every rank: rank 0's).  Save it with the model."""
+        return {"batches": self._handed_out, "random_states": [state.clone() for _, state in self._epoch_states]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Make the next iteration continue an epoch after `state["batches"]` batches, in the
+        order `state_dict()` recorded (the random states of the job are left as they are)."""
+        if set(state) != {"batches", "random_states"}:
+            raise ValueError(f"ShardDataloader.load_state_dict: expected the keys batches and random_states, "
+                             f"got {sorted(state)}")
+        self._resume = state
+
+    def _generators(self) -> list:
+        """The generators this epoch's order is drawn from: the loader's (its workers' seed),
+        then each sampler's (torch's global one where it has none)."""
+        found = [getattr(self.loader, "generator", None) or torch.default_generator]
+        for sampler in self._samplers():
+            if hasattr(sampler, "generator"):
+                g = sampler.generator or torch.default_generator
+                if all(g is not f for f in found):
+                    found.append(g)
+        return found
+
+    @contextlib.contextmanager
+    def _drawing_the_epoch(self):
+        """Around the draws of an epoch's order: record the states they start from, or, resuming
+        mid-epoch, draw from the recorded states and give the job its own states back after."""
+        generators = self._generators()
+        resume, self._resume = self._resume, None
+        if resume is None or not resume["batches"]:
+            self._epoch_states = [(g, g.get_state()) for g in generators]
+            yield 0
+            return
+        if len(resume["random_states"]) != len(generators):
+            raise ValueError(f"ShardDataloader.load_state_dict: the state has {len(resume['random_states'])} random "
+                             f"states, this loader draws its order from {len(generators)} generators")
+        now = [g.get_state() for g in generators]
+        self._epoch_states = list(zip(generators, resume["random_states"]))
+        for g, state in self._epoch_states:
+            g.set_state(state)
+        try:
+            yield resume["batches"]
+        finally:
+            for g, state in zip(generators, now):
+                g.set_state(state)
 
     # -- one order on every rank -------------------------------------------------------------
     def _samplers(self) -> list:
@@ -147,22 +203,41 @@ class ShardDataloader:
 
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self):
+        self._handed_out = 0
+        for batch in self._batches():
+            self._handed_out += 1
+            yield batch
+
+    def _batches(self):
         if self.is_dataset_splitted:
-            for batch in self.loader:
+            with self._drawing_the_epoch() as skip:
+                batches = iter(self.loader)
+                for _ in range(skip):
+                    next(batches)
+            self._handed_out = skip
+            for batch in batches:
                 yield self._convert(batch, _INFERRED)
             return
         self._same_order_on_every_rank()
         sampler = getattr(self.loader, "batch_sampler", None)
         dataset = getattr(self.loader, "dataset", None)
         if sampler is None or not hasattr(dataset, "__getitem__") or self._needs_whole_batch():
-            for batch in self.loader:
+            with self._drawing_the_epoch() as skip:
+                batches = iter(self.loader)
+                for _ in range(skip):  # (read and dropped: the loader has no other way to skip)
+                    next(batches)
+            self._handed_out = skip
+            for batch in batches:
                 yield self._convert(batch, None)
             return
         collate = self.loader.collate_fn
-        batches = iter(sampler)
-        # the draw a DataLoader iterator makes (its workers' base seed) before its sampler's:
-        # the random stream then goes on as when the loader itself is iterated
-        torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
+        with self._drawing_the_epoch() as skip:
+            # the draw a DataLoader iterator makes (its workers' base seed) before its sampler's:
+            # the random stream then goes on as when the loader itself is iterated
+            torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
+            batches = iter(sampler)
+            skipped = [next(batches) for _ in range(skip)]  # (the sampler draws its order at the first)
+        self._handed_out = len(skipped)
         for indices in batches:
             self._check_rows(len(indices))
             mine = self._my_indices(list(indices))
