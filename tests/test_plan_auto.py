@@ -265,3 +265,44 @@ def test_a_planned_hf_gpt2_splits_its_fused_qkv_by_heads_and_its_tied_head_by_vo
         half_sequence = 4 * hfm.SEQ * hfm.HIDDEN * 4 // 2  # [batch, seq / 2, hidden] fp32
         assert {b for op, b in comm if op == "all_gather"} == {half_sequence}, comm
         assert not [c for c in comm if c[0] == "all_to_all"], comm
+
+
+def _prediction_beside_the_steps(scale):
+    """config="auto" on 2 ranks, 6 steps; the plan's prediction (and its transfers) times
+    `scale`; what rank 0 printed and the warnings raised."""
+    import contextlib
+    import io
+    import warnings
+
+    from autopar.api.prediction_check import PredictionGapWarning
+
+    model = hf_llama.tiny_llama()
+    opt = hf_llama.optimizer(model.parameters())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = dist.parallelize(model, opt, dist.ProcessMesh([0, 1], dim_names=["dp"]), config="auto")
+        check = model._autopar_prediction
+        check.predicted *= scale
+        check.transfers *= scale
+        hf_llama.train(model, opt, hf_llama.batches(7))
+    gaps = [str(w.message) for w in caught if issubclass(w.category, PredictionGapWarning)]
+    return printed.getvalue().splitlines(), gaps, check.line, len(check.steps)
+
+
+def test_auto_prints_its_prediction_and_the_measured_steps_beside_it():
+    import re
+
+    lines, _, line, steps = run_dist(_prediction_beside_the_steps, 2, 1.0)[0]
+    assert steps == 5  # 2 steps to warm up, 3 measured; then the hook is gone
+    assert re.fullmatch(r"autopar: planned dp2 \S.*: predicted [\d.]+ ms a step \([\d.]+ ms of it in transfers\)",
+                        lines[0]), lines
+    assert lines[1] == line and re.fullmatch(
+        r"autopar: planned dp2 \S.*: predicted [\d.]+ ms a step, measured [\d.]+ ms \(the median of steps 4-6\): "
+        r"[\d.]+x", line), line
+    # a prediction 100x too fast: a warning naming the part that differs most
+    for rank, (lines, gaps, line, _) in enumerate(run_dist(_prediction_beside_the_steps, 2, 0.01)):
+        assert len(gaps) == 1 and gaps[0].startswith(line), gaps
+        assert re.search(r"the largest difference is in (transfers|compute, host work, the optimizer and the "
+                         r"bubble): predicted [\d.]+ ms, measured [\d.]+ ms", gaps[0]), gaps[0]
+        assert (lines == []) == (rank == 1)  # rank 0 prints

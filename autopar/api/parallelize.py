@@ -30,13 +30,16 @@ from .global_mesh import get_mesh
 from .layer import convert_in_place, register_model, replicate_params, weak_refs_released
 from .optimizer import SHARDING_STAGES, shard_optimizer
 from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
+from .prediction_check import PredictionCheck
 from .tensors import reshard, shard_tensor
 
 class PlannedLayout(Protocol):
     """What `config=` takes besides a dict and "auto": a layout the planner chose (`dist.plan`'s
-    result)."""
+    result): its config, its name and its estimate (`step_time`, `time` by category)."""
 
     config: dict
+    name: str
+    estimate: Any
 
     def mesh(self, ranks: Optional[list] = None) -> ProcessMesh: ...
 
@@ -400,9 +403,12 @@ def parallelize(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"parallelize needs a torch.nn.Module, got {type(model).__name__}")
     mesh = mesh if mesh is not None else get_mesh()
+    planned = None
     if isinstance(config, str):
         mesh, config = _auto_config(model, mesh, config)
+        planned = model._autopar_plan
     elif hasattr(config, "apply_recompute"):  # a Plan
+        planned = config
         mesh, config = _planned(model, mesh, config)
     config = _checked_config(config, mesh)
     if mesh is None or not config:
@@ -431,6 +437,8 @@ def parallelize(
     if optimizer is not None:
         level = config["dp_config"].get("sharding_level", 0) if "dp_config" in config else 0
         optimizer = _parallel_optimizer(optimizer, level, mesh)
+        if planned is not None:  # the prediction now, the measured steps beside it later
+            model._autopar_prediction = PredictionCheck(planned, optimizer)
     return model, optimizer
 
 
