@@ -290,7 +290,7 @@ def test_timelines_wait_for_the_sender_and_for_every_member_of_a_collective():
 
 
 def test_calibration_writes_a_profile_that_loads(tmp_path):
-    profile = calibrate(crowding=(), working_set=1 << 20)
+    profile = calibrate(crowding=(), working_set=1 << 20, repeats=1)
     path = tmp_path / "cpu.json"
     save_profile(profile, str(path))
     loaded = load_profile(str(path))

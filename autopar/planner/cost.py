@@ -500,7 +500,7 @@ def _host_factors(worlds: list, cores: int, repeats: int = 3) -> tuple:
     return tuple((w / cores, max(1.0, statistics.median(r))) for w, r in ratios.items())
 
 
-def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26) -> DeviceProfile:
+def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26, repeats: int = 3) -> DeviceProfile:
     """Measure this machine (one thread per rank, as the ranks run): a GEMM FLOP-rate curve
     and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
     element-wise ops (and of element-wise ops on strided inputs), its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
@@ -509,8 +509,8 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     compute and averaged (`_measure_collective`); all_gather, reduce_scatter and all_to_all
     like all_reduce (`op_links`); all_reduce also on `crowding` times as many ranks as cores
     (`shared_links`), and a small step's host time with all cores busy and so crowded, against
-    one rank alone (`shared_host`); element-wise inputs
-    cycle through `working_set` bytes."""
+    one rank alone (`shared_host`, the median of `repeats` alternating runs); element-wise
+    inputs cycle through `working_set` bytes."""
     import torch
 
     from .predict import framework_costs
@@ -532,7 +532,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth)) for w in crowded for lat, bw in [_gloo_link(w)])
     # gloo's other collectives against all_reduce (its reduce_scatter and all-to-all are slower)
     ops = tuple((op, *_gloo_link(world, op)) for op in ("all_gather", "reduce_scatter", "all_to_all"))
-    host = _host_factors([cores] + crowded, cores)
+    host = _host_factors([cores] + crowded, cores, repeats)
     peak = max(rate for _, rate in gemm)
     profile = DeviceProfile(
         name="cpu", peak_flops_bf16=peak, peak_flops_fp32=peak, memory_bytes=float(_total_memory()),
