@@ -3,8 +3,9 @@ through `parallelize` over 2 ranks against the single-process run: GPT-2 (Conv1D
 [in, out] weights, a fused qkv projection, tied LM head), Qwen2 (GQA, biases on q/k/v), BERT
 (post-norm encoder, masked-LM head tied to the embeddings), T5 (relative position bias shared
 by the blocks, encoder-decoder) and BART (learned positions, cross-attention); and the
-mixture-of-experts models Mixtral and Qwen2-MoE (a top-k router, the experts' grouped
-weights run through _grouped_mm) under data parallel."""
+mixture-of-experts models Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (a top-k router, the
+experts' grouped weights run through _grouped_mm; DeepSeek-V3 with latent attention, a dense
+first layer and grouped routing) under data parallel."""
 import pytest
 import torch
 
@@ -50,6 +51,18 @@ def _config(name):
             vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=FFN // 2,
             shared_expert_intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=HEADS,
             num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2, max_position_embeddings=4 * SEQ)
+    if name == "qwen3_moe":
+        return hf.Qwen3MoeForCausalLM, hf.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=FFN // 2,
+            num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
+            num_experts=4, num_experts_per_tok=2, max_position_embeddings=4 * SEQ)
+    if name == "deepseek_v3":  # multi-head latent attention, a dense first layer, grouped routing
+        return hf.DeepseekV3ForCausalLM, hf.DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=FFN // 2,
+            num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS, n_shared_experts=1,
+            n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8,
+            max_position_embeddings=4 * SEQ)
     return hf.BertForMaskedLM, hf.BertConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
         num_attention_heads=HEADS, max_position_embeddings=4 * SEQ, **NO_DROPOUT[name])
@@ -220,7 +233,7 @@ def test_sdpa_kernel_gives_the_cpu_flash_op_a_contiguous_last_dim():
 
 
 @pytest.mark.parametrize("level", [0, 3])
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_mixture_of_experts_models_train_data_parallel_as_one_process(name, level):
     """HF's MoE blocks route each token to its top-2 of 4 experts and run the experts' grouped
     weights through _grouped_mm in fp32 (whose meta kernel takes bf16 only): data parallel
