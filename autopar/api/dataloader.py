@@ -210,38 +210,39 @@ class ShardDataloader:
 
     def _batches(self):
         if self.is_dataset_splitted:
-            with self._drawing_the_epoch() as skip:
-                batches = iter(self.loader)
-                for _ in range(skip):
-                    next(batches)
-            self._handed_out = skip
-            for batch in batches:
+            for batch in self._resumed(lambda: iter(self.loader)):
                 yield self._convert(batch, _INFERRED)
             return
         self._same_order_on_every_rank()
         sampler = getattr(self.loader, "batch_sampler", None)
         dataset = getattr(self.loader, "dataset", None)
         if sampler is None or not hasattr(dataset, "__getitem__") or self._needs_whole_batch():
-            with self._drawing_the_epoch() as skip:
-                batches = iter(self.loader)
-                for _ in range(skip):  # (read and dropped: the loader has no other way to skip)
-                    next(batches)
-            self._handed_out = skip
-            for batch in batches:
+            for batch in self._resumed(lambda: iter(self.loader)):
                 yield self._convert(batch, None)
             return
-        collate = self.loader.collate_fn
-        with self._drawing_the_epoch() as skip:
+
+        def indices():
             # the draw a DataLoader iterator makes (its workers' base seed) before its sampler's:
             # the random stream then goes on as when the loader itself is iterated
             torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
-            batches = iter(sampler)
-            skipped = [next(batches) for _ in range(skip)]  # (the sampler draws its order at the first)
-        self._handed_out = len(skipped)
-        for indices in batches:
-            self._check_rows(len(indices))
-            mine = self._my_indices(list(indices))
-            yield self._convert(collate([dataset[i] for i in mine]), len(indices))
+            return iter(sampler)
+
+        collate = self.loader.collate_fn
+        for batch_indices in self._resumed(indices):
+            self._check_rows(len(batch_indices))
+            mine = self._my_indices(list(batch_indices))
+            yield self._convert(collate([dataset[i] for i in mine]), len(batch_indices))
+
+    def _resumed(self, start):
+        """`start()`, the epoch's iterator (its draws fix the epoch's order), advanced past the
+        batches a loaded state had handed out: a sampler's by their indices alone, a loader's
+        read and dropped (it has no other way to skip).  The sampler draws at the first."""
+        with self._drawing_the_epoch() as skip:
+            batches = start()
+            for _ in range(skip):
+                next(batches)
+        self._handed_out = skip
+        return batches
 
     def _needs_whole_batch(self) -> bool:
         """Per-rank reading needs every item on a mesh this rank shards the same way."""
