@@ -28,6 +28,8 @@ global positions of a philox stream no piece can reproduce: such a call runs who
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..placement import Partial, Replicate, Shard
@@ -39,6 +41,12 @@ aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _B, _H, _L = 0, 1, 2  # dims of q / the scores
+
+
+@functools.lru_cache(maxsize=None)
+def _arg_names(func) -> tuple:
+    """The names of an op's arguments, in its schema's order (read per call by the kernels)."""
+    return tuple(a.name for a in func._schema.arguments)
 
 
 def _mask_placement(mask, scores: tuple, dim: int):
@@ -117,7 +125,7 @@ def sdpa_kernel(func, args, kwargs, in_specs, out_specs, coord):
     q, k = args[qi], args[qi + 1]
     if q.numel() == 0 or k.numel() == 0:
         return tuple(torch.zeros(s.local_shape(coord), dtype=s.meta.dtype, device=q.device) for s in out_specs)
-    at = [a.name for a in func._schema.arguments].index("is_causal")
+    at = _arg_names(func).index("is_causal")
     causal = args[at] if at < len(args) else kwargs.get("is_causal", False)
     if causal and in_specs[qi].sharding_mesh_dims(_L):
         first = in_specs[qi].local_box(coord)[_L][0]
@@ -152,7 +160,7 @@ _KV_ARGS = {"key", "value"}
 
 def _tensor_args(call: OpCall) -> list:
     """(argument name, meta) of each tensor input, in the order of `call.inputs`."""
-    names = [a.name for a in call.func._schema.arguments]
+    names = _arg_names(call.func)
     given = list(zip(names, call.args)) + list(call.kwargs.items())
     return [(name, v) for name, v in given if isinstance(v, TensorMeta)]
 
@@ -165,7 +173,7 @@ def _cuda_strategies(call: OpCall, backward: bool) -> list[OpStrategy]:
     scores = (q.shape[_B], q.shape[_H], q.shape[_L], k.shape[2])
     hq, hk = q.shape[_H], k.shape[_H]
     at = {name: i for i, (name, _) in enumerate(args)}
-    dropout = call.arg([a.name for a in call.func._schema.arguments].index("dropout_p"), "dropout_p", 0.0)
+    dropout = call.arg(_arg_names(call.func).index("dropout_p"), "dropout_p", 0.0)
     strategies = []
     if not dropout:
         qkv_even = tuple((at[n], _H) for n in ("query", "key", "value"))
@@ -213,7 +221,7 @@ def sdpa_cuda_kernel(func, args, kwargs, in_specs, out_specs, coord):
     """The local attention on a batch or head split, with the two fixes of `sdpa_kernel`
     that apply: q, k, v (and grad_out, out) get a contiguous last dim, and an empty piece
     (fewer heads or sequences than ranks) gives zeros instead of calling the kernel."""
-    names = [a.name for a in func._schema.arguments]
+    names = _arg_names(func)
     args = [a.contiguous() if names[i] in _ROW_ARGS | _KV_ARGS and a.dim() and a.stride(-1) != 1 else a
             for i, a in enumerate(args)]
     qi = names.index("query")
