@@ -112,13 +112,17 @@ class GradToPlacement:
     larger than its parameter.  Partial dims stay Partial (the optimizer or the
     data-parallel buckets reduce them), and nothing here moves bytes."""
 
-    __slots__ = ("param",)
+    __slots__ = ("attrs",)
 
     def __init__(self, param: torch.Tensor):
-        self.param = param  # (a cycle through the hook dict, which the garbage collector sees)
+        # The Parameter's attribute dict, not the Parameter: a hook holding its own tensor is a
+        # cycle through autograd's C++ hook list, which the garbage collector cannot see (a
+        # dropped model would never be freed).  The dict follows the Parameter through
+        # `swap_tensors` (which moves it with the hooks) and through in-place spec changes.
+        self.attrs = param.__dict__
 
     def __call__(self, grad):
-        spec = getattr(self.param, "_spec", None)
+        spec = self.attrs.get("_spec")
         if type(grad) is not DistTensor or spec is None or grad._spec.mesh != spec.mesh:
             return None
         have = grad._spec.placements
