@@ -33,7 +33,7 @@ def test_llama3_70b_on_1024_h100_json():
     assert plan["memory_per_rank_bytes"]["total"] <= 80e9
     assert 0.30 <= plan["mfu"] <= 0.50, plan["mfu"]  # Meta: 38-43% for Llama 3 405B on H100
     d = plan["degrees"]
-    assert d["dp"] * d["mp"] * d["pp"] == 1024 and d["mp"] <= 8
+    assert d["dp"] * d.get("sep", 1) * d["mp"] * d["pp"] == 1024 and d["mp"] <= 8
     assert plan["compare"]["layout"].startswith("dp32 tp8 pp4")
     assert plan["step_time_s"] <= plan["compare"]["step_time_s"]
     assert set(plan["bytes_per_step"]) <= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
@@ -58,7 +58,7 @@ def test_text_output_and_bad_arguments():
     bad = _cli("--compare", "xx8")
     assert bad.returncode == 2 and "'xx8'" in bad.stderr
     none = _cli("--ranks", "5", "--global-batch", "3", "--layers", "4")
-    assert none.returncode == 2 and "no dp x tp x pp layout of 5 ranks" in none.stderr
+    assert none.returncode == 2 and "no dp x cp x tp x pp layout of 5 ranks" in none.stderr
 
 
 def test_calibrate_writes_the_measured_profile(tmp_path, monkeypatch, capsys):

@@ -66,7 +66,7 @@ def test_the_lower_bound_never_passes_a_layout_of_its_shape():
 
 
 def test_pinned_degrees_skip_shapes_that_cannot_beat_their_best():
-    result = search(SPEC, WORLD, BATCH, DEVICE, fixed={"mp": 2, "pp": 2})
+    result = search(SPEC, WORLD, BATCH, DEVICE, fixed={"mp": 2, "pp": 2, "cp": 1})  # dp follows
     assert result.runner_up is None and result.bounded > 0 and result.solved + result.bounded == result.searched
     brute = min(
         evaluate(SPEC, DEVICE, Layout(shape, split, (0, 0))).step_time
@@ -96,14 +96,14 @@ def test_nothing_fits_is_said_with_the_limit():
 
 
 def test_no_layout_names_the_constraints():
-    with pytest.raises(ValueError, match="no dp x tp x pp layout of 5 ranks.*heads=8 and kv_heads=4.*global_batch=3"):
+    with pytest.raises(ValueError, match="no dp x cp x tp x pp layout of 5 ranks.*heads=8 and kv_heads=4.*global_batch=3"):
         search(SPEC, 5, 3, DEVICE)  # 5 splits no head count, exceeds the 4 layers and divides no batch of 3
 
 
 def test_dist_plan_returns_a_parallelize_config_and_why():
     plan = dist.plan(SPEC, world_size=WORLD, global_batch=BATCH, device=DEVICE, compare={"mp": 2, "pp": 2})
     d = plan.degrees
-    assert d["dp"] * d["mp"] * d["pp"] == WORLD
+    assert d["dp"] * d.get("sep", 1) * d["mp"] * d["pp"] == WORLD
     assert plan.config.get("dp_config", {"sharding_level": 0}) == {"sharding_level": plan.estimate.layout.shape.zero}
     for key, dim in (("dp_config", "dp"), ("mp_config", "mp"), ("pp_config", "pp")):
         assert (key in plan.config) == (d[dim] > 1), (key, d)

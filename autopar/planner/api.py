@@ -35,12 +35,16 @@ class Plan:
 
     @property
     def degrees(self) -> dict:
+        """Ranks along each mesh dim: dp, mp, pp, and sep (context parallel) where the plan
+        splits sequences; ep, the experts' split folded over dp x sep, where it splits them."""
         s = self.estimate.layout.shape
-        return {"dp": s.dp, "mp": s.tp, "pp": s.pp}
+        return {"dp": s.dp, "mp": s.tp, "pp": s.pp, **({"sep": s.cp} if s.cp > 1 else {}),
+                **({"ep": s.ep} if s.ep > 1 else {})}
 
     @property
     def name(self) -> str:
-        """The layout in short: "dp4 tp1 pp2 zero1 mb1x2" (sp: sequence parallel)."""
+        """The layout in short: "dp4 tp1 pp2 zero1 mb1x2" (sp: sequence parallel; cp4 /
+        cp4a2a: context parallel by ring / all-to-all; ep8: expert parallel)."""
         return _name(self.estimate)
 
     @property
@@ -75,7 +79,8 @@ class Plan:
         return apply_recompute(model, self.names, self.estimate.layout)
 
     def mesh(self, process_ids: Optional[list] = None):
-        """The ProcessMesh the config runs on: dims ["pp", "dp", "mp"], mp fastest."""
+        """The ProcessMesh the config runs on: dims ["pp", "dp", "mp"], mp fastest, with
+        "sep" between dp and mp where the plan splits sequences."""
         import numpy as np
 
         from ..mesh import ProcessMesh
@@ -84,6 +89,9 @@ class Plan:
         ids = list(range(s.world)) if process_ids is None else list(process_ids)
         if len(ids) != s.world:
             raise ValueError(f"the plan is for {s.world} ranks, got {len(ids)} process ids")
+        if s.cp > 1:
+            return ProcessMesh(np.array(ids).reshape(s.pp, s.dp, s.cp, s.tp).tolist(),
+                               dim_names=["pp", "dp", "sep", "mp"])
         return ProcessMesh(np.array(ids).reshape(s.pp, s.dp, s.tp).tolist(), dim_names=["pp", "dp", "mp"])
 
     def to_json(self) -> dict:
@@ -95,6 +103,7 @@ class Plan:
             "micro_batches": layout.shape.micro_batches,
             "sequence_parallel": layout.shape.sequence_parallel,
             "vpp_degree": layout.shape.vpp,
+            "context_parallel": layout.shape.cp_mode if layout.shape.cp > 1 else None,
             "stage_layers": list(layout.stage_layers),
             "recompute_layers": list(layout.recompute),
             "memory_per_rank_bytes": self.memory_per_rank_bytes,
@@ -112,7 +121,8 @@ class Plan:
         layout, est = self.estimate.layout, self.estimate
         s = layout.shape
         lines = [
-            f"plan: dp {s.dp} x mp {s.tp} x pp {s.pp} on {s.world} {self.profile.name} ranks, ZeRO-{s.zero}, "
+            f"plan: dp {s.dp} x {_cp_words(s)}mp {s.tp} x pp {s.pp} on {s.world} {self.profile.name} ranks"
+            + (f", experts split over {s.ep} ranks" if s.ep > 1 else "") + f", ZeRO-{s.zero}, "
             f"sequence parallel {'on' if s.sequence_parallel else 'off'}, {s.micro_batches} micro-batches of "
             f"{s.micro_batch}" + (f", interleaved 1F1B over {s.vpp} chunks per stage" if s.vpp > 1 else ""),
             f"  layers per stage {list(layout.stage_layers)}, recomputed {list(layout.recompute)}",
@@ -132,10 +142,15 @@ class Plan:
         return "\n".join(lines)
 
 
+def _cp_words(s) -> str:
+    return f"sep {s.cp} ({'ring' if s.cp_mode == 'ring' else 'all-to-all'}) x " if s.cp > 1 else ""
+
+
 def _name(est: Estimate) -> str:
     s = est.layout.shape
-    return (f"dp{s.dp} tp{s.tp} pp{s.pp}{f' vpp{s.vpp}' if s.vpp > 1 else ''} zero{s.zero}"
-            f"{' sp' if s.sequence_parallel else ''} mb{s.micro_batch}x{s.micro_batches}")
+    cp = f" cp{s.cp}{'a2a' if s.cp_mode == 'all2all' else ''}" if s.cp > 1 else ""
+    return (f"dp{s.dp}{cp} tp{s.tp} pp{s.pp}{f' vpp{s.vpp}' if s.vpp > 1 else ''}{f' ep{s.ep}' if s.ep > 1 else ''}"
+            f" zero{s.zero}{' sp' if s.sequence_parallel else ''} mb{s.micro_batch}x{s.micro_batches}")
 
 
 def _summary(est: Estimate) -> dict:
@@ -174,7 +189,8 @@ def plan(
     `sample_batch` (token ids [global batch, seq]) gives the batch and sequence length, or
     `global_batch` does with the spec's seq.  `fixed` pins degrees or settings
     ({"mp": 8, "pp": 4, "zero": 1, ...}); `compare` prices the best layout with the degrees
-    it names next to the plan (a hand configuration).
+    it names next to the plan (a hand configuration: without context or expert parallel
+    unless it names "cp" / "ep").
     """
     seq = None
     if sample_batch is not None:
@@ -199,17 +215,21 @@ def plan(
     compared = None
     if compare:
         compared = search(spec, world_size, global_batch, profile, memory_per_rank, precision,
-                          {**(fixed or {}), **compare}).best
+                          {"cp": 1, "ep": 1, **(fixed or {}), **compare}).best
     best = result.best
     why = (
-        f"searched {result.searched} layouts of {world_size} ranks (dp x mp x pp with mp within a node of "
-        f"{profile.ranks_per_node} dividing {spec.heads} heads and {spec.kv_heads} kv heads, pp <= {spec.layers} "
+        f"searched {result.searched} layouts of {world_size} ranks (dp x sep x mp x pp with mp within a node of "
+        f"{profile.ranks_per_node} dividing {spec.heads} heads and {spec.kv_heads} kv heads, sep splitting "
+        f"sequences of {spec.seq} by ring or all-to-all"
+        + (f", experts split over ep ranks dividing {spec.experts} experts" if spec.experts else "")
+        + f", pp <= {spec.layers} "
         f"layers, every micro-batch size dividing the batch, ZeRO 0-3, sequence parallel on/off, 1F1B or "
         f"interleaved over {'/'.join(map(str, VPP_DEGREES[1:]))} chunks per stage"
         + (f", fixed {fixed}" if fixed else "") + f"); for {result.solved} of them HiGHS solved the integer "
         f"program of layers and recomputed layers per stage ({result.infeasible} cannot fit {limit / GB:.1f} GB"
+        + (f"; {result.too_big} more hold more than that in parameters and states alone" if result.too_big else "")
         + (f", {result.unproven} stopped at {SOLVE_SECONDS:g} s without proof" if result.unproven else "") + "), "
-        f"the other {result.bounded} were bounded out by a step-time lower bound. "
+        f"{result.bounded} were bounded out by a step-time lower bound. "
         f"Chose {_name(best)}: {best.step_time:.4g} s per step, MFU {best.mfu:.1%}, "
         f"{best.peak_memory / GB:.1f} GB per rank."
     )

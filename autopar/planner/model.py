@@ -1,8 +1,9 @@
 """Analytic accounting of a decoder-only transformer (Llama, GPT) under a parallel layout.
 
-For a layout (dp x tp x pp degrees, ZeRO level, sequence parallel, micro-batch size and
-count, layers and fully recomputed layers per pipeline stage) it gives per rank: memory
-by category, the time of one training step and the bytes each collective kind moves.
+For a layout (dp x cp x tp x pp degrees, expert parallel degree, ZeRO level, sequence
+parallel, micro-batch size and count, layers and fully recomputed layers per pipeline stage)
+it gives per rank: memory by category, the time of one training step and the bytes each
+collective kind moves.
 
 Every figure of a stage is affine in (n, r), the stage's layer count and recomputed layer
 count (`Affine`); `stage_terms` computes those coefficients once, `evaluate` reads them at
@@ -10,7 +11,20 @@ the layout's (n, r), and the planner's integer program (search.py) optimises ove
 the two cannot disagree.
 
 Conventions (Megatron-LM's, Korthikanti et al. 2022 for activations):
-- ranks are ordered tp fastest, then dp, then pp (a tp group shares a node);
+- ranks are ordered tp fastest, then cp, then dp, then pp (a tp group shares a node);
+- context parallel (cp) splits every sequence over cp ranks, load-balanced for the causal
+  mask (each rank holds a head and a tail chunk): activations and attention work are 1/cp
+  per rank.  "ring" passes K/V blocks around the cp ranks (cp - 1 sends of the rank's K and V
+  per layer forward, K/V and their gradients again in the backward), overlapped with the
+  attention of the block in hand, so only the part of the ring slower than that attention
+  is charged; "all2all" (Ulysses) turns the sequence split into a head split around
+  attention: four all-to-alls of q, k, v and the output per layer forward, four in backward;
+- mixture of experts: a MoE layer's routed experts are split over ep ranks, folded over the
+  dp x cp ranks (torchtitan's dp2ep) and next to the tp group; each token's hidden state goes
+  to its top-k experts' ranks and back (two all-to-alls forward, two backward); the dense
+  parameters are reduced (and ZeRO-sharded) over dp x cp, the experts' over the dp x cp / ep
+  ranks holding the same experts.  Layers are priced at their average (DeepSeek-V3's three
+  dense layers of 61 spread over all);
 - bf16 mixed precision: 2-byte weights and activations, fp32 gradients accumulated over
   micro-batches and reduced in bf16, Adam's fp32 master weights and two moments (12 bytes);
   "fp32": 4-byte everything, no master copy;
@@ -29,16 +43,17 @@ import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .cost import DeviceProfile, collective_time, matmul_time, memory_bound_time
+from .cost import DeviceProfile, collective_time, link, matmul_time, memory_bound_time, op_link
 
 MEMORY = ("params", "grads", "optimizer", "activations", "reserved")
-MICRO_TIME = ("compute", "host", "tp_comm", "zero_comm", "p2p")  # per micro-batch
+MICRO_TIME = ("compute", "host", "tp_comm", "cp_comm", "ep_comm", "zero_comm", "p2p")  # per micro-batch
 END_TIME = ("dp_comm", "optimizer")  # once per step, after the pipeline flushes
 TIME = MICRO_TIME + END_TIME
 # bytes per parameter: (weights, gradients, optimizer states, reduced gradient, gathered weight)
 _STATE_BYTES = {"bf16": (2, 4, 12, 2, 2), "fp32": (4, 4, 8, 4, 4)}
 _ACT_BYTES = {"bf16": 2, "fp32": 4}
 _ADAM_TRAFFIC = {"bf16": 30, "fp32": 28}  # bytes read + written per parameter by one Adam update
+CP_MODES = ("ring", "all2all")
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,23 @@ class TransformerSpec:
     # counts them on a module; these are HF Llama's)
     layer_ops: int = 100
     other_ops: int = 50
+    # mixture of experts (experts == 0: dense): routed experts per MoE layer, experts each
+    # token goes to, an expert's inner size (default ffn), always-used shared experts, and
+    # how many first layers keep a dense MLP of `ffn`
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    # one layer's attention matrices where they are not q, k, v and o of heads x head size
+    # (DeepSeek's latent attention); 0: from hidden, heads and kv_heads
+    attention_params: int = 0
+
+    def __post_init__(self):
+        if self.experts and not 0 < self.top_k <= self.experts:
+            raise ValueError(f"TransformerSpec: top_k={self.top_k} must be between 1 and experts={self.experts}")
+        if not 0 <= self.dense_layers <= self.layers:
+            raise ValueError(f"TransformerSpec: dense_layers={self.dense_layers} must be within layers={self.layers}")
 
     @property
     def kv_dim(self) -> int:
@@ -70,11 +102,38 @@ class TransformerSpec:
     def mlp_matrices(self) -> int:
         return 3 if self.gated else 2
 
-    def layer_matmul_params(self) -> int:
-        h = self.hidden
-        return 2 * h * h + 2 * h * self.kv_dim + self.mlp_matrices * h * self.ffn
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
 
-    def layer_split_params(self) -> int:
+    def attention_matmul_params(self) -> int:
+        h = self.hidden
+        return self.attention_params or 2 * h * h + 2 * h * self.kv_dim
+
+    def expert_params(self) -> int:
+        """One expert's MLP matrices."""
+        return self.mlp_matrices * self.hidden * (self.expert_ffn or self.ffn)
+
+    def _per_layer(self, dense: float, moe: float) -> float:
+        """The average over the layers of a dense layer's `dense` and a MoE layer's `moe`."""
+        return ((self.layers - self.moe_layers) * dense + self.moe_layers * moe) / self.layers
+
+    def layer_matmul_params(self) -> float:
+        """Matrix parameters of a layer (on average over dense and MoE layers): all experts."""
+        moe = (self.experts + self.shared_experts) * self.expert_params() + self.hidden * self.experts
+        return self.attention_matmul_params() + self._per_layer(self.mlp_matrices * self.hidden * self.ffn, moe)
+
+    def layer_active_params(self) -> float:
+        """Matrix parameters a token runs through in a layer: its top-k experts, the shared ones
+        and the router in a MoE layer."""
+        moe = (self.top_k + self.shared_experts) * self.expert_params() + self.hidden * self.experts
+        return self.attention_matmul_params() + self._per_layer(self.mlp_matrices * self.hidden * self.ffn, moe)
+
+    def layer_expert_params(self) -> float:
+        """Routed experts' parameters of a layer (on average): what expert parallel splits."""
+        return self._per_layer(0.0, self.experts * self.expert_params())
+
+    def layer_split_params(self) -> float:
         """Parameters a tensor-parallel group splits: the matrices and their column biases."""
         biases = (self.hidden + 2 * self.kv_dim + (self.mlp_matrices - 1) * self.ffn) if self.bias else 0
         return self.layer_matmul_params() + biases
@@ -93,14 +152,33 @@ class TransformerSpec:
         """LM head (unless tied) and the final norm."""
         return (0 if self.tied else self.vocab * self.hidden) + (2 if self.bias else 1) * self.hidden
 
-    def params(self) -> int:
+    def params(self) -> float:
         return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
 
+    def active_params(self) -> float:
+        """Parameters one token runs through (all of them in a dense model)."""
+        return self.params() - self.layers * (self.layer_matmul_params() - self.layer_active_params())
+
     def flops_per_token(self) -> float:
-        """Model FLOPs of forward + backward per token: 6 x the matmul parameters (the LM
-        head included) + causal attention's scores and weighted sum (6 s h per layer)."""
-        matmul = self.layers * self.layer_matmul_params() + self.vocab * self.hidden
+        """Model FLOPs of forward + backward per token: 6 x the matmul parameters it runs
+        through (the LM head included; a MoE layer's top-k experts) + causal attention's
+        scores and weighted sum (6 s h per layer)."""
+        matmul = self.layers * self.layer_active_params() + self.vocab * self.hidden
         return 6.0 * matmul + 6.0 * self.layers * self.seq * self.hidden
+
+
+# Published shapes (`python -m autopar.planner --model NAME`): Llama 3 8B and 405B, and
+# DeepSeek-V3 (671B parameters, 37B active: 256 routed experts of 2048 and one shared, top-8,
+# the first three layers dense, latent attention's 187M matrices per layer)
+PRESETS = {
+    "llama": TransformerSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096),
+    "llama3-405b": TransformerSpec(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256,
+                                   seq=8192),
+    "deepseek-v3": TransformerSpec(
+        layers=61, hidden=7168, heads=128, kv_heads=128, ffn=18432, vocab=129280, seq=4096, experts=256, top_k=8,
+        expert_ffn=2048, shared_experts=1, dense_layers=3,
+        attention_params=7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168),
+}
 
 
 @dataclass(frozen=True)
@@ -116,10 +194,19 @@ class Shape:
     sequence_parallel: bool = False
     precision: str = "bf16"
     vpp: int = 1  # chunks per pipeline stage (interleaved 1F1B when > 1)
+    cp: int = 1  # context parallel: ranks splitting each sequence (mesh dim "sep")
+    cp_mode: str = "ring"  # "ring" (K/V passed around) or "all2all" (Ulysses)
+    ep: int = 1  # expert parallel: ranks splitting the routed experts, folded over dp x cp
+
+    def __post_init__(self):
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"Shape: cp_mode={self.cp_mode!r} must be one of {CP_MODES}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"Shape: ep={self.ep} must divide dp x cp = {self.dp * self.cp} (it folds over them)")
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def global_batch(self) -> int:
@@ -181,51 +268,111 @@ def _collective(terms: StageTerms, where: str, category: str, op: str, group: in
     terms.add(f"{where}_bytes", op, nbytes)
 
 
-def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, stage: int) -> StageTerms:
-    """Stage `stage`'s figures per rank as Affine in (its layers, its recomputed layers)."""
-    h, tp, dp, pp = spec.hidden, shape.tp, shape.dp, shape.pp
-    first, last = stage == 0, stage == pp - 1
-    wb, gb, ob, reduce_b, gather_b = _STATE_BYTES[shape.precision]
-    a = _ACT_BYTES[shape.precision]
-    tokens = shape.micro_batch * spec.seq
-    sp_div = tp if shape.sequence_parallel else 1
+def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, stage: int,
+                role: Optional[StageTerms] = None) -> StageTerms:
+    """Stage `stage`'s figures per rank as Affine in (its layers, its recomputed layers):
+    its role's (`role_terms`: first, last or in between; computed here unless given) and
+    the activations of the micro-batches it holds."""
+    first, last = stage == 0, stage == shape.pp - 1
+    role = role_terms(spec, profile, shape, first, last) if role is None else role
     inflight = held_micro_batches(shape)[stage]
-    terms = StageTerms()
+    full, ckpt, embedding = _activation_bytes(spec, shape)
+    act = Affine(0.0, inflight * full, -inflight * (full - ckpt))
+    if first:
+        act += Affine(inflight * embedding)
+    memory = dict(role.memory)
+    memory["activations"] = memory.get("activations", Affine()) + act
+    return StageTerms(memory, role.micro_time, role.end_time, role.micro_bytes, role.end_bytes)
 
-    # parameters this rank holds (a tp shard of the matrices, whole norms)
-    layer_p = spec.layer_split_params() / tp + spec.layer_replicated_params()
+
+def _moe_mlp_acts(spec: TransformerSpec) -> float:
+    """Per token, the MLP's inner activations (elements) of a layer on average: a MoE layer
+    keeps its top-k and shared experts' and the dispatched and combined hidden states."""
+    per_expert = (3 if spec.gated else 2) * (spec.expert_ffn or spec.ffn)
+    moe = per_expert * (spec.top_k + spec.shared_experts) + 2 * spec.top_k * spec.hidden if spec.experts else 0
+    return spec._per_layer((3 if spec.gated else 2) * spec.ffn, moe)
+
+
+def _activation_bytes(spec: TransformerSpec, shape: Shape) -> tuple:
+    """Bytes per rank per micro-batch a full layer keeps (its norms' inputs and outputs,
+    split only under sequence parallel, q/k/v, the attention output and the MLP's inner
+    tensors), a recomputed layer keeps (its input), and the embedding's output."""
+    h, tp, a = spec.hidden, shape.tp, _ACT_BYTES[shape.precision]
+    tokens = shape.micro_batch * spec.seq / shape.cp
+    sp_div = tp if shape.sequence_parallel else 1
+    full = tokens * a * (4 * h / sp_div + (2 * h + 2 * spec.kv_dim + _moe_mlp_acts(spec)) / tp)
+    return full, tokens * a * h / sp_div, tokens * a * h / sp_div
+
+
+def _param_groups(spec: TransformerSpec, shape: Shape, first: bool, last: bool) -> list:
+    """[(parameters this rank holds, Affine in layers; the ranks they are reduced and
+    ZeRO-sharded over; those ranks' stride)]: a tp shard of the matrices and whole norms over
+    dp x cp, and (a MoE model) a tp x ep shard of the routed experts over dp x cp / ep."""
+    h, tp, dp, cp, ep = spec.hidden, shape.tp, shape.dp, shape.cp, shape.ep
+    layer_p = (spec.layer_split_params() - spec.layer_expert_params()) / tp + spec.layer_replicated_params()
     fixed_p = (spec.embedding_params() / tp if first else 0.0) + (spec.head_params() / tp if last else 0.0)
     if spec.tied and last and not first:
         fixed_p += spec.vocab * h / tp  # the last stage keeps its own copy of the shared weight
-    params = Affine(fixed_p, layer_p)
-    shard = lambda level: 1.0 / dp if shape.zero >= level else 1.0  # noqa: E731
-    terms.add("memory", "params", params * (wb * shard(3)))
-    terms.add("memory", "grads", params * (gb * shard(2)))
-    terms.add("memory", "optimizer", params * (ob * shard(1)))
-    if shape.zero >= 3 and dp > 1:  # two layers gathered at a time (the one running, the next prefetched)
-        terms.add("memory", "params", Affine(2 * layer_p * wb * (1 - 1 / dp)))
+    groups = [(Affine(fixed_p, layer_p), dp * cp, tp)]
+    if spec.experts:
+        groups.append((Affine(0.0, spec.layer_expert_params() / (tp * ep)), dp * cp // ep, tp * ep))
+    return groups
 
-    # activations: a full layer keeps its norms' inputs and outputs (split only under sequence
-    # parallel), q/k/v, the attention output and the MLP's inner tensors; a recomputed layer
-    # keeps only its input
-    mlp_acts = (3 if spec.gated else 2) * spec.ffn
-    full = tokens * a * (4 * h / sp_div + (2 * h + 2 * spec.kv_dim + mlp_acts) / tp)
-    ckpt = tokens * a * h / sp_div
-    act = Affine(full, inflight * full, -inflight * (full - ckpt))  # + one layer's working set in the backward
-    if first:
-        act += Affine(inflight * tokens * a * h / sp_div)  # the embedding's output
+
+def _sharded(groups: list, shape: Shape, level: int, nbytes: float) -> Affine:
+    """Bytes per rank of a per-parameter state of `nbytes` that ZeRO `level` and above shard."""
+    return sum((p * (nbytes / n if shape.zero >= level else nbytes) for p, n, _ in groups), Affine())
+
+
+def state_bytes_floor(spec: TransformerSpec, shape: Shape) -> float:
+    """Bytes of parameters, gradients and optimizer states the fullest stage holds at least
+    (its share of the layers, nothing else): a shape above the memory limit cannot fit."""
+    wb, gb, ob = _STATE_BYTES[shape.precision][:3]
+    groups = _param_groups(spec, shape, False, False)
+    per_layer = sum((_sharded(groups, shape, level, b) for level, b in ((3, wb), (2, gb), (1, ob))), Affine())
+    return per_layer.per_layer * spec.layers / shape.pp
+
+
+def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, first: bool, last: bool) -> StageTerms:
+    """A stage's figures but the activations it holds: the same for every stage in between."""
+    h, tp, dp, pp, cp, ep = spec.hidden, shape.tp, shape.dp, shape.pp, shape.cp, shape.ep
+    wb, gb, ob, reduce_b, gather_b = _STATE_BYTES[shape.precision]
+    a = _ACT_BYTES[shape.precision]
+    tokens = shape.micro_batch * spec.seq / cp  # this rank's tokens of a micro-batch
+    sp_div = tp if shape.sequence_parallel else 1
+    moe = spec.moe_layers / spec.layers  # the share of layers with experts
+    terms = StageTerms()
+
+    groups = _param_groups(spec, shape, first, last)
+    params = sum((p for p, _, _ in groups), Affine())
+    sharded = lambda level, nbytes: _sharded(groups, shape, level, nbytes)  # noqa: E731
+
+    terms.add("memory", "params", sharded(3, wb))
+    terms.add("memory", "grads", sharded(2, gb))
+    terms.add("memory", "optimizer", sharded(1, ob))
+    if shape.zero >= 3:  # two layers gathered at a time (the one running, the next prefetched)
+        gathered = sum((p.per_layer * (1 - 1 / n) for p, n, _ in groups if n > 1), 0.0)
+        terms.add("memory", "params", Affine(2 * gathered * wb))
+
+    # activations beyond the micro-batches held (`stage_terms`): one layer's working set in
+    # the backward, and the last stage's logits, fp32 softmax and its gradient
+    mlp_acts = _moe_mlp_acts(spec)
+    act = Affine(_activation_bytes(spec, shape)[0])
     if last:
-        act += Affine(tokens * spec.vocab / tp * (a + 4 + 4))  # logits, fp32 softmax and its gradient
+        act += Affine(tokens * spec.vocab / tp * (a + 4 + 4))
     terms.add("memory", "activations", act)
     terms.add("memory", "reserved", Affine(profile.reserved_bytes))
 
-    # compute of one micro-batch, forward + backward (backward = 2 x forward), recompute = + forward
+    # compute of one micro-batch, forward + backward (backward = 2 x forward), recompute = + forward;
+    # a rank's tokens attend to the whole sequence (its K/V blocks under cp)
     prec = shape.precision
-    layer_flops = 2.0 * tokens * spec.layer_matmul_params() / tp + 2.0 * tokens * spec.seq * h / tp
+    attention_flops = 2.0 * tokens * spec.seq * h / tp
+    layer_flops = 2.0 * tokens * spec.layer_active_params() / tp + attention_flops
     gemms = 4 + spec.mlp_matrices + 1  # q, k, v, o, the MLP's matrices, one fused attention kernel
     fwd = matmul_time(layer_flops, gemms, profile, prec)
-    norm_bytes, other_bytes = 10 * h, 2 * (h + spec.kv_dim) + (3 if spec.gated else 2) * spec.ffn
-    fwd += memory_bound_time(tokens * a * (norm_bytes / sp_div + other_bytes / tp), profile)
+    norm_bytes, other_bytes = 10 * h, 2 * (h + spec.kv_dim) + mlp_acts
+    moved = tokens * a * (norm_bytes / sp_div + other_bytes / tp) + moe * 4 * tokens * spec.top_k * h * a / sp_div
+    fwd += memory_bound_time(moved, profile)  # (a MoE layer permutes its tokens to and from the experts)
     compute = Affine(0.0, 3 * fwd, fwd)
     if last:
         head = matmul_time(3 * 2.0 * tokens * h * spec.vocab / tp, 3, profile, prec)
@@ -260,30 +407,53 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
         for op in ops:
             _collective(terms, "micro", "tp_comm", op, tp, 1, per_op, per_op * activation, profile)
 
+    # context parallel, per layer: forward once (again when recomputed), backward twice the bytes
+    if cp > 1:
+        kv = tokens * a * 2 * spec.kv_dim / tp  # this rank's K and V
+        if shape.cp_mode == "ring":
+            alpha, bandwidth = op_link(profile, "send", *link(profile, cp, tp))
+            ring = (cp - 1) * (alpha + kv / bandwidth)
+            exposed = max(0.0, ring - matmul_time(attention_flops, cp, profile, prec))
+            terms.add("micro_time", "cp_comm", Affine(0.0, 3 * exposed, exposed))
+            terms.add("micro_bytes", "send", Affine(0.0, 3 * (cp - 1) * kv, (cp - 1) * kv))
+        else:
+            moved = tokens * a * (2 * h + 2 * spec.kv_dim) / tp  # q, k, v and the output
+            _collective(terms, "micro", "cp_comm", "all_to_all", cp, tp, Affine(0.0, 8, 4),
+                        Affine(0.0, 2 * moved, moved), profile)
+
+    # expert parallel, per MoE layer: each token's hidden state to its top-k experts and back,
+    # forward (again when recomputed) and backward
+    if spec.experts and ep > 1:
+        routed = tokens * spec.top_k * h * a / sp_div
+        _collective(terms, "micro", "ep_comm", "all_to_all", ep, tp, Affine(0.0, 4 * moe, 2 * moe),
+                    Affine(0.0, 4 * moe * routed, 2 * moe * routed), profile)
+
     # ZeRO-2/3 keep only a shard of the gradient, so each micro-batch reduce-scatters it;
     # ZeRO-3 also gathers each layer's weights for its forward and again for its backward
     # (the embedding and the head are units of their own)
     units = Affine((1 if first else 0) + (1 if last else 0), 1)
-    if shape.zero >= 2:
-        _collective(terms, "micro", "zero_comm", "reduce_scatter", dp, tp, units, params * reduce_b, profile)
-    if shape.zero >= 3:
-        _collective(terms, "micro", "zero_comm", "all_gather", dp, tp, units * 2, params * (2 * gather_b), profile)
+    for p, n, stride in groups:
+        if shape.zero >= 2:
+            _collective(terms, "micro", "zero_comm", "reduce_scatter", n, stride, units, p * reduce_b, profile)
+        if shape.zero >= 3:
+            _collective(terms, "micro", "zero_comm", "all_gather", n, stride, units * 2, p * (2 * gather_b), profile)
 
     # pipeline: the activation (split over tp) goes forward, its gradient backward
     if pp > 1:
         sends = Affine((shape.vpp - last) + (shape.vpp - first))
-        _collective(terms, "micro", "p2p", "send", 2, tp * dp, sends, sends * (activation / tp), profile)
+        _collective(terms, "micro", "p2p", "send", 2, tp * cp * dp, sends, sends * (activation / tp), profile)
 
-    # end of step: gradients all-reduced over dp (ZeRO-1: reduce-scattered), the updated
+    # end of step: gradients all-reduced over dp x cp (ZeRO-1: reduce-scattered), the updated
     # weight shards all-gathered (ZeRO-1/2), then Adam
     once = Affine(1.0)
-    if shape.zero == 0:
-        _collective(terms, "end", "dp_comm", "all_reduce", dp, tp, once, params * reduce_b, profile)
-    if shape.zero == 1:
-        _collective(terms, "end", "dp_comm", "reduce_scatter", dp, tp, once, params * reduce_b, profile)
-    if shape.zero in (1, 2):
-        _collective(terms, "end", "dp_comm", "all_gather", dp, tp, once, params * gather_b, profile)
-    terms.add("end_time", "optimizer", params * (_ADAM_TRAFFIC[prec] * shard(1) / profile.hbm_bandwidth))
+    for p, n, stride in groups:
+        if shape.zero == 0:
+            _collective(terms, "end", "dp_comm", "all_reduce", n, stride, once, p * reduce_b, profile)
+        if shape.zero == 1:
+            _collective(terms, "end", "dp_comm", "reduce_scatter", n, stride, once, p * reduce_b, profile)
+        if shape.zero in (1, 2):
+            _collective(terms, "end", "dp_comm", "all_gather", n, stride, once, p * gather_b, profile)
+    terms.add("end_time", "optimizer", sharded(1, _ADAM_TRAFFIC[prec] / profile.hbm_bandwidth))
     return terms
 
 
@@ -338,7 +508,15 @@ def _interleaved_peaks(pp: int, vpp: int, micro_batches: int) -> tuple:
 
 
 def all_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape) -> list:
-    return [stage_terms(spec, profile, shape, s) for s in range(shape.pp)]
+    """Every stage's terms; the roles' (first, in between, last) computed once each."""
+    roles: dict = {}
+    out = []
+    for s in range(shape.pp):
+        key = (s == 0, s == shape.pp - 1)
+        if key not in roles:
+            roles[key] = role_terms(spec, profile, shape, *key)
+        out.append(stage_terms(spec, profile, shape, s, roles[key]))
+    return out
 
 
 def pipeline_time(micro: list, end: list, micro_batches: int, vpp: int = 1) -> float:

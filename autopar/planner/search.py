@@ -1,9 +1,10 @@
 """The planner: the fastest layout that fits, and the `parallelize` config that runs it.
 
-It enumerates the shapes (dp x tp x pp = world with tp inside a node and dividing the
-heads and kv heads, pp at most the layers, micro-batch size, ZeRO level, sequence
-parallel, the interleaving degree of the pipeline), and for each solves one small integer
-program with HiGHS: how many layers
+It enumerates the shapes (dp x cp x tp x pp = world with tp inside a node and dividing the
+heads and kv heads, context parallel by ring or all-to-all where the sequence is long
+enough to split, expert parallel over dp x cp dividing the experts, pp at most the layers,
+micro-batch size, ZeRO level, sequence parallel, the interleaving degree of the pipeline),
+and for each solves one small integer program with HiGHS: how many layers
 each pipeline stage gets and how many of them it recomputes, minimising the 1F1B step
 time subject to every stage's memory.  Stages differ (the first holds the embedding and
 the most micro-batches in flight, the last the LM head and logits), so uneven splits and
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .cost import DeviceProfile, load_profile
-from .model import Affine, Estimate, Layout, Shape, TransformerSpec, all_terms, evaluate
+from .model import Affine, Estimate, Layout, Shape, TransformerSpec, all_terms, evaluate, state_bytes_floor
 
 _NO_SOLVER = "the planner needs HiGHS: pip install 'autopar[plan]' (or pip install highspy)"
 
@@ -30,14 +31,38 @@ def _divisors(n: int) -> list:
 # the settings `fixed` may pin, by the names users know them by -> Shape's field
 _FIXED = {"dp": "dp", "tp": "tp", "mp": "tp", "pp": "pp", "zero": "zero", "sharding_level": "zero",
           "micro_batch": "micro_batch", "sequence_parallel": "sequence_parallel", "vpp": "vpp",
-          "vpp_degree": "vpp"}
+          "vpp_degree": "vpp", "cp": "cp", "sep": "cp", "cp_mode": "cp_mode", "ep": "ep"}
 VPP_DEGREES = (1, 2, 4)  # chunks per pipeline stage tried (interleaved 1F1B beyond 1)
+# context parallel leaves each rank at least this many tokens of a sequence: shorter blocks
+# make attention's GEMMs too small to hide the ring, and 128K tokens still split 64 ways
+CP_MIN_TOKENS = 2048
+
+
+def cp_options(spec: TransformerSpec, tp: int, ranks: int) -> list:
+    """(cp, mode) pairs for a sequence split over cp of `ranks` ranks: the ring needs 2 cp
+    equal chunks (each rank a head and a tail chunk), all-to-all the heads and kv heads of
+    a tp rank to divide by cp."""
+    out = [(1, "ring")]
+    for cp in _divisors(ranks)[1:]:
+        if spec.seq // cp < CP_MIN_TOKENS:
+            break
+        if spec.seq % (2 * cp) == 0:
+            out.append((cp, "ring"))
+        if (spec.heads // tp) % cp == 0 and (spec.kv_heads // tp) % cp == 0 and spec.seq % cp == 0:
+            out.append((cp, "all2all"))
+    return out
+
+
+def ep_options(spec: TransformerSpec, dp: int, cp: int) -> list:
+    """Expert-parallel degrees: dividing the experts and dp x cp (ep folds over them)."""
+    return [1] + [e for e in _divisors(dp * cp)[1:] if spec.experts and spec.experts % e == 0]
 
 
 def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: DeviceProfile,
            precision: str = "bf16", fixed: Optional[dict] = None) -> list:
-    """Every Shape worth pricing.  `fixed` pins any of dp/tp/pp/zero/micro_batch/sequence_parallel/vpp.
-    Interleaving needs pp > 1, a multiple of pp micro-batches and pp x vpp <= layers."""
+    """Every Shape worth pricing.  `fixed` pins any of dp/tp/pp/cp/cp_mode/ep/zero/micro_batch/
+    sequence_parallel/vpp.  Interleaving needs pp > 1, a multiple of pp micro-batches and
+    pp x vpp <= layers."""
     fixed = fixed or {}
     unknown = sorted(set(fixed) - set(_FIXED))
     if unknown:
@@ -46,19 +71,21 @@ def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: Device
     for tp in _divisors(world):
         if tp > profile.ranks_per_node or spec.heads % tp or spec.kv_heads % tp:
             continue
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp > spec.layers or global_batch % dp:
-                continue
-            for b in _divisors(global_batch // dp):
-                m = global_batch // (dp * b)
-                vpps = [v for v in VPP_DEGREES if v == 1 or (pp > 1 and m % pp == 0 and pp * v <= spec.layers)]
-                for zero in range(4):
-                    for sp in (False, True) if tp > 1 else (False,):
-                        for v in vpps:
-                            shape = Shape(dp, tp, pp, b, m, zero, sp, precision, v)
-                            if all(getattr(shape, _FIXED[k]) == x for k, x in fixed.items()):
-                                out.append(shape)
+        for cp, mode in cp_options(spec, tp, world // tp):
+            for pp in _divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                if pp > spec.layers or global_batch % dp:
+                    continue
+                for ep in ep_options(spec, dp, cp):
+                    for b in _divisors(global_batch // dp):
+                        m = global_batch // (dp * b)
+                        vpps = [v for v in VPP_DEGREES if v == 1 or (pp > 1 and m % pp == 0 and pp * v <= spec.layers)]
+                        for zero in range(4):
+                            for sp in (False, True) if tp > 1 else (False,):
+                                for v in vpps:
+                                    shape = Shape(dp, tp, pp, b, m, zero, sp, precision, v, cp, mode, ep)
+                                    if all(getattr(shape, _FIXED[k]) == x for k, x in fixed.items()):
+                                        out.append(shape)
     return out
 
 
@@ -154,6 +181,7 @@ class SearchResult:
     bounded: int
     infeasible: int = 0
     unproven: int = 0  # integer programs stopped at SOLVE_SECONDS (their best split so far taken)
+    too_big: int = 0  # shapes whose parameters and states alone overflow the memory: never priced
 
 
 def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
@@ -164,24 +192,29 @@ def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
     profile = load_profile(device)
     limit = profile.memory_bytes if memory_per_rank is None else memory_per_rank
     candidates = []
-    for shape in shapes(spec, world, global_batch, profile, precision, fixed):
+    too_big = 0
+    enumerated = shapes(spec, world, global_batch, profile, precision, fixed)
+    for shape in enumerated:
+        if state_bytes_floor(spec, shape) > limit:
+            too_big += 1  # its states alone overflow the fullest stage
+            continue
         terms = all_terms(spec, profile, shape)
         candidates.append((lower_bound(terms, shape, spec.layers), shape, terms))
-    if not candidates:
+    if not enumerated:
         raise ValueError(
-            f"no dp x tp x pp layout of {world} ranks suits this model and batch: tp must divide "
+            f"no dp x cp x tp x pp layout of {world} ranks suits this model and batch: tp must divide "
             f"heads={spec.heads} and kv_heads={spec.kv_heads} within {profile.ranks_per_node} ranks per node, "
             f"pp <= layers={spec.layers}, dp must divide global_batch={global_batch}"
             + (f", and {fixed}" if fixed else "")
         )
     candidates.sort(key=lambda c: c[0])
-    best: dict = {}  # (dp, tp, pp) -> its fastest Estimate (ties: the one needing less memory)
+    best: dict = {}  # degrees -> their fastest Estimate (ties: the one needing less memory)
     solved = infeasible = unproven = 0
     for bound, shape, terms in candidates:
         ranked = sorted(best.values(), key=_rank)
         if len(ranked) >= 2 and bound >= ranked[1].step_time:
             break  # neither the best nor the runner-up can change
-        degrees = (shape.dp, shape.tp, shape.pp)
+        degrees = (shape.dp, shape.cp, shape.tp, shape.pp, shape.ep)
         if degrees in best and bound >= best[degrees].step_time:
             continue  # cannot improve its degrees' best
         solved += 1
@@ -197,10 +230,10 @@ def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
     if not found:
         raise ValueError(
             f"nothing fits: no layout of this model on {world} ranks of {profile.name} stays within "
-            f"{limit / 1e9:.1f} GB per rank (tried {len(candidates)} shapes, recompute and uneven stages included)"
+            f"{limit / 1e9:.1f} GB per rank (tried {len(enumerated)} shapes, recompute and uneven stages included)"
         )
     return SearchResult(
         best=found[0], runner_up=found[1] if len(found) > 1 else None,
-        searched=len(candidates), solved=solved, bounded=len(candidates) - solved, infeasible=infeasible,
-        unproven=unproven,
+        searched=len(enumerated), solved=solved, bounded=len(candidates) - solved, infeasible=infeasible,
+        unproven=unproven, too_big=too_big,
     )

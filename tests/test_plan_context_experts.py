@@ -1,0 +1,99 @@
+"""The planner's context parallel (ring / all-to-all over "sep") and expert parallel (routed
+experts split over ranks folded on dp x sep): the accounting of model.py checked term by term,
+and the search on the shapes the issue names (Llama 3 405B at 128K tokens, DeepSeek-V3)."""
+import dataclasses
+
+import pytest
+
+from autopar.planner.cost import H100, collective_time
+from autopar.planner.model import PRESETS, Layout, Shape, TransformerSpec, evaluate
+from autopar.planner.search import search
+
+DEEPSEEK = PRESETS["deepseek-v3"]
+SMALL = TransformerSpec(layers=4, hidden=1024, heads=8, kv_heads=4, ffn=4096, vocab=32000, seq=16384)
+MOE = dataclasses.replace(SMALL, seq=4096, experts=8, top_k=2, expert_ffn=1024, shared_experts=1, dense_layers=1)
+
+
+def _estimate(spec, **shape):
+    shape = Shape(**{"dp": 1, "tp": 1, "pp": 1, "micro_batch": 1, "micro_batches": 2, **shape})
+    return evaluate(spec, H100, Layout(shape, (spec.layers,), (0,)))
+
+
+def test_deepseek_v3_has_671b_parameters_37b_active():
+    assert DEEPSEEK.params() == pytest.approx(671e9, rel=0.005)
+    assert DEEPSEEK.active_params() == pytest.approx(37.5e9, rel=0.01)
+    # model FLOPs follow the active parameters, not the total
+    every_expert = dataclasses.replace(DEEPSEEK, top_k=DEEPSEEK.experts)
+    assert DEEPSEEK.flops_per_token() < every_expert.flops_per_token() / 10
+
+
+def test_context_parallel_splits_activations_and_work_by_cp():
+    one, four = _estimate(SMALL), _estimate(SMALL, cp=4)
+    assert four.memory["activations"] == pytest.approx(one.memory["activations"] / 4)
+    assert four.memory["params"] == one.memory["params"]  # parameters are whole on every sep rank
+    # attention still covers the whole sequence: a rank's quarter of the queries against all keys
+    assert one.time["compute"] / 4 == pytest.approx(four.time["compute"], rel=0.05)
+
+
+def test_ring_sends_cp_minus_one_blocks_of_k_and_v_per_layer_and_overlaps_them():
+    cp, m = 4, 2
+    est = _estimate(SMALL, cp=cp, cp_mode="ring", micro_batches=m)
+    kv = SMALL.seq // cp * 2 * 2 * SMALL.kv_dim  # a rank's K and V, bf16
+    # forward sends them cp - 1 times; backward sends K/V and their gradients: 3 (cp - 1) per layer
+    assert est.bytes_per_step["send"] == m * SMALL.layers * 3 * (cp - 1) * kv
+    assert est.time["cp_comm"] == 0.0  # at 4K tokens a rank, the block's attention hides its transfer
+    # 512 tokens a rank, 8-way tensor parallel: the ring crosses nodes and is slower than the attention
+    short = dataclasses.replace(SMALL, seq=2048, kv_heads=8)
+    assert _estimate(short, cp=cp, tp=8).time["cp_comm"] > 0
+
+
+def test_ulysses_moves_q_k_v_and_the_output_through_four_all_to_alls_each_way():
+    cp, m = 4, 2
+    est = _estimate(SMALL, cp=cp, cp_mode="all2all", micro_batches=m)
+    moved = SMALL.seq // cp * 2 * (2 * SMALL.hidden + 2 * SMALL.kv_dim)
+    assert est.bytes_per_step["all_to_all"] == m * SMALL.layers * 2 * moved
+    per_layer = 8 * collective_time("all_to_all", 0.0, cp, H100) + 2 * (
+        collective_time("all_to_all", moved, cp, H100) - collective_time("all_to_all", 0.0, cp, H100))
+    assert est.time["cp_comm"] == pytest.approx(m * SMALL.layers * per_layer)
+
+
+def test_expert_parallel_splits_the_experts_and_dispatches_each_token_twice_each_way():
+    ep, m = 4, 2
+    one, split = _estimate(MOE, dp=8, micro_batches=m), _estimate(MOE, dp=8, ep=ep, micro_batches=m)
+    expert_params = MOE.layers * MOE.layer_expert_params()
+    assert one.memory["params"] - split.memory["params"] == pytest.approx(2 * expert_params * (1 - 1 / ep))
+    routed = MOE.seq * MOE.top_k * MOE.hidden * 2  # every token's hidden state to its top-k experts
+    moe_layers = MOE.layers - MOE.dense_layers
+    assert split.bytes_per_step["all_to_all"] == pytest.approx(m * moe_layers * 4 * routed)
+    assert "all_to_all" not in one.bytes_per_step
+    # the experts' gradients are reduced over the dp / ep = 2 ranks holding the same experts
+    dense_grads = (MOE.params() - expert_params) * 2
+    assert split.bytes_per_step["all_reduce"] == pytest.approx(dense_grads + expert_params / ep * 2)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="top_k=9 must be between 1 and experts=8"):
+        dataclasses.replace(MOE, top_k=9)
+    with pytest.raises(ValueError, match="ep=3 must divide dp x cp = 4"):
+        Shape(dp=4, tp=1, pp=1, micro_batch=1, micro_batches=1, ep=3)
+    with pytest.raises(ValueError, match="cp_mode='zigzag'"):
+        Shape(dp=1, tp=1, pp=1, micro_batch=1, micro_batches=1, cp=2, cp_mode="zigzag")
+
+
+def test_llama3_405b_at_128k_tokens_plans_context_parallel_that_fits():
+    spec = dataclasses.replace(PRESETS["llama3-405b"], seq=131072)
+    result = search(spec, 16384, 128, "h100", fixed={"mp": 8, "zero": 1})
+    best = result.best.layout.shape
+    assert best.cp > 1 and result.best.peak_memory <= 80e9
+    assert 0.35 <= result.best.mfu <= 0.60, result.best.mfu  # Meta reports 38-43% with cp16 at 128K
+    # without it, a pipeline deep enough to hold 128K-token activations has two micro-batches to fill it
+    without = search(spec, 16384, 128, "h100", fixed={"mp": 8, "zero": 1, "cp": 1}).best
+    assert without.step_time > 5 * result.best.step_time
+
+
+def test_deepseek_v3_plans_expert_parallel_that_fits():
+    result = search(DEEPSEEK, 1024, 4096, "h100", fixed={"mp": 1, "pp": 16, "zero": 1, "cp": 1, "vpp": 1})
+    best = result.best
+    assert best.layout.shape.ep > 1 and best.peak_memory <= 80e9
+    assert best.bytes_per_step["all_to_all"] > 0
+    assert best.mfu == pytest.approx(best.model_flops / (1024 * H100.peak_flops_bf16 * best.step_time))
