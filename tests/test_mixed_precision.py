@@ -1,0 +1,188 @@
+"""Mixed precision for sharded training against one process running the same precision policy.
+
+The reference is one process that runs the micro-batches the ranks see (the batch cut in two
+halves): each half's forward and backward in `param_dtype` (inputs cast, outputs cast to
+`output_dtype`), the two gradients cast to `reduce_dtype` and averaged in it, then a float32
+master step, the parameters cast back.  Every parallel run must give its losses and
+parameters to rtol 1e-5 (bitwise in practice); the collectives' bytes say where gathers run
+in low precision; each rank holds only its shard of the float32 masters.
+"""
+import copy
+
+import pytest
+import torch
+
+import autopar as dist
+from autopar.placement import Shard
+from distpool import run_dist
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+STEPS, LR = 3, 1e-2
+
+
+class _Net(torch.nn.Module):
+    """Two repeated blocks (ZeRO-3 units) and a head; every weight cut evenly over 2 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)])
+        self.head = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def _net():
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _data(steps=STEPS):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(steps)]
+
+
+def _loss(out, y):
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def _reference(policy, grad_dtype, steps=STEPS, scaler=None, inf_at=None):
+    """One process, the same policy: (losses, float32 master weights, low-precision weights).
+    The reduced gradients land in `grad_dtype`: float32 under ZeRO-3 (sharded float32
+    parameters), the parameters' low precision under O2 (torch keeps .grad in its
+    parameter's dtype)."""
+    master = _net()
+    opt = torch.optim.AdamW(master.parameters(), lr=LR)
+    pd, rd = policy.param_dtype, policy.reduction_dtype
+    losses = []
+    for step, (x, y) in enumerate(_data(steps)):
+        low = copy.deepcopy(master).to(pd)
+        grads, terms = [], []
+        for half in (slice(0, 4), slice(4, 8)):
+            out = low(x[half].to(pd)).to(policy.output_dtype or pd)
+            loss = _loss(out, y[half])
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            grads.append([p.grad.to(rd) for p in low.parameters()])
+            terms.append(loss.detach().float())
+            low.zero_grad()
+        for p, a, b in zip(master.parameters(), *grads):
+            p.grad = ((a + b) / 2).to(grad_dtype).to(FP32)
+        if step == inf_at:
+            next(master.parameters()).grad.view(-1)[0] = float("inf")
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        losses.append(float((terms[0] + terms[1]) / 2))
+    weights = {k: v.detach().clone() for k, v in master.state_dict().items()}
+    return losses, weights, {k: v.to(pd) for k, v in weights.items()}
+
+
+def _mesh():
+    return dist.ProcessMesh([0, 1], dim_names=["dp"])
+
+
+def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None):
+    """The parallel loop: per step the loss and the collectives of forward + backward + step."""
+    losses, logs = [], []
+    for step, (x, y) in enumerate(_data(steps)):
+        x, y = (dist.shard_tensor(t, mesh, [Shard(0)]) for t in (x, y))
+        with dist.comm_log() as log:
+            loss = _loss(model(x), y)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if step == inf_at and dist.get_rank() == 0:
+                # only rank 0's piece: without one job-wide found-inf the ranks would part ways
+                p = next(model.parameters())
+                dist.unshard_dtensor(p.grad)  # (a read: every pending gradient reduced first)
+                p.grad._local.view(-1)[0] = float("inf")
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        opt.zero_grad()
+        logs.append([(r.op, r.bytes) for r in log])
+        losses.append(float(loss.detach()))
+    return losses, logs
+
+
+def _weights(model):
+    return {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+
+
+def _masters(opt):
+    """This rank's float32 master pieces (None where the parameter is its own master)."""
+    return [zp.master for zp in opt._autopar_sharding.params]
+
+
+def _check(losses, weights, ref_losses, ref_weights):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for k, v in ref_weights.items():
+        torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=0, msg=lambda m: f"{k}: {m}")
+
+
+# -- ZeRO-3: bfloat16 gathers and compute, float32 reduction and masters ----------------------
+
+def _zero3(policy):
+    mesh = _mesh()
+    model = dist.shard_layer(_net(), mesh)
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), dist.ShardingStage3("dp"),
+                               mp_policy=policy)
+    losses, logs = _train(model, opt, mesh)
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    return losses, _weights(model), logs, dtypes
+
+
+def test_zero3_bf16_matches_one_process_and_gathers_half_the_bytes():
+    policy = dist.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, output_dtype=FP32)
+    ref = _reference(policy, FP32)
+    for (losses, weights, logs, dtypes), (_, _, logs32, _) in zip(run_dist(_zero3, 2, policy),
+                                                                   run_dist(_zero3, 2, None)):
+        _check(losses, weights, ref[0], ref[1])
+        assert dtypes == ["torch.float32"]  # the sharded parameters are the float32 masters
+        for step, step32 in zip(logs, logs32):
+            gathers = [b for op, b in step if op == "all_gather"]
+            gathers32 = [b for op, b in step32 if op == "all_gather"]
+            assert len(gathers) == len(gathers32) > 0 and sum(gathers) * 2 == sum(gathers32)
+            # reductions stay float32 (reduce_dtype), the same bytes as without a policy
+            assert [(op, b) for op, b in step if op != "all_gather"] == [
+                (op, b) for op, b in step32 if op != "all_gather"]
+
+
+# -- ZeRO-1, Paddle's O2: bfloat16 parameters, float32 masters sharded ------------------------
+
+def _zero1_o2(policy):
+    mesh = _mesh()
+    model = dist.shard_layer(_net(), mesh)
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), dist.ShardingStage1("dp"),
+                               mp_policy=policy)
+    losses, logs = _train(model, opt, mesh)
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    shards = [(m.dtype, tuple(m.shape), tuple(p.shape)) for m, p in zip(_masters(opt), model.parameters())
+              if m is not None]
+    state = opt.state[next(model.parameters())]["exp_avg"]
+    return losses, _weights(model), logs, dtypes, shards, _masters(opt), (state.dtype, state.placements)
+
+
+def test_zero1_o2_bf16_matches_one_process_with_sharded_float32_masters():
+    policy = dist.MixedPrecisionPolicy(param_dtype=BF16)
+    ref = _reference(policy, BF16)
+    ref_masters = list(ref[1].values())
+    fp32 = run_dist(_zero1_o2, 2, None)
+    for rank, (losses, weights, logs, dtypes, shards, masters, state) in enumerate(run_dist(_zero1_o2, 2, policy)):
+        _check(losses, weights, ref[0], ref[2])  # the bf16 parameters: the masters cast
+        assert dtypes == ["torch.bfloat16"]
+        assert state == (FP32, [Shard(0)])
+        assert len(shards) == len(ref_masters)
+        for (dtype, shape, full), master, want in zip(shards, masters, ref_masters):
+            assert dtype == FP32 and shape[0] * 2 == full[0] and shape[1:] == full[1:]  # half of each master
+            torch.testing.assert_close(master, want.chunk(2)[rank], rtol=1e-5, atol=0)
+        for step, step32 in zip(logs, fp32[rank][2]):  # bfloat16 gradients reduced, bfloat16 shards gathered
+            for op in ("reduce_scatter", "all_gather"):
+                sent = [b for o, b in step if o == op]
+                sent32 = [b for o, b in step32 if o == op]
+                assert len(sent) == len(sent32) > 0 and sum(sent) * 2 == sum(sent32)
