@@ -48,38 +48,47 @@ def _loss(out, y):
     return torch.nn.functional.mse_loss(out, y)
 
 
-def _reference(policy, grad_dtype, steps=STEPS, scaler=None, inf_at=None):
-    """One process, the same policy: (losses, float32 master weights, low-precision weights).
-    The reduced gradients land in `grad_dtype`: float32 under ZeRO-3 (sharded float32
-    parameters), the parameters' low precision under O2 (torch keeps .grad in its
-    parameter's dtype)."""
+def _reference(policy, grad_dtype, steps=STEPS, scale=None, inf_at=None):
+    """One process, the same policy: (losses, float32 master weights, low-precision weights,
+    loss scales).  The reduced gradients land in `grad_dtype`: float32 under ZeRO-3 (sharded
+    float32 parameters), the parameters' low precision under O2 (torch keeps .grad in its
+    parameter's dtype); with a loss `scale` (GradScaler's init_scale, growth every 2 steps)
+    they are unscaled there, a step whose gradients hold an inf is skipped and halves the
+    scale.  `inf_at`: the step whose first gradient element is made inf."""
     master = _net()
     opt = torch.optim.AdamW(master.parameters(), lr=LR)
     pd, rd = policy.param_dtype, policy.reduction_dtype
-    losses = []
+    scaling = scale is not None
+    if scaling:
+        scale, tracker = torch.full((), float(scale)), torch.zeros((), dtype=torch.int32)
+    losses, scales = [], []
     for step, (x, y) in enumerate(_data(steps)):
         low = copy.deepcopy(master).to(pd)
         grads, terms = [], []
         for half in (slice(0, 4), slice(4, 8)):
             out = low(x[half].to(pd)).to(policy.output_dtype or pd)
             loss = _loss(out, y[half])
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            (loss * scale if scaling else loss).backward()
             grads.append([p.grad.to(rd) for p in low.parameters()])
             terms.append(loss.detach().float())
             low.zero_grad()
-        for p, a, b in zip(master.parameters(), *grads):
-            p.grad = ((a + b) / 2).to(grad_dtype).to(FP32)
+        landed = [((a + b) / 2).to(grad_dtype) for a, b in zip(*grads)]
         if step == inf_at:
-            next(master.parameters()).grad.view(-1)[0] = float("inf")
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
+            landed[0].view(-1)[0] = float("inf")
+        found = torch.zeros(())
+        if scaling:
+            torch._amp_foreach_non_finite_check_and_unscale_(landed, found, scale.double().reciprocal().float())
+        for p, g in zip(master.parameters(), landed):
+            p.grad = g.to(FP32)
+        if not found:
             opt.step()
+        if scaling:
+            scales.append(float(scale))
+            torch._amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2)
         opt.zero_grad()
         losses.append(float((terms[0] + terms[1]) / 2))
     weights = {k: v.detach().clone() for k, v in master.state_dict().items()}
-    return losses, weights, {k: v.to(pd) for k, v in weights.items()}
+    return losses, weights, {k: v.to(pd) for k, v in weights.items()}, scales
 
 
 def _mesh():
@@ -87,19 +96,21 @@ def _mesh():
 
 
 def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None):
-    """The parallel loop: per step the loss and the collectives of forward + backward + step."""
-    losses, logs = [], []
+    """The parallel loop: per step the loss, the collectives of forward + backward + step and
+    the loss scale it ran with."""
+    losses, logs, scales = [], [], []
     for step, (x, y) in enumerate(_data(steps)):
         x, y = (dist.shard_tensor(t, mesh, [Shard(0)]) for t in (x, y))
         with dist.comm_log() as log:
             loss = _loss(model(x), y)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            if step == inf_at and dist.get_rank() == 0:
-                # only rank 0's piece: without one job-wide found-inf the ranks would part ways
+            if step == inf_at:
                 p = next(model.parameters())
                 dist.unshard_dtensor(p.grad)  # (a read: every pending gradient reduced first)
-                p.grad._local.view(-1)[0] = float("inf")
+                if dist.get_rank() == 0:  # only rank 0's piece: without one job-wide found-inf the ranks part ways
+                    p.grad._local.view(-1)[0] = float("inf")
             if scaler is not None:
+                scales.append(scaler.get_scale())
                 scaler.step(opt)
                 scaler.update()
             else:
@@ -107,7 +118,7 @@ def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None):
         opt.zero_grad()
         logs.append([(r.op, r.bytes) for r in log])
         losses.append(float(loss.detach()))
-    return losses, logs
+    return losses, logs, scales
 
 
 def _weights(model):
@@ -132,7 +143,7 @@ def _zero3(policy):
     model = dist.shard_layer(_net(), mesh)
     opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), dist.ShardingStage3("dp"),
                                mp_policy=policy)
-    losses, logs = _train(model, opt, mesh)
+    losses, logs, _ = _train(model, opt, mesh)
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     return losses, _weights(model), logs, dtypes
 
@@ -160,7 +171,7 @@ def _zero1_o2(policy):
     model = dist.shard_layer(_net(), mesh)
     opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), dist.ShardingStage1("dp"),
                                mp_policy=policy)
-    losses, logs = _train(model, opt, mesh)
+    losses, logs, _ = _train(model, opt, mesh)
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     shards = [(m.dtype, tuple(m.shape), tuple(p.shape)) for m, p in zip(_masters(opt), model.parameters())
               if m is not None]
@@ -186,3 +197,35 @@ def test_zero1_o2_bf16_matches_one_process_with_sharded_float32_masters():
                 sent = [b for o, b in step if o == op]
                 sent32 = [b for o, b in step32 if o == op]
                 assert len(sent) == len(sent32) > 0 and sum(sent) * 2 == sum(sent32)
+
+
+# -- float16 with a loss scale: every rank skips the step one rank's inf gradient spoils --------
+
+def _fp16_scaled(level, policy, steps, inf_at):
+    mesh = _mesh()
+    model = dist.shard_layer(_net(), mesh)
+    stage = dist.ShardingStage3("dp") if level == 3 else None
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), stage, mp_policy=policy)
+    scaler = dist.shard_scaler(torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2))
+    losses, logs, scales = _train(model, opt, mesh, steps, scaler, inf_at)
+    found_inf = [[b for op, b in step if op == "all_reduce" and b == 4] for step in logs]
+    return losses, _weights(model), scales, found_inf
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_fp16_with_shard_scaler_skips_the_inf_step_on_every_rank(level):
+    """float16, Paddle's O2 under data parallel (float16 parameters and reduction) and ZeRO-3
+    (float16 gathers, float32 reduction): the single process's losses, weights and scales;
+    the step whose gradient one rank spoiled is skipped everywhere (the scale halves), by one
+    4-byte found-inf all-reduce per step."""
+    steps, inf_at = 4, 1
+    if level == 3:
+        policy, landed = dist.MixedPrecisionPolicy(param_dtype=FP16, reduce_dtype=FP32, output_dtype=FP32), FP32
+    else:
+        policy, landed = dist.MixedPrecisionPolicy(param_dtype=FP16, output_dtype=FP32), FP16
+    ref = _reference(policy, landed, steps, scale=2.0 ** 10, inf_at=inf_at)
+    assert ref[3] == [1024.0, 1024.0, 512.0, 512.0]  # (grown after two clean steps: none here)
+    for losses, weights, scales, found_inf in run_dist(_fp16_scaled, 2, level, policy, steps, inf_at):
+        _check(losses, weights, ref[0], ref[1] if level == 3 else ref[2])
+        assert scales == ref[3]
+        assert found_inf == [[4]] * steps
