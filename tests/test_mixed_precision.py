@@ -48,13 +48,14 @@ def _loss(out, y):
     return torch.nn.functional.mse_loss(out, y)
 
 
-def _reference(policy, grad_dtype, steps=STEPS, scale=None, inf_at=None):
+def _reference(policy, grad_dtype, steps=STEPS, scale=None, inf_at=None, autocast=None):
     """One process, the same policy: (losses, float32 master weights, low-precision weights,
     loss scales).  The reduced gradients land in `grad_dtype`: float32 under ZeRO-3 (sharded
     float32 parameters), the parameters' low precision under O2 (torch keeps .grad in its
     parameter's dtype); with a loss `scale` (GradScaler's init_scale, growth every 2 steps)
     they are unscaled there, a step whose gradients hold an inf is skipped and halves the
-    scale.  `inf_at`: the step whose first gradient element is made inf."""
+    scale.  `inf_at`: the step whose first gradient element is made inf; `autocast`: the
+    dtype each half's forward autocasts to (Paddle's O1)."""
     master = _net()
     opt = torch.optim.AdamW(master.parameters(), lr=LR)
     pd, rd = policy.param_dtype, policy.reduction_dtype
@@ -66,8 +67,9 @@ def _reference(policy, grad_dtype, steps=STEPS, scale=None, inf_at=None):
         low = copy.deepcopy(master).to(pd)
         grads, terms = [], []
         for half in (slice(0, 4), slice(4, 8)):
-            out = low(x[half].to(pd)).to(policy.output_dtype or pd)
-            loss = _loss(out, y[half])
+            with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
+                out = low(x[half].to(pd)).to(policy.output_dtype or pd)
+                loss = _loss(out, y[half])
             (loss * scale if scaling else loss).backward()
             grads.append([p.grad.to(rd) for p in low.parameters()])
             terms.append(loss.detach().float())
@@ -95,14 +97,15 @@ def _mesh():
     return dist.ProcessMesh([0, 1], dim_names=["dp"])
 
 
-def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None):
+def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None, autocast=None):
     """The parallel loop: per step the loss, the collectives of forward + backward + step and
-    the loss scale it ran with."""
+    the loss scale it ran with; `autocast`: the dtype the user's torch.autocast runs in."""
     losses, logs, scales = [], [], []
     for step, (x, y) in enumerate(_data(steps)):
         x, y = (dist.shard_tensor(t, mesh, [Shard(0)]) for t in (x, y))
         with dist.comm_log() as log:
-            loss = _loss(model(x), y)
+            with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
+                loss = _loss(model(x), y)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if step == inf_at:
                 p = next(model.parameters())
@@ -229,3 +232,53 @@ def test_fp16_with_shard_scaler_skips_the_inf_step_on_every_rank(level):
         _check(losses, weights, ref[0], ref[1] if level == 3 else ref[2])
         assert scales == ref[3]
         assert found_inf == [[4]] * steps
+
+
+# -- Paddle's levels: O1 is autocast (float32 parameters), O2 the policy -------------------------
+
+def _o1(route):
+    mesh = _mesh()
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    if route == "amp_config":
+        model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {}, "amp_config": {"level": "O1"}})
+        losses, _, _ = _train(model, opt, mesh)
+    else:  # the user's own torch.autocast around a data-parallel forward
+        dist.shard_layer(model, mesh)
+        opt = dist.shard_optimizer(opt)
+        losses, _, _ = _train(model, opt, mesh, autocast=BF16)
+    return losses, _weights(model), sorted({str(p.dtype) for p in model.parameters()})
+
+
+@pytest.mark.parametrize("route", ["torch.autocast", "amp_config"])
+def test_o1_is_autocast_with_float32_parameters(route):
+    ref = _reference(dist.MixedPrecisionPolicy(param_dtype=FP32), FP32, autocast=BF16)
+    plain = _reference(dist.MixedPrecisionPolicy(param_dtype=FP32), FP32)
+    assert ref[0] != plain[0]  # (autocast changes the numbers: the check below can tell)
+    for losses, weights, dtypes in run_dist(_o1, 2, route):
+        _check(losses, weights, ref[0], ref[1])
+        assert dtypes == ["torch.float32"]
+
+
+def _o2_via_parallelize(level, amp):
+    mesh = _mesh()
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    if amp:
+        config = {"dp_config": {"sharding_level": level}, "amp_config": {"level": "O2", "dtype": "bfloat16"}}
+    else:
+        config = {"dp_config": {"sharding_level": level, "mp_policy": dist.MixedPrecisionPolicy(BF16)}}
+    model, opt = dist.parallelize(model, opt, mesh, config)
+    x, y = _data(1)[0]
+    loss = _loss(model(x).float(), y)  # (plain inputs: parallelize splits them over "dp" and casts them)
+    loss.backward()
+    opt.step()
+    return float(loss.detach()), _weights(model), sorted({str(p.dtype) for p in model.parameters()})
+
+
+@pytest.mark.parametrize("level,amp", [(2, True), (0, False)])
+def test_parallelize_takes_o2_as_amp_config_or_a_policy(level, amp):
+    ref = _reference(dist.MixedPrecisionPolicy(param_dtype=BF16, output_dtype=FP32), BF16, steps=1)
+    for loss, weights, dtypes in run_dist(_o2_via_parallelize, 2, level, amp):
+        _check([loss], weights, ref[0], ref[2])
+        assert dtypes == ["torch.bfloat16"]

@@ -119,3 +119,22 @@ def cast_model_io(model: torch.nn.Module, policy: MixedPrecisionPolicy) -> None:
             lambda _m, args, kwargs: _cast_floats((args, kwargs), policy.param_dtype), with_kwargs=True)
     if policy.output_dtype is not None:
         model.register_forward_hook(lambda _m, _args, out: _cast_floats(out, policy.output_dtype))
+
+
+def autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Run `model`'s forward under `torch.autocast` in `dtype` (Paddle's O1, parameters kept
+    float32): what wrapping each call in the context does, for a model handed to
+    `parallelize`."""
+    device = next((p._local.device.type if type(p) is DistTensor else p.device.type for p in model.parameters()), "cpu")
+    entered: list = []
+
+    def enter(_model, _args):
+        context = torch.autocast(device, dtype=dtype)
+        context.__enter__()
+        entered.append(context)
+
+    def leave(_model, _args, _out):
+        entered.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
