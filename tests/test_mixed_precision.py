@@ -48,7 +48,7 @@ def _loss(out, y):
     return torch.nn.functional.mse_loss(out, y)
 
 
-def _reference(policy, grad_dtype, steps=STEPS, scale=None, inf_at=None, autocast=None):
+def _reference(policy, grad_dtype, steps=STEPS, scale=None, inf_at=None, autocast=None, optimizer=torch.optim.AdamW):
     """One process, the same policy: (losses, float32 master weights, low-precision weights,
     loss scales).  The reduced gradients land in `grad_dtype`: float32 under ZeRO-3 (sharded
     float32 parameters), the parameters' low precision under O2 (torch keeps .grad in its
@@ -57,7 +57,7 @@ def _reference(policy, grad_dtype, steps=STEPS, scale=None, inf_at=None, autocas
     scale.  `inf_at`: the step whose first gradient element is made inf; `autocast`: the
     dtype each half's forward autocasts to (Paddle's O1)."""
     master = _net()
-    opt = torch.optim.AdamW(master.parameters(), lr=LR)
+    opt = optimizer(master.parameters(), lr=LR)
     pd, rd = policy.param_dtype, policy.reduction_dtype
     scaling = scale is not None
     if scaling:
@@ -282,3 +282,34 @@ def test_parallelize_takes_o2_as_amp_config_or_a_policy(level, amp):
     for loss, weights, dtypes in run_dist(_o2_via_parallelize, 2, level, amp):
         _check([loss], weights, ref[0], ref[2])
         assert dtypes == ["torch.bfloat16"]
+
+
+# -- the static mode: Strategy.amp O2, float16 with loss scaling ----------------------------------
+
+def _static_fp16_o2(steps):
+    mesh = _mesh()
+    model = dist.shard_layer(_net(), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)  # (linear in the gradients: a wrong scale shows)
+    strategy = dist.Strategy({"amp": {"enable": True, "dtype": "float16", "level": "O2", "init_loss_scaling": 1024.0,
+                                      "incr_every_n_steps": 2}})
+    step = dist.to_static(model, None, lambda out, y: _loss(out.float(), y), opt, strategy)
+    losses, scales = [], []
+    for x, y in _data(steps):
+        scales.append(step.scaler.get_scale())
+        losses.append(float(step(dist.shard_tensor(x, mesh, [Shard(0)]), dist.shard_tensor(y, mesh, [Shard(0)]))))
+    program = step.dist_main_program()
+    return losses, _weights(model), scales, sorted({str(p.dtype) for p in model.parameters()}), program
+
+
+def test_static_o2_float16_scales_the_loss_like_one_process():
+    """A captured float16 O2 step: the replays read the scale the scaler updated (it doubles
+    after two clean steps: a program that kept the first would unscale wrongly), float16
+    parameters, float32 masters, the single process's losses and weights."""
+    steps = 4
+    ref = _reference(dist.MixedPrecisionPolicy(param_dtype=FP16, output_dtype=FP32), FP16, steps, scale=1024.0,
+                     optimizer=torch.optim.SGD)
+    assert ref[3] == [1024.0, 1024.0, 2048.0, 2048.0]
+    for losses, weights, scales, dtypes, program in run_dist(_static_fp16_o2, 2, steps):
+        _check(losses, weights, ref[0], ref[2])
+        assert scales == ref[3] and dtypes == ["torch.float16"]
+        assert "all_reduce" in program
