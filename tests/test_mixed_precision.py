@@ -141,14 +141,22 @@ def _check(losses, weights, ref_losses, ref_weights):
 
 # -- ZeRO-3: bfloat16 gathers and compute, float32 reduction and masters ----------------------
 
-def _zero3(policy):
+def _sharded(stage, policy):
+    """The net converted by shard_layer on ranks [0, 1], its AdamW under `stage` and `policy`."""
     mesh = _mesh()
     model = dist.shard_layer(_net(), mesh)
-    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), dist.ShardingStage3("dp"),
-                               mp_policy=policy)
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), stage and stage("dp"), mp_policy=policy)
+    return mesh, model, opt
+
+
+def _dtypes(model):
+    return sorted({str(p.dtype) for p in model.parameters()})
+
+
+def _zero3(policy):
+    mesh, model, opt = _sharded(dist.ShardingStage3, policy)
     losses, logs, _ = _train(model, opt, mesh)
-    dtypes = sorted({str(p.dtype) for p in model.parameters()})
-    return losses, _weights(model), logs, dtypes
+    return losses, _weights(model), logs, _dtypes(model)
 
 
 def test_zero3_bf16_matches_one_process_and_gathers_half_the_bytes():
@@ -170,16 +178,12 @@ def test_zero3_bf16_matches_one_process_and_gathers_half_the_bytes():
 # -- ZeRO-1, Paddle's O2: bfloat16 parameters, float32 masters sharded ------------------------
 
 def _zero1_o2(policy):
-    mesh = _mesh()
-    model = dist.shard_layer(_net(), mesh)
-    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), dist.ShardingStage1("dp"),
-                               mp_policy=policy)
+    mesh, model, opt = _sharded(dist.ShardingStage1, policy)
     losses, logs, _ = _train(model, opt, mesh)
-    dtypes = sorted({str(p.dtype) for p in model.parameters()})
     shards = [(m.dtype, tuple(m.shape), tuple(p.shape)) for m, p in zip(_masters(opt), model.parameters())
               if m is not None]
     state = opt.state[next(model.parameters())]["exp_avg"]
-    return losses, _weights(model), logs, dtypes, shards, _masters(opt), (state.dtype, state.placements)
+    return losses, _weights(model), logs, _dtypes(model), shards, _masters(opt), (state.dtype, state.placements)
 
 
 def test_zero1_o2_bf16_matches_one_process_with_sharded_float32_masters():
@@ -205,10 +209,7 @@ def test_zero1_o2_bf16_matches_one_process_with_sharded_float32_masters():
 # -- float16 with a loss scale: every rank skips the step one rank's inf gradient spoils --------
 
 def _fp16_scaled(level, policy, steps, inf_at):
-    mesh = _mesh()
-    model = dist.shard_layer(_net(), mesh)
-    stage = dist.ShardingStage3("dp") if level == 3 else None
-    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), stage, mp_policy=policy)
+    mesh, model, opt = _sharded(dist.ShardingStage3 if level == 3 else None, policy)
     scaler = dist.shard_scaler(torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2))
     losses, logs, scales = _train(model, opt, mesh, steps, scaler, inf_at)
     found_inf = [[b for op, b in step if op == "all_reduce" and b == 4] for step in logs]
@@ -237,17 +238,15 @@ def test_fp16_with_shard_scaler_skips_the_inf_step_on_every_rank(level):
 # -- Paddle's levels: O1 is autocast (float32 parameters), O2 the policy -------------------------
 
 def _o1(route):
-    mesh = _mesh()
-    model = _net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    if route == "amp_config":
-        model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {}, "amp_config": {"level": "O1"}})
-        losses, _, _ = _train(model, opt, mesh)
-    else:  # the user's own torch.autocast around a data-parallel forward
-        dist.shard_layer(model, mesh)
-        opt = dist.shard_optimizer(opt)
+    if route == "torch.autocast":  # the user's own torch.autocast around a data-parallel forward
+        mesh, model, opt = _sharded(None, None)
         losses, _, _ = _train(model, opt, mesh, autocast=BF16)
-    return losses, _weights(model), sorted({str(p.dtype) for p in model.parameters()})
+    else:
+        mesh, model = _mesh(), _net()
+        config = {"dp_config": {}, "amp_config": {"level": "O1"}}
+        model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=LR), mesh, config)
+        losses, _, _ = _train(model, opt, mesh)
+    return losses, _weights(model), _dtypes(model)
 
 
 @pytest.mark.parametrize("route", ["torch.autocast", "amp_config"])
@@ -273,7 +272,7 @@ def _o2_via_parallelize(level, amp):
     loss = _loss(model(x).float(), y)  # (plain inputs: parallelize splits them over "dp" and casts them)
     loss.backward()
     opt.step()
-    return float(loss.detach()), _weights(model), sorted({str(p.dtype) for p in model.parameters()})
+    return float(loss.detach()), _weights(model), _dtypes(model)
 
 
 @pytest.mark.parametrize("level,amp", [(2, True), (0, False)])
@@ -298,7 +297,7 @@ def _static_fp16_o2(steps):
         scales.append(step.scaler.get_scale())
         losses.append(float(step(dist.shard_tensor(x, mesh, [Shard(0)]), dist.shard_tensor(y, mesh, [Shard(0)]))))
     program = step.dist_main_program()
-    return losses, _weights(model), scales, sorted({str(p.dtype) for p in model.parameters()}), program
+    return losses, _weights(model), scales, _dtypes(model), program
 
 
 def test_static_o2_float16_scales_the_loss_like_one_process():
