@@ -312,3 +312,28 @@ def test_static_o2_float16_scales_the_loss_like_one_process():
         _check(losses, weights, ref[0], ref[2])
         assert scales == ref[3] and dtypes == ["torch.float16"]
         assert "all_reduce" in program
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+def test_bad_policies_and_amp_settings_are_refused_naming_what_is_wrong():
+    with pytest.raises(ValueError, match="MixedPrecisionPolicy.param_dtype must be a floating-point"):
+        dist.MixedPrecisionPolicy(param_dtype=torch.int32)
+    mesh = dist.ProcessMesh([0], dim_names=["dp"])
+    policy = dist.MixedPrecisionPolicy(param_dtype=BF16)
+    layer = dist.shard_layer(torch.nn.Linear(4, 2), mesh)
+    with pytest.raises(ValueError, match="needs an elementwise optimizer .* got LBFGS"):
+        dist.shard_optimizer(torch.optim.LBFGS(layer.parameters()), mp_policy=policy)
+    with pytest.raises(TypeError, match="needs an autopar.MixedPrecisionPolicy"):
+        dist.shard_optimizer(torch.optim.SGD(layer.parameters(), lr=0.1), mp_policy="bf16")
+    plain = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"parameter #0 of the optimizer \(shape \[2, 4\]\) is not a distributed"):
+        dist.shard_optimizer(torch.optim.SGD(plain.parameters(), lr=0.1), mp_policy=policy)
+    with pytest.raises(ValueError, match="amp_config level must be 'O0', 'O1'"):
+        dist.parallelize(torch.nn.Linear(4, 2), None, mesh, {"amp_config": {"level": "O3"}})
+    with pytest.raises(ValueError, match="amp_config: unknown keys \\['dtpye'\\]"):
+        dist.parallelize(torch.nn.Linear(4, 2), None, mesh, {"amp_config": {"level": "O2", "dtpye": "bfloat16"}})
+    with pytest.raises(ValueError, match="steps float32 master weights in the optimizer: give parallelize"):
+        dist.parallelize(torch.nn.Linear(4, 2), None, mesh, {"amp_config": {"level": "O2"}})
+    with pytest.raises(TypeError, match="shard_scaler needs a torch.amp.GradScaler"):
+        dist.shard_scaler(object())
