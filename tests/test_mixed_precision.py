@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import autopar as dist
+import hf_llama
 from autopar.placement import Shard
 from distpool import run_dist
 
@@ -48,28 +49,37 @@ def _loss(out, y):
     return torch.nn.functional.mse_loss(out, y)
 
 
-def _reference(policy, grad_dtype, steps=STEPS, scale=None, inf_at=None, autocast=None, optimizer=torch.optim.AdamW):
+def _net_half(model, batch, half, policy):
+    """The net's loss on one half of a batch, as a rank computes it under `policy`."""
+    x, y = batch
+    return _loss(model(x[half].to(policy.param_dtype)).to(policy.output_dtype or policy.param_dtype), y[half])
+
+
+def _reference(policy, grad_dtype, steps=STEPS, scale=None, inf_at=None, autocast=None, optimizer=torch.optim.AdamW,
+               make=_net, data=_data, half_loss=_net_half):
     """One process, the same policy: (losses, float32 master weights, low-precision weights,
     loss scales).  The reduced gradients land in `grad_dtype`: float32 under ZeRO-3 (sharded
     float32 parameters), the parameters' low precision under O2 (torch keeps .grad in its
     parameter's dtype); with a loss `scale` (GradScaler's init_scale, growth every 2 steps)
     they are unscaled there, a step whose gradients hold an inf is skipped and halves the
     scale.  `inf_at`: the step whose first gradient element is made inf; `autocast`: the
-    dtype each half's forward autocasts to (Paddle's O1)."""
-    master = _net()
+    dtype each half's forward autocasts to (Paddle's O1); `make`, `data(steps)` and
+    `half_loss(model, batch, half, policy)`: the model, its batches and one half's loss."""
+    master = make()
     opt = optimizer(master.parameters(), lr=LR)
     pd, rd = policy.param_dtype, policy.reduction_dtype
     scaling = scale is not None
     if scaling:
         scale, tracker = torch.full((), float(scale)), torch.zeros((), dtype=torch.int32)
     losses, scales = [], []
-    for step, (x, y) in enumerate(_data(steps)):
-        low = copy.deepcopy(master).to(pd)
+    for step, batch in enumerate(data(steps)):
+        low = copy.deepcopy(master)
+        for p in low.parameters():  # (parameters only, as the policy: buffers such as RoPE's stay as they are)
+            p.data = p.data.to(pd)
         grads, terms = [], []
         for half in (slice(0, 4), slice(4, 8)):
             with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
-                out = low(x[half].to(pd)).to(policy.output_dtype or pd)
-                loss = _loss(out, y[half])
+                loss = half_loss(low, batch, half, policy)
             (loss * scale if scaling else loss).backward()
             grads.append([p.grad.to(rd) for p in low.parameters()])
             terms.append(loss.detach().float())
@@ -337,3 +347,37 @@ def test_bad_policies_and_amp_settings_are_refused_naming_what_is_wrong():
         dist.parallelize(torch.nn.Linear(4, 2), None, mesh, {"amp_config": {"level": "O2"}})
     with pytest.raises(TypeError, match="shard_scaler needs a torch.amp.GradScaler"):
         dist.shard_scaler(object())
+
+
+# -- a real model: HF Llama under ZeRO-3 in bfloat16 ----------------------------------------------
+
+def _llama_data(steps):
+    return hf_llama.batches(steps, batch=8)
+
+
+def _llama_half(model, batch, half, policy):
+    ids, labels = batch
+    return model(input_ids=ids[half], labels=labels[half]).loss
+
+
+def _llama_zero3(policy, steps):
+    mesh = _mesh()
+    model = hf_llama.tiny_llama()
+    config = {"dp_config": {"sharding_level": 3, "mp_policy": policy}}
+    model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=LR), mesh, config)
+    losses = []
+    for ids, labels in _llama_data(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, _weights(model), _dtypes(model)
+
+
+def test_hf_llama_zero3_bf16_matches_one_process():
+    policy = dist.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    ref = _reference(policy, FP32, 2, make=hf_llama.tiny_llama, data=_llama_data, half_loss=_llama_half)
+    for losses, weights, dtypes in run_dist(_llama_zero3, 2, policy, 2):
+        _check(losses, weights, ref[0], ref[1])
+        assert dtypes == ["torch.float32"]
