@@ -381,3 +381,37 @@ def test_hf_llama_zero3_bf16_matches_one_process():
     for losses, weights, dtypes in run_dist(_llama_zero3, 2, policy, 2):
         _check(losses, weights, ref[0], ref[1])
         assert dtypes == ["torch.float32"]
+
+
+# -- pipeline stages: each rank holds only its stage's parameters -----------------------------------
+
+def _two_stages():
+    """A two-stage pipeline (the seed's: a layer on each rank's mesh, the activation resharded
+    across), one scaled step whose gradient rank 1 spoils: (whether this rank's stage
+    stepped, the scale after, the collectives of the step)."""
+    meshes = [dist.ProcessMesh([0], dim_names=["x"]), dist.ProcessMesh([1], dim_names=["x"])]
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    dist.shard_layer(first, meshes[0])
+    dist.shard_layer(second, meshes[1])
+    opt = dist.shard_optimizer(torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1))
+    scaler = dist.shard_scaler(torch.amp.GradScaler("cpu", init_scale=8.0))
+    x = dist.shard_tensor(torch.ones(2, 4), meshes[0], [dist.Replicate()])
+    hidden = dist.reshard(first(x), meshes[1], [dist.Replicate()])
+    scaler.scale(second(hidden).sum()).backward()
+    if dist.get_rank() == 1:
+        second.weight.grad._local[0, 0] = float("inf")
+    mine = (first if dist.get_rank() == 0 else second).weight
+    before = mine.local_value().clone()
+    with dist.comm_log() as log:
+        scaler.step(opt)
+    scaler.update()
+    return not torch.equal(mine.local_value(), before), scaler.get_scale(), [(r.op, r.ranks, r.bytes) for r in log]
+
+
+def test_shard_scaler_makes_pipeline_stages_skip_together():
+    """Rank 0 holds only the first stage, whose gradients are finite: it skips the step and
+    halves its scale with rank 1, told by one 4-byte all-reduce over the job."""
+    for stepped, scale, log in run_dist(_two_stages, 2):
+        assert (stepped, scale) == (False, 4.0)
+        assert log == [("all_reduce", (0, 1), 4)]
