@@ -20,6 +20,11 @@ The optimizer stays the torch optimizer itself, stepping the user's Parameters (
   parameters just before it runs and frees them after, gathers them again for its backward
   and reduce-scatters their gradients (`zero3.py`).
 
+With a mixed-precision policy (`precision.py`) ZeRO-3's units gather and compute in its
+`param_dtype` over float32 shards, and at the other levels every parameter is held in
+`param_dtype` while the optimizer steps a float32 master copy of the piece each rank steps
+(`ZeroParam.master`: its shard under ZeRO-1/2), copied back after the step.
+
 `OptimizerSharding` is the optimizer's side (FSDP2's FSDPParamGroup, for all of its
 parameters): the stage, one `ZeroParam` per parameter, the all-gather buckets of ZeRO-1/2,
 the gradients ZeRO-2's backward left unreduced.

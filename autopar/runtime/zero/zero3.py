@@ -21,6 +21,10 @@ data-parallel dim, whose storage holds data only around the unit's use:
   and frees the storage; at the end of backward the shards are added to the sharded
   parameters' `.grad`.
 
+Under a mixed-precision policy the full Parameters are in its `param_dtype`: the float32
+shards are cast before the all-gather (half the bytes in bfloat16) and the gradients are
+reduced in its `reduce_dtype` and added, cast back, to the float32 `.grad`.
+
 The full Parameters are placed like data-parallel ones, so the batch stays sharded through
 the whole model (every activation, the logits too) and a unit's layers run as local regions.
 Bytes: two all-gathers of the parameters and one reduce-scatter of the gradients, 1.5x data
