@@ -187,8 +187,8 @@ def test_zero3_bf16_matches_one_process_and_gathers_half_the_bytes():
 
 # -- ZeRO-1, Paddle's O2: bfloat16 parameters, float32 masters sharded ------------------------
 
-def _zero1_o2(policy):
-    mesh, model, opt = _sharded(dist.ShardingStage1, policy)
+def _zero12_o2(level, policy):
+    mesh, model, opt = _sharded(dist.ShardingStage1 if level == 1 else dist.ShardingStage2, policy)
     losses, logs, _ = _train(model, opt, mesh)
     shards = [(m.dtype, tuple(m.shape), tuple(p.shape)) for m, p in zip(_masters(opt), model.parameters())
               if m is not None]
@@ -196,12 +196,16 @@ def _zero1_o2(policy):
     return losses, _weights(model), logs, _dtypes(model), shards, _masters(opt), (state.dtype, state.placements)
 
 
-def test_zero1_o2_bf16_matches_one_process_with_sharded_float32_masters():
-    policy = dist.MixedPrecisionPolicy(param_dtype=BF16)
+@pytest.mark.parametrize("level,reduce_dtype", [(1, None), (2, FP32)])
+def test_zero12_o2_bf16_matches_one_process_with_sharded_float32_masters(level, reduce_dtype):
+    """ZeRO-1 reducing in bfloat16 (the policy's default), ZeRO-2 in float32 (the gradients
+    cast up for the reduce-scatter, the sum rounded once into the bfloat16 .grad)."""
+    policy = dist.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype)
     ref = _reference(policy, BF16)
     ref_masters = list(ref[1].values())
-    fp32 = run_dist(_zero1_o2, 2, None)
-    for rank, (losses, weights, logs, dtypes, shards, masters, state) in enumerate(run_dist(_zero1_o2, 2, policy)):
+    fp32 = run_dist(_zero12_o2, 2, level, None)
+    for rank, (losses, weights, logs, dtypes, shards, masters, state) in enumerate(
+            run_dist(_zero12_o2, 2, level, policy)):
         _check(losses, weights, ref[0], ref[2])  # the bf16 parameters: the masters cast
         assert dtypes == ["torch.bfloat16"]
         assert state == (FP32, [Shard(0)])
@@ -209,11 +213,11 @@ def test_zero1_o2_bf16_matches_one_process_with_sharded_float32_masters():
         for (dtype, shape, full), master, want in zip(shards, masters, ref_masters):
             assert dtype == FP32 and shape[0] * 2 == full[0] and shape[1:] == full[1:]  # half of each master
             torch.testing.assert_close(master, want.chunk(2)[rank], rtol=1e-5, atol=0)
-        for step, step32 in zip(logs, fp32[rank][2]):  # bfloat16 gradients reduced, bfloat16 shards gathered
-            for op in ("reduce_scatter", "all_gather"):
+        for step, step32 in zip(logs, fp32[rank][2]):  # bfloat16 shards gathered; gradients in reduce_dtype
+            for op, ratio in (("reduce_scatter", 1 if reduce_dtype == FP32 else 2), ("all_gather", 2)):
                 sent = [b for o, b in step if o == op]
                 sent32 = [b for o, b in step32 if o == op]
-                assert len(sent) == len(sent32) > 0 and sum(sent) * 2 == sum(sent32)
+                assert len(sent) == len(sent32) > 0 and sum(sent) * ratio == sum(sent32)
 
 
 # -- float16 with a loss scale: every rank skips the step one rank's inf gradient spoils --------
