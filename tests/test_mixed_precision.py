@@ -419,3 +419,25 @@ def test_shard_scaler_makes_pipeline_stages_skip_together():
     for stepped, scale, log in run_dist(_two_stages, 2):
         assert (stepped, scale) == (False, 4.0)
         assert log == [("all_reduce", (0, 1), 4)]
+
+
+def _masters_follow_loaded_weights(level):
+    """SGD with lr 0 (a step changes nothing): weights loaded between steps must stay, not be
+    overwritten by masters that still hold the old values."""
+    mesh = _mesh()
+    model = dist.shard_layer(_net(), mesh)
+    opt = dist.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                               level and dist.ShardingStage1("dp"), mp_policy=dist.MixedPrecisionPolicy(BF16))
+    _train(model, opt, mesh, steps=1)
+    torch.manual_seed(5)
+    loaded = {k: v.to(BF16) for k, v in _Net().state_dict().items()}
+    model.load_state_dict(loaded)
+    _train(model, opt, mesh, steps=1)
+    return _weights(model), loaded
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_masters_take_weights_loaded_between_steps(level):
+    for weights, loaded in run_dist(_masters_follow_loaded_weights, 2, level):
+        for k, v in loaded.items():
+            torch.testing.assert_close(weights[k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")

@@ -151,6 +151,7 @@ class OptimizerSharding:
             convert_in_place(p, low, f"#{n} of the optimizer")
             if zp.sharded is not None:
                 zp.unsharded, zp.sharded = spec_in(zp.unsharded, dtype), spec_in(zp.sharded, dtype)
+            zp.master_matched()
         held = {id(zp.param) for zp in self.params}
         for model in models:
             if any(id(p) in held for p in model.parameters()):
@@ -235,6 +236,9 @@ class OptimizerSharding:
     def pre_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore()  # a step that raised left its swap behind: the groups hold stand-ins
         self.prepare_grads()
+        for zp in self.params:
+            if zp.master is not None:
+                zp.refresh_master()
         groups = self.groups()
         self.local_step.swap(groups)
         swapped = {id(group) for group, *_ in self.local_step.swapped}
@@ -267,11 +271,13 @@ class OptimizerSharding:
 
     def post_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore()
+        masters = [zp for zp in self.params if zp.master is not None]
         with torch.no_grad():
-            for zp in self.params:
-                if zp.master is not None:  # the stepped master, into the low-precision parameter
-                    zp.piece()[1].copy_(zp.master)
+            for zp in masters:  # the stepped master, into the low-precision parameter
+                zp.piece()[1].copy_(zp.master)
         self._publish()
+        for zp in masters:
+            zp.master_matched()
         if self.shard_fn is not None and self.stage is None and not self.states_sharded:
             self.states_sharded = True
             for group in optimizer.param_groups:
