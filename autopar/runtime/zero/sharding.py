@@ -136,26 +136,27 @@ class OptimizerSharding:
         optimizer stepping a float32 master copy of the piece this rank steps; the models
         holding them cast their inputs and outputs."""
         dtype = self.policy.param_dtype
-        for n, zp in enumerate(self.params):
-            p = zp.param
-            if dtype is None or zp.in_place or not p.is_floating_point() or p.dtype == dtype:
-                continue
-            if type(p) is not DistTensor:
+        low = [(n, zp) for n, zp in enumerate(self.params) if dtype is not None and not zp.in_place
+               and zp.param.is_floating_point() and zp.param.dtype != dtype]
+        for n, zp in low:  # (refused before anything changes)
+            if type(zp.param) is not DistTensor:
                 raise ValueError(
-                    f"mp_policy {self.policy}: parameter #{n} of the optimizer (shape {list(p.shape)}) is not a "
-                    f"distributed tensor: shard_layer or parallelize the model before shard_optimizer"
+                    f"mp_policy {self.policy}: parameter #{n} of the optimizer (shape {list(zp.param.shape)}) is not "
+                    f"a distributed tensor: shard_layer or parallelize the model before shard_optimizer"
                 )
-            with torch.no_grad():
-                zp.master = zp.piece()[1].clone()  # (ZeRO-1/2: only the shard this rank steps)
-                low = torch.nn.Parameter(new_dist(p._local.to(dtype), spec_in(p._spec, dtype)), p.requires_grad)
-            convert_in_place(p, low, f"#{n} of the optimizer")
-            if zp.sharded is not None:
-                zp.unsharded, zp.sharded = spec_in(zp.unsharded, dtype), spec_in(zp.sharded, dtype)
-            zp.master_matched()
         held = {id(zp.param) for zp in self.params}
         for model in models:
             if any(id(p) in held for p in model.parameters()):
                 cast_model_io(model, self.policy)
+        for n, zp in low:
+            p = zp.param
+            with torch.no_grad():
+                zp.master = zp.piece()[1].clone()  # (ZeRO-1/2: only the shard this rank steps)
+                held_low = torch.nn.Parameter(new_dist(p._local.to(dtype), spec_in(p._spec, dtype)), p.requires_grad)
+            convert_in_place(p, held_low, f"#{n} of the optimizer")
+            if zp.sharded is not None:
+                zp.unsharded, zp.sharded = spec_in(zp.unsharded, dtype), spec_in(zp.sharded, dtype)
+            zp.master_matched()
 
     def _reduced_apart(self, p: torch.Tensor) -> bool:
         """p's gradient is reduced in another dtype than its own: at the step, not in backward."""
