@@ -8,6 +8,7 @@ parameters to rtol 1e-5 (bitwise in practice); the collectives' bytes say where 
 in low precision; each rank holds only its shard of the float32 masters.
 """
 import copy
+import re
 
 import pytest
 import torch
@@ -299,19 +300,18 @@ def test_parallelize_takes_o2_as_amp_config_or_a_policy(level, amp):
 
 # -- the static mode: Strategy.amp O2, float16 with loss scaling ----------------------------------
 
-def _static_fp16_o2(steps):
+def _static_o2(dtype, stage, steps):
     mesh = _mesh()
     model = dist.shard_layer(_net(), mesh)
     opt = torch.optim.SGD(model.parameters(), lr=LR)  # (linear in the gradients: a wrong scale shows)
-    strategy = dist.Strategy({"amp": {"enable": True, "dtype": "float16", "level": "O2", "init_loss_scaling": 1024.0,
-                                      "incr_every_n_steps": 2}})
-    step = dist.to_static(model, None, lambda out, y: _loss(out.float(), y), opt, strategy)
+    amp = {"enable": True, "dtype": dtype, "level": "O2", "init_loss_scaling": 1024.0, "incr_every_n_steps": 2}
+    config = {"amp": amp, "sharding": {"enable": stage is not None, "stage": stage or 1}}
+    step = dist.to_static(model, None, lambda out, y: _loss(out.float(), y), opt, dist.Strategy(config))
     losses, scales = [], []
     for x, y in _data(steps):
-        scales.append(step.scaler.get_scale())
+        scales.append(step.scaler.get_scale() if step.scaler is not None else None)
         losses.append(float(step(dist.shard_tensor(x, mesh, [Shard(0)]), dist.shard_tensor(y, mesh, [Shard(0)]))))
-    program = step.dist_main_program()
-    return losses, _weights(model), scales, _dtypes(model), program
+    return losses, _weights(model), scales, _dtypes(model), step.dist_main_program()
 
 
 def test_static_o2_float16_scales_the_loss_like_one_process():
@@ -322,10 +322,24 @@ def test_static_o2_float16_scales_the_loss_like_one_process():
     ref = _reference(dist.MixedPrecisionPolicy(param_dtype=FP16, output_dtype=FP32), FP16, steps, scale=1024.0,
                      optimizer=torch.optim.SGD)
     assert ref[3] == [1024.0, 1024.0, 2048.0, 2048.0]
-    for losses, weights, scales, dtypes, program in run_dist(_static_fp16_o2, 2, steps):
+    for losses, weights, scales, dtypes, program in run_dist(_static_o2, 2, "float16", None, steps):
         _check(losses, weights, ref[0], ref[2])
         assert scales == ref[3] and dtypes == ["torch.float16"]
         assert "all_reduce" in program
+
+
+def test_static_zero3_o2_bfloat16_gathers_in_the_captured_step():
+    """Strategy.sharding stage 3 with amp O2 bfloat16: the captured program gathers bfloat16
+    shards of the float32 parameters, as the dynamic mode does."""
+    ref = _reference(dist.MixedPrecisionPolicy(param_dtype=BF16, output_dtype=FP32), FP32, optimizer=torch.optim.SGD)
+    for losses, weights, scales, dtypes, program in run_dist(_static_o2, 2, "bfloat16", 3, STEPS):
+        _check(losses, weights, ref[0], ref[1])
+        assert scales == [None] * STEPS and dtypes == ["torch.float32"]
+        gathered = [int(n) for n in re.findall(r"^all_gather\(.*sent=(\d+) B$", program, re.M)]
+        # a captured step gathers at every use: forward and backward each send this rank's
+        # half of every parameter, 2 bytes an element
+        numel = sum(p.numel() for p in _Net().parameters())
+        assert len(gathered) == 6 and sum(gathered) == 2 * (numel // 2) * 2
 
 
 # -- bad input ------------------------------------------------------------------------------------
