@@ -108,11 +108,12 @@ def _mesh():
     return dist.ProcessMesh([0, 1], dim_names=["dp"])
 
 
-def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None, autocast=None):
+def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None, autocast=None, batches=None):
     """The parallel loop: per step the loss, the collectives of forward + backward + step and
-    the loss scale it ran with; `autocast`: the dtype the user's torch.autocast runs in."""
+    the loss scale it ran with; `autocast`: the dtype the user's torch.autocast runs in;
+    `batches`: other than the first `steps` of `_data`."""
     losses, logs, scales = [], [], []
-    for step, (x, y) in enumerate(_data(steps)):
+    for step, (x, y) in enumerate(batches or _data(steps)):
         x, y = (dist.shard_tensor(t, mesh, [Shard(0)]) for t in (x, y))
         with dist.comm_log() as log:
             with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
@@ -441,7 +442,7 @@ def _masters_follow_loaded_weights(level):
     mesh = _mesh()
     model = dist.shard_layer(_net(), mesh)
     opt = dist.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                               level and dist.ShardingStage1("dp"), mp_policy=dist.MixedPrecisionPolicy(BF16))
+                               dist.ShardingStage1("dp") if level else None, mp_policy=dist.MixedPrecisionPolicy(BF16))
     _train(model, opt, mesh, steps=1)
     torch.manual_seed(5)
     loaded = {k: v.to(BF16) for k, v in _Net().state_dict().items()}
@@ -455,3 +456,32 @@ def test_masters_take_weights_loaded_between_steps(level):
     for weights, loaded in run_dist(_masters_follow_loaded_weights, 2, level):
         for k, v in loaded.items():
             torch.testing.assert_close(weights[k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+
+
+def _resume_o2(level, path):
+    """Three steps straight, and two steps, a checkpoint, a fresh model and optimizer loading
+    it, the third step: the weights and this rank's masters of each."""
+    policy, stage = dist.MixedPrecisionPolicy(BF16), dist.ShardingStage1 if level else None
+    mesh, model, opt = _sharded(stage, policy)
+    _train(model, opt, mesh, steps=3)
+    straight = _weights(model), _masters(opt)
+    mesh, model, opt = _sharded(stage, policy)
+    _train(model, opt, mesh, steps=2)
+    dist.save_state_dict({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    mesh, model, opt = _sharded(stage, policy)
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}
+    dist.load_state_dict(state, path)
+    opt.load_state_dict(state["opt"])
+    _train(model, opt, mesh, batches=_data(3)[2:])
+    return straight, (_weights(model), _masters(opt))
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_o2_checkpoints_resume_from_the_exact_float32_masters(level, tmp_path):
+    """The optimizer's state dict holds the masters (Paddle's "master_weights", each rank's
+    shard under ZeRO-1): a resumed run is the straight run, bit for bit."""
+    for (weights, masters), (resumed, resumed_masters) in run_dist(_resume_o2, 2, level, str(tmp_path / "ckpt")):
+        for k, v in weights.items():
+            torch.testing.assert_close(resumed[k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+        for a, b in zip(resumed_masters, masters):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

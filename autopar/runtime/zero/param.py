@@ -83,12 +83,15 @@ class ZeroParam:
 
     def refresh_master(self) -> None:
         """The parameter was written since the master last matched it (a checkpoint loaded, an
-        in-place edit): the master takes its value, cast up."""
+        in-place edit) and holds another value than the master cast: the master takes it, cast
+        up.  (Weights loaded with their masters hold the masters' values: those stay exact.)"""
         local = full_local(self.param)
         held, version, outer = self.master_of
         if local is not held or local._version != version or self.param._version != outer:
-            with torch.no_grad():
-                self.master.copy_(self.piece()[1])
+            piece = self.piece()[1]
+            if not torch.equal(piece, self.master.to(piece.dtype)):
+                with torch.no_grad():
+                    self.master.copy_(piece)
             self.master_matched()
 
     @property

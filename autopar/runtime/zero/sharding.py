@@ -75,6 +75,10 @@ def shard(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], models
     optimizer._autopar_sharding = sharding
     optimizer.register_step_pre_hook(sharding.pre_step)
     optimizer.register_step_post_hook(sharding.post_step)
+    if any(zp.master is not None for zp in sharding.params):
+        optimizer.register_state_dict_post_hook(sharding.save_masters)
+        optimizer.register_load_state_dict_pre_hook(sharding.load_masters)
+        optimizer.register_load_state_dict_post_hook(lambda opt: sharding.keep_float32_states())
     optimizer.register_load_state_dict_post_hook(lambda opt: sharding.place_states())
     return sharding
 
@@ -122,6 +126,7 @@ class OptimizerSharding:
         self.place_states()
         reduce_pending_on_read(self)  # (held weakly: it goes with the optimizer)
         self.arrived: list = []  # ZeRO-2: parameters whose gradients backward left unreduced
+        self.loading: dict = {}  # a state dict's states of parameters with masters, while it loads
         if self.stage == 2:
             # weakly: the garbage collector does not see a distributed Parameter's
             # post-accumulate-grad hooks, so a hook holding the sharding (or the ZeroParam,
@@ -229,6 +234,45 @@ class OptimizerSharding:
         if not self.arrived:
             torch.autograd.Variable._execution_engine.queue_callback(self.prepare_grads)
         self.arrived.append(zp)
+
+    # -- float32 masters in the optimizer's state dict (Paddle's "master_weights") -------------
+    def _indexed(self) -> list:
+        """(index in the optimizer's state dict, ZeroParam) of every parameter with a master."""
+        params = [zp for _, zps in self.groups() for zp in zps]
+        return [(i, zp) for i, zp in enumerate(params) if zp.master is not None]
+
+    def save_masters(self, optimizer, state_dict: dict) -> dict:
+        """`state_dict["master_weights"]`: {parameter index: its float32 master}, placed like
+        the piece each rank steps (its shard under ZeRO-1/2), so that a checkpoint resumes
+        from the exact masters."""
+        state_dict["master_weights"] = {i: new_dist(zp.master, zp.step_piece()[0]) for i, zp in self._indexed()}
+        return state_dict
+
+    def load_masters(self, optimizer, state_dict: dict) -> dict:
+        """Take the masters out of a state dict (resharded to this run's pieces if saved with
+        others), before torch loads the rest; note the float32 states of their parameters,
+        which torch casts to the parameter's dtype (`keep_float32_states`)."""
+        states = state_dict.get("state", {})
+        self.loading = {i: dict(states[i]) for i, _ in self._indexed() if i in states}
+        masters = state_dict.get("master_weights")
+        if masters is None:
+            return state_dict
+        with torch.no_grad():
+            for i, zp in self._indexed():
+                if i in masters:
+                    zp.master.copy_(placed(masters[i], zp.step_piece()[0])._local)
+                    zp.master_matched()
+        return {k: v for k, v in state_dict.items() if k != "master_weights"}
+
+    def keep_float32_states(self) -> None:
+        """The states of parameters stepped through masters, as they were in the state dict
+        (torch's load casts them to the low-precision parameter's dtype)."""
+        loading, self.loading = self.loading, {}
+        for i, zp in self._indexed():
+            state = self.optimizer.state.get(zp.param)
+            for key, value in loading.get(i, {}).items():
+                if state is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    state[key] = value
 
     def place_states(self) -> None:
         place_states(self.optimizer, ((zp.param, zp.step_spec()) for _, zps in self.groups() for zp in zps))
