@@ -26,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..spec import DistSpec, TensorMeta
-from ..tensor.dtensor import DistTensor, new_dist
+from ..tensor.dtensor import DistTensor, local_piece, new_dist
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,7 +125,7 @@ def autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Run `model`'s forward under `torch.autocast` in `dtype` (Paddle's O1, parameters kept
     float32): what wrapping each call in the context does, for a model handed to
     `parallelize`."""
-    device = next((p._local.device.type if type(p) is DistTensor else p.device.type for p in model.parameters()), "cpu")
+    device = next((local_piece(p).device.type for p in model.parameters()), "cpu")
     entered: list = []
 
     def enter(_model, _args):

@@ -35,7 +35,7 @@ class ZeroParam:
     a mixed-precision policy, the float32 copy of the piece this rank steps while the
     parameter is held in low precision (`sharding.py`), else None; `master_of`: the
     parameter's local piece and the versions of both when the master last matched it (a
-    write through the dispatch counts on the parameter, one on the piece on the piece).
+    write through the dispatch bumps the parameter's version, a plain write the piece's).
     """
 
     __slots__ = ("param", "unsharded", "sharded", "mesh_dim", "in_place", "_view", "_view_key", "pair",
