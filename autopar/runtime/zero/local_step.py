@@ -13,10 +13,9 @@ puts the local pieces into the optimizer for one step; `restore` puts the parame
 and wraps the states the step created as distributed tensors placed like the pieces.  The
 local step runs with the group's own `foreach` choice (`shard_optimizer` turns foreach on
 only for steps through the dispatch), so torch picks its implementation from the local
-tensors as on one device:
-its for-loop on CPU is faster than foreach for large tensors, foreach on GPUs.  A group that
-does not qualify (a Partial gradient left, a state placed differently, an optimizer that reduces over
-a tensor) steps through the dispatch as before.
+tensors as on one device: its for-loop on CPU is faster than foreach for large tensors,
+foreach on GPUs.  A group that does not qualify (a Partial gradient left, a state placed
+differently, an optimizer that reduces over a tensor) steps through the dispatch as before.
 """
 from __future__ import annotations
 
