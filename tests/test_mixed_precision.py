@@ -301,11 +301,13 @@ def test_parallelize_takes_o2_as_amp_config_or_a_policy(level, amp):
 
 # -- the static mode: Strategy.amp O2, float16 with loss scaling ----------------------------------
 
-def _static_o2(dtype, stage, steps):
+def _static_amp(dtype, level, stage, steps):
     mesh = _mesh()
     model = dist.shard_layer(_net(), mesh)
     opt = torch.optim.SGD(model.parameters(), lr=LR)  # (linear in the gradients: a wrong scale shows)
-    amp = {"enable": True, "dtype": dtype, "level": "O2", "init_loss_scaling": 1024.0, "incr_every_n_steps": 2}
+    if level == "O1":  # (O2: to_static gives the plain optimizer its policy)
+        opt = dist.shard_optimizer(opt)
+    amp = {"enable": True, "dtype": dtype, "level": level, "init_loss_scaling": 1024.0, "incr_every_n_steps": 2}
     config = {"amp": amp, "sharding": {"enable": stage is not None, "stage": stage or 1}}
     step = dist.to_static(model, None, lambda out, y: _loss(out.float(), y), opt, dist.Strategy(config))
     losses, scales = [], []
@@ -315,17 +317,25 @@ def _static_o2(dtype, stage, steps):
     return losses, _weights(model), scales, _dtypes(model), step.dist_main_program()
 
 
-def test_static_o2_float16_scales_the_loss_like_one_process():
-    """A captured float16 O2 step: the replays read the scale the scaler updated (it doubles
-    after two clean steps: a program that kept the first would unscale wrongly), float16
-    parameters, float32 masters, the single process's losses and weights."""
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_static_float16_scales_the_loss_like_one_process(level):
+    """A captured float16 step, O1 (autocast, float32 parameters) or O2 (float16 parameters,
+    float32 masters): the replays read the scale the scaler updated (it doubles after two
+    clean steps: a program that kept the first would unscale wrongly); the single process's
+    losses and weights."""
     steps = 4
-    ref = _reference(dist.MixedPrecisionPolicy(param_dtype=FP16, output_dtype=FP32), FP16, steps, scale=1024.0,
-                     optimizer=torch.optim.SGD)
+    if level == "O1":
+        ref = _reference(dist.MixedPrecisionPolicy(param_dtype=FP32), FP32, steps, scale=1024.0, autocast=FP16,
+                         optimizer=torch.optim.SGD)
+        held, dtype = ref[1], "torch.float32"
+    else:
+        ref = _reference(dist.MixedPrecisionPolicy(param_dtype=FP16, output_dtype=FP32), FP16, steps, scale=1024.0,
+                         optimizer=torch.optim.SGD)
+        held, dtype = ref[2], "torch.float16"
     assert ref[3] == [1024.0, 1024.0, 2048.0, 2048.0]
-    for losses, weights, scales, dtypes, program in run_dist(_static_o2, 2, "float16", None, steps):
-        _check(losses, weights, ref[0], ref[2])
-        assert scales == ref[3] and dtypes == ["torch.float16"]
+    for losses, weights, scales, dtypes, program in run_dist(_static_amp, 2, "float16", level, None, steps):
+        _check(losses, weights, ref[0], held)
+        assert scales == ref[3] and dtypes == [dtype]
         assert "all_reduce" in program
 
 
@@ -333,7 +343,7 @@ def test_static_zero3_o2_bfloat16_gathers_in_the_captured_step():
     """Strategy.sharding stage 3 with amp O2 bfloat16: the captured program gathers bfloat16
     shards of the float32 parameters, as the dynamic mode does."""
     ref = _reference(dist.MixedPrecisionPolicy(param_dtype=BF16, output_dtype=FP32), FP32, optimizer=torch.optim.SGD)
-    for losses, weights, scales, dtypes, program in run_dist(_static_o2, 2, "bfloat16", 3, STEPS):
+    for losses, weights, scales, dtypes, program in run_dist(_static_amp, 2, "bfloat16", "O2", 3, STEPS):
         _check(losses, weights, ref[0], ref[1])
         assert scales == [None] * STEPS and dtypes == ["torch.float32"]
         gathered = [int(n) for n in re.findall(r"^all_gather\(.*sent=(\d+) B$", program, re.M)]
