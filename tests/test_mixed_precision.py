@@ -495,3 +495,21 @@ def test_o2_checkpoints_resume_from_the_exact_float32_masters(level, tmp_path):
             torch.testing.assert_close(resumed[k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
         for a, b in zip(resumed_masters, masters):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _state_placed_elsewhere():
+    mesh, model, opt = _sharded(dist.ShardingStage1, dist.MixedPrecisionPolicy(BF16))
+    w = model.blocks[0].weight
+    opt.state[w]["exp_avg"] = dist.shard_tensor(torch.zeros(32, 16), mesh, [dist.Replicate()])  # (not its shard)
+    x = dist.shard_tensor(_data(1)[0][0], mesh, [Shard(0)])
+    model(x).float().sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+
+
+def test_a_master_step_that_cannot_run_on_local_pieces_names_the_parameter():
+    for message in run_dist(_state_placed_elsewhere, 2):
+        assert "cannot step its float32 master weights" in message, message
+        assert "shape [32, 16], is stepped at [Shard(0)]" in message, message

@@ -288,11 +288,16 @@ class OptimizerSharding:
         self.local_step.swap(groups)
         swapped = {id(group) for group, *_ in self.local_step.swapped}
         for group, zps in groups:
-            if id(group) not in swapped and any(zp.master is not None for zp in zps):
+            mastered = [zp for zp in zps if zp.master is not None]
+            if id(group) not in swapped and mastered:
                 self.local_step.restore()
+                p, spec = mastered[0].param, mastered[0].step_spec()
+                grad = p.grad.placements if type(p.grad) is DistTensor else ("none" if p.grad is None else "plain")
                 raise RuntimeError(
                     f"mp_policy {self.policy}: a param group of {len(zps)} parameters cannot step its float32 master "
-                    f"weights: its gradients or states are not placed like the pieces this rank steps"
+                    f"weights: a gradient or state is not placed like the piece this rank steps (its first such "
+                    f"parameter, shape {list(p.shape)}, is stepped at {list(spec.placements)} on {spec.mesh}; its "
+                    f"gradient: {grad})"
                 )
 
     def prepare_grads(self) -> None:
