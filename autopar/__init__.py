@@ -44,6 +44,8 @@ from .comm import CommError, comm_log, get_rank, get_world_size
 from .tools.simulate import representative_ranks, simulate
 from .tools.explain import explain
 from .runtime.local_region import local_regions
+from .runtime.precision import MixedPrecisionPolicy
+from .runtime.scaler import shard_scaler
 from .tensor.dtensor import DistTensor
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard
@@ -84,6 +86,8 @@ __all__ = [
     "shard_dataloader",
     "shard_layer",
     "shard_optimizer",
+    "MixedPrecisionPolicy",
+    "shard_scaler",
     "DistTensor",
     "Partial",
     "Placement",

@@ -22,12 +22,18 @@ def test_strategy_sections_and_settings_are_checked():
         s.amp.scale = 2.0
     with pytest.raises(ValueError, match="no section 'recompute'"):
         dist.Strategy({"recompute": {"enable": True}})
-    s.amp.dtype = "float16"
-    with pytest.raises(ValueError, match="float16 needs loss scaling"):
+    assert s.loss_scaler("cpu") is None  # (bfloat16 needs no loss scaling)
+    s.amp.dtype = "float16"  # O1 float16: autocast, and a loss scaler agreeing over the job
+    assert s.autocast_dtype() == torch.float16 and s.mp_policy() is None
+    assert s.loss_scaler("cpu").get_scale() == 32768.0
+    s.amp.dtype, s.amp.level = "bfloat16", "O2"  # O2: the optimizer's policy, no autocast
+    assert s.autocast_dtype() is None and s.mp_policy() == dist.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    s.amp.level = "O3"
+    with pytest.raises(ValueError, match="Strategy.amp level must be 'O0', 'O1'"):
         s.autocast_dtype()
-    s.amp.dtype, s.amp.level = "bfloat16", "O2"
-    with pytest.raises(ValueError, match="only 'O1'"):
-        s.autocast_dtype()
+    s.amp.level, s.amp.dtype = "O2", "float8"
+    with pytest.raises(ValueError, match="Strategy.amp dtype must be one of"):
+        s.mp_policy()
     s.gradient_merge.k_steps = 0
     with pytest.raises(ValueError, match="k_steps must be an int >= 1"):
         s.merge_steps()

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from ..mesh import ProcessMesh
+from ..runtime.precision import MixedPrecisionPolicy
 from ..runtime.zero import sharding
 from .layer import convert_in_place, models
 
@@ -64,13 +65,17 @@ class ShardingStage3(ShardingStage):
 SHARDING_STAGES = {cls.stage: cls for cls in (ShardingStage1, ShardingStage2, ShardingStage3)}
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable] = None) -> torch.optim.Optimizer:
+def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable] = None,
+                    mp_policy: Optional[MixedPrecisionPolicy] = None) -> torch.optim.Optimizer:
     """Make `optimizer` work over distributed parameters; with a ShardingStage, apply ZeRO.
 
     Returns the same torch optimizer (step, zero_grad, param_groups, state, state_dict all
     as usual, keyed by the model's Parameters).  Optimizer states are distributed tensors
     placed like the piece of their parameter each rank steps (its shard under ZeRO); states
-    loaded or made for other placements are moved there.
+    loaded or made for other placements are moved there.  `mp_policy` (a
+    `MixedPrecisionPolicy`) trains in low precision with float32 master weights: ZeRO-3
+    gathers and computes in its `param_dtype`, lower levels hold the parameters in it (Paddle's
+    O2); gradients are reduced in its `reduce_dtype` (docs/mixed_precision.md).
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["dp"])
@@ -84,5 +89,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callabl
         raise TypeError(f"shard_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if getattr(optimizer, "_autopar_sharding", None) is not None:
         raise ValueError("shard_optimizer was already applied to this optimizer")
-    sharding.shard(optimizer, shard_fn, models(), convert_in_place)
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"shard_optimizer(mp_policy=...) needs an autopar.MixedPrecisionPolicy, got {mp_policy!r}")
+    sharding.shard(optimizer, shard_fn, models(), convert_in_place, mp_policy)
     return optimizer

@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from ..runtime import local_region
+from ..runtime.precision import MixedPrecisionPolicy, amp_level, autocast_forward
 from ..tensor.dtensor import DistTensor
 from ..mesh import ProcessMesh
 from ..placement import Placement, Shard, StridedShard
@@ -351,10 +352,30 @@ def _check_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> None:
         )
 
 
-def _parallel_optimizer(optimizer: torch.optim.Optimizer, sharding_level: int, mesh: ProcessMesh):
+def _parallel_optimizer(optimizer: torch.optim.Optimizer, sharding_level: int, mesh: ProcessMesh,
+                        mp_policy: Optional[MixedPrecisionPolicy] = None):
     """The optimizer sharded (it holds the model's Parameters, converted in place)."""
     shard_fn = SHARDING_STAGES[sharding_level]("dp", mesh) if sharding_level else None
-    return shard_optimizer(optimizer, shard_fn)
+    return shard_optimizer(optimizer, shard_fn, mp_policy=mp_policy)
+
+
+def _precision(config: dict, optimizer: Optional[torch.optim.Optimizer]) -> tuple:
+    """(autocast dtype, MixedPrecisionPolicy), each or None, from dp_config's `mp_policy` or
+    Paddle's `amp_config` {"level": "O1"|"O2", "dtype": "bfloat16"|"float16"}."""
+    policy = config.get("dp_config", {}).get("mp_policy")
+    autocast = None
+    if "amp_config" in config:
+        amp = config["amp_config"]
+        if not isinstance(amp, dict):
+            raise ValueError(f"amp_config must be a dict like {{'level': 'O2', 'dtype': 'bfloat16'}}, got {amp!r}")
+        _refuse_unknown_keys("amp_config", amp, AMP_CONFIG_KEYS)
+        if policy is not None:
+            raise ValueError("parallelize: give dp_config's mp_policy or amp_config, not both")
+        autocast, policy = amp_level(amp.get("level", "O1"), amp.get("dtype", "bfloat16"), "amp_config")
+    if policy is not None and optimizer is None:
+        raise ValueError(f"parallelize: {policy} steps float32 master weights in the optimizer: give parallelize "
+                         f"the optimizer")
+    return autocast, policy
 
 
 # -- the API ---------------------------------------------------------------------------------
@@ -370,8 +391,12 @@ def parallelize(
     `config` is "auto" (the planner chooses, see `_auto_config`), a `dist.plan(...)` result
     (its config on its mesh, or on `mesh`'s ranks, its recomputed layers checkpointed), or
     holds any of
-    - `"dp_config": {"sharding_level": 0|1|2|3}`: plain tensor inputs are split on dim 0
-      over "dp"; the optimizer gets ZeRO stage `sharding_level` over "dp" (0: none);
+    - `"dp_config": {"sharding_level": 0|1|2|3, "mp_policy": MixedPrecisionPolicy}`: plain
+      tensor inputs are split on dim 0 over "dp"; the optimizer gets ZeRO stage
+      `sharding_level` over "dp" (0: none), under the mixed-precision policy if given;
+    - `"amp_config": {"level": "O1"|"O2", "dtype": "bfloat16"|"float16"}`: Paddle's amp: O1
+      runs the forward under autocast, O2 is `MixedPrecisionPolicy(param_dtype=dtype)`
+      (docs/mixed_precision.md);
     - `"mp_config": {"parallelize_plan": {name: plan or [plans]}}`: names of layers or of
       parameters (ending in weight/bias), regular expressions allowed (`layers.*.mlp`);
       plans `ColWiseParallel`, `RowWiseParallel`, `SequenceParallelBegin/End/Enable/Disable`,
@@ -414,6 +439,7 @@ def parallelize(
     if mesh is None or not config:
         return model, optimizer
     _check_optimizer(optimizer)
+    autocast, policy = _precision(config, optimizer)
     pp = "pp_config" in config
     stateless = frozenset(n for n, m in model.named_modules() if next(m.parameters(), None) is None)
     meshes = module_meshes([n for n, _ in model.named_modules()], mesh, config.get("pp_config"), stateless)
@@ -434,9 +460,11 @@ def parallelize(
         model.register_forward_pre_hook(_shard_batch(first_stage), with_kwargs=True)
     local_region.install(model)  # as shard_layer: layers that turn out not to communicate run as plain torch
     register_model(model)
+    if autocast is not None:
+        autocast_forward(model, autocast)
     if optimizer is not None:
         level = config["dp_config"].get("sharding_level", 0) if "dp_config" in config else 0
-        optimizer = _parallel_optimizer(optimizer, level, mesh)
+        optimizer = _parallel_optimizer(optimizer, level, mesh, policy)
         if planned is not None:  # the prediction now, the measured steps beside it later
             model._autopar_prediction = PredictionCheck(planned, optimizer)
     return model, optimizer
@@ -491,7 +519,7 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     config = {} if config is None else config
     if not isinstance(config, dict):
         raise TypeError(f"parallelize config must be a dict, got {type(config).__name__}")
-    _refuse_unknown_keys("parallelize config", config, tuple(_CONFIG_DIMS))
+    _refuse_unknown_keys("parallelize config", config, (*_CONFIG_DIMS, "amp_config"))
     if mesh is None:
         return config
     if not isinstance(mesh, ProcessMesh):
@@ -514,7 +542,8 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     return config
 
 
-DP_CONFIG_KEYS = ("sharding_level",)
+DP_CONFIG_KEYS = ("sharding_level", "mp_policy")
+AMP_CONFIG_KEYS = ("level", "dtype")
 MP_CONFIG_KEYS = ("parallelize_plan",)
 PP_CONFIG_KEYS = ("split_spec", "global_spec", "schedule_mode", "accumulate_steps", "vpp_degree")
 

@@ -39,6 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..comm import all_reduce_start, get_rank, reduce_scatter_start
 from ..tensor.dispatch import keep_reduced
 from ..tensor.dtensor import DistTensor, new_dist
+from .precision import cast_dist
 from .zero.flat_shards import FlatShards
 from ..placement import Partial, ReduceType, Replicate, Shard
 from ..redistribute import redistribute_local
@@ -101,15 +102,18 @@ def grad_plan(grad: DistSpec, target: DistSpec) -> tuple:
     return plan
 
 
-def reduce_grads(pending: list) -> None:
+def reduce_grads(pending: list, reduce_dtype: Optional[torch.dtype] = None) -> None:
     """Bring each parameter's gradient to where it is stepped, given (parameter, its
     `grad_plan`) pairs: one collective per bucket of gradients that need only that, a
-    reshard for the rest."""
+    reshard for the rest; in `reduce_dtype` (a mixed-precision policy's), cast back after."""
     # last parameter first, as a region's backward buckets them: the same flat layout sums
     # each element in the same order (a ring all-reduce's order depends on the position)
     pending = pending[::-1]
-    reduced = GradReduction([p.grad for p, _ in pending], [plan for _, plan in pending]).finish()
+    grads = [cast_dist(p.grad, reduce_dtype) for p, _ in pending]
+    plans = [plan if g is p.grad else grad_plan(g._spec, plan[2]) for g, (p, plan) in zip(grads, pending)]
+    reduced = GradReduction(grads, plans).finish()
     for (p, _), g in zip(pending, reduced):
+        g = cast_dist(g, p.grad.dtype)
         # in place: a caller holding the gradients (clip_grad_norm_'s list) sees them reduced
         keep_reduced(p.grad, g._local, g._spec)
 

@@ -66,12 +66,18 @@ class DistModel:
         self.layer, self.loader, self.loss_fn = layer, loader, loss
         self.optimizer = strategy.shard(layer, optimizer)
         self.merge_steps, self.amp_dtype = strategy.merge_steps(), strategy.autocast_dtype()
+        self.scaler = strategy.loss_scaler(_device(layer)) if optimizer is not None else None
+        if self.scaler is not None:  # (its scale made now: the programs read it as an input)
+            self.scaler.scale(torch.ones((), device=_device(layer)))
         self.merge_avg = bool(strategy.gradient_merge.avg)
         self.pipeline = strategy.pipeline_settings(layer)
         if self.pipeline is not None:
             if self.merge_steps > 1:
                 raise ValueError("Strategy.pipeline and gradient_merge both split a step into micro-batches: "
                                  "use pipeline.accumulate_steps alone")
+            if self.scaler is not None:
+                raise ValueError("Strategy.amp with dtype float16 scales the loss, which a pipelined to_static step "
+                                 "does not do: use bfloat16")
             self._pipeline_place = check_pipeline(layer, *self.pipeline)
         self._merged: list = []  # gradients summed over the micro-batches of the current step
         self._micro = 0
@@ -108,6 +114,8 @@ class DistModel:
         params = list(self.layer.parameters())
         grad_holders = params + self._optimizer_only_params(params)
         inputs = params + list(self.layer.buffers()) + _leaves(batch)  # tensors nested in dicts/lists too
+        if self._mode == "train" and self.scaler is not None:
+            inputs.append(self.scaler._scale)  # read afresh by every replay: the scaler updates it
         key = (self._mode, self.layer.training, _autocast_state(), tuple(_signature(t) for t in inputs),
                repr(_structure(batch)))
         if self._mode == "train":
@@ -121,9 +129,17 @@ class DistModel:
             if self.merge_steps > 1:
                 self._merge(grad_holders)
             if self._micro == 0:
-                self.optimizer.step()
+                self._step()
                 self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _step(self) -> None:
+        """The optimizer step (a float16 one through the loss scaler: unscale, skip on an inf)."""
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
 
     def _pipelined(self, batch: tuple):
         """One train step as micro-batches through the pipeline's stages (static/pipeline.py)."""
@@ -172,8 +188,7 @@ class DistModel:
 
     def _forward(self, batch):
         if self.amp_dtype is not None:
-            device = next((local_piece(p).device.type for p in self.layer.parameters()), "cpu")
-            with torch.autocast(device, dtype=self.amp_dtype):
+            with torch.autocast(_device(self.layer), dtype=self.amp_dtype):
                 return self._forward_as_is(batch)
         return self._forward_as_is(batch)
 
@@ -190,7 +205,7 @@ class DistModel:
             with torch.set_grad_enabled(self._mode == "train"), recorder:
                 result = self._forward(batch)
                 if self._mode == "train":
-                    result.backward()
+                    (self.scaler.scale(result) if self.scaler is not None else result).backward()
                     sharding = getattr(self.optimizer, "_autopar_sharding", None)
                     # gradient reduction is part of the program too, unless gradients merge
                     # over micro-batches: then they add up Partial and the step reduces once
@@ -231,6 +246,10 @@ class DistModel:
 
     def state_dict(self, *args, **kwargs):
         return self.layer.state_dict(*args, **kwargs)
+
+
+def _device(layer: torch.nn.Module) -> str:
+    return next((local_piece(p).device.type for p in layer.parameters()), "cpu")
 
 
 def _owned(g: torch.Tensor) -> torch.Tensor:
@@ -303,7 +322,8 @@ def to_static(layer: torch.nn.Module, loader=None, loss: Optional[Callable] = No
     `eval()` available; without them the model predicts.  `loader` is accepted for
     Paddle's signature; it is not read: the program is captured from the first batch itself.
     `strategy` (a `Strategy`) turns on ZeRO sharding of the optimizer, gradient merge over
-    micro-batches and bfloat16 autocast.
+    micro-batches and mixed precision (amp O1 autocast, O2 float32 master weights, float16
+    loss scaling).
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["dp"])

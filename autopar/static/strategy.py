@@ -7,10 +7,14 @@ Four sections, each off until `enable` is set (Paddle's names):
 - `gradient_merge` (`k_steps`, `avg`): each call runs one micro-batch (forward, backward);
   gradients add up over `k_steps` calls and the optimizer steps on the k-th, on their mean
   with `avg` (a batch k times as large, in k pieces) or their sum;
-- `amp` (`dtype` "bfloat16", `level` "O1"): the forward and the loss are captured under
-  autocast, so the program runs matmuls and other autocast ops in bfloat16 with float32
-  parameters, gradients and optimizer states.  float16 would need loss scaling and O2
-  low-precision parameters: both are refused, not emulated;
+- `amp` (`dtype` "bfloat16" or "float16", `level` "O1" or "O2", `init_loss_scaling`,
+  `incr_every_n_steps`): O1 captures the forward and the loss under autocast (float32
+  parameters, gradients and optimizer states); O2 gives the optimizer
+  `MixedPrecisionPolicy(param_dtype=dtype)` (low-precision parameters, float32 master
+  weights, see docs/mixed_precision.md).  float16 scales the loss: the captured backward
+  starts from the loss times the scale (a program input), and the step runs through a
+  `shard_scaler` (dynamic scaling: halved on an inf, doubled every `incr_every_n_steps`
+  clean steps);
 - `pipeline` (`schedule_mode` "FThenB", "1F1B", "VPP" or "ZBH1", `accumulate_steps`,
   `vpp_degree`): a model whose layers live on pipeline stages' meshes runs each train step as
   `accumulate_steps` micro-batches in that schedule's order (the captured step is cut into
@@ -24,6 +28,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+
+from ..runtime.precision import MixedPrecisionPolicy, amp_level
+from ..runtime.scaler import shard_scaler
 
 
 class _Section:
@@ -67,7 +74,8 @@ class Strategy:
     def __init__(self, config: Optional[dict] = None):
         self.sharding = _Section("sharding", enable=False, stage=1, degree=None, mesh_dim="dp")
         self.gradient_merge = _Section("gradient_merge", enable=False, k_steps=1, avg=True)
-        self.amp = _Section("amp", enable=False, dtype="bfloat16", level="O1")
+        self.amp = _Section("amp", enable=False, dtype="bfloat16", level="O1", init_loss_scaling=32768.0,
+                            incr_every_n_steps=1000)
         self.pipeline = _Section("pipeline", enable=False, schedule_mode="1F1B", accumulate_steps=1, vpp_degree=1)
         for name, values in (config or {}).items():
             if name not in self.SECTIONS:
@@ -97,27 +105,46 @@ class Strategy:
             return None
         return named.get("schedule_mode", "1F1B"), named.get("accumulate_steps", 1), named.get("vpp_degree", 1)
 
-    def autocast_dtype(self) -> Optional[torch.dtype]:
-        """The dtype the captured forward runs autocast ops in, or None (amp off)."""
+    def _amp(self) -> tuple:
+        """(autocast dtype, MixedPrecisionPolicy), each or None."""
         if not self.amp.enable:
+            return None, None
+        return amp_level(self.amp.level, self.amp.dtype, "Strategy.amp")
+
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the captured forward runs autocast ops in (O1), or None."""
+        return self._amp()[0]
+
+    def mp_policy(self) -> Optional[MixedPrecisionPolicy]:
+        """The optimizer's mixed-precision policy (O2), or None."""
+        return self._amp()[1]
+
+    def loss_scaler(self, device: str) -> Optional[torch.amp.GradScaler]:
+        """The GradScaler a float16 step runs through (a `shard_scaler`), or None."""
+        if self._amp() == (None, None) or self.amp.dtype != "float16":
             return None
-        if self.amp.level != "O1":
-            raise ValueError(
-                f"Strategy.amp.level {self.amp.level!r} is not supported: only 'O1' (autocast, float32 parameters)"
-            )
-        if self.amp.dtype != "bfloat16":
-            raise ValueError(
-                f"Strategy.amp.dtype {self.amp.dtype!r} is not supported: only 'bfloat16' "
-                f"(float16 needs loss scaling, which the static mode does not do)"
-            )
-        return torch.bfloat16
+        return shard_scaler(torch.amp.GradScaler(device, init_scale=float(self.amp.init_loss_scaling),
+                                                 growth_interval=int(self.amp.incr_every_n_steps)))
 
     def shard(self, layer: torch.nn.Module, optimizer):
-        """`optimizer` under the sharding section's ZeRO stage (unchanged when it is off)."""
-        if not self.sharding.enable:
-            return optimizer
+        """`optimizer` under the sharding section's ZeRO stage and amp's O2 policy (unchanged
+        when both are off)."""
         from ..api.optimizer import SHARDING_STAGES, shard_optimizer
         from ..tensor.dtensor import DistTensor
+
+        policy = self.mp_policy()
+        if not self.sharding.enable:
+            if policy is None or optimizer is None:
+                return optimizer
+            existing = getattr(optimizer, "_autopar_sharding", None)
+            if existing is None:
+                return shard_optimizer(optimizer, mp_policy=policy)
+            if existing.policy != policy:
+                raise ValueError(
+                    f"Strategy.amp level O2 asks for {policy} but the optimizer was given to shard_optimizer with "
+                    f"mp_policy {existing.policy}: pass the plain torch optimizer, or that policy to shard_optimizer"
+                )
+            return optimizer
 
         stage = SHARDING_STAGES.get(self.sharding.stage)
         if stage is None:
@@ -128,11 +155,12 @@ class Strategy:
             raise ValueError("Strategy.sharding shards the optimizer: give to_static an optimizer")
         existing = getattr(optimizer, "_autopar_sharding", None)
         if existing is not None:
-            if existing.stage == self.sharding.stage:
+            if existing.stage == self.sharding.stage and existing.policy == policy:
                 return optimizer
             raise ValueError(
-                f"Strategy.sharding asks for stage {self.sharding.stage} but the optimizer was already given to "
-                f"shard_optimizer with stage {existing.stage}: pass the plain torch optimizer instead"
+                f"Strategy.sharding asks for stage {self.sharding.stage} (mp_policy {policy}) but the optimizer was "
+                f"already given to shard_optimizer with stage {existing.stage} (mp_policy {existing.policy}): pass the "
+                f"plain torch optimizer instead"
             )
         mesh = next((p._spec.mesh for p in layer.parameters() if type(p) is DistTensor), None)
         if mesh is None:
@@ -144,4 +172,4 @@ class Strategy:
                 f"Strategy.sharding.degree {self.sharding.degree} does not match mesh dim {dim!r} of size {size} "
                 f"in {mesh}"
             )
-        return shard_optimizer(optimizer, stage(dim, mesh))
+        return shard_optimizer(optimizer, stage(dim, mesh), mp_policy=policy)

@@ -7,14 +7,15 @@ on the local pieces *is* the step on the global tensors, so the torch optimizer 
 plain tensors, as fast as on one device, instead of sending every foreach op through the
 dispatch (a decision lookup and a wrapper per op and group).  Under ZeRO-1/2 the piece a
 parameter is stepped at is this rank's shard of it (a view into its local piece), with its
-gradient and states placed like that shard.  `swap` puts the local pieces into the optimizer
-for one step; `restore` puts the parameters back and wraps the states the step created as
-distributed tensors placed like the pieces.  The local step runs with
-the group's own `foreach` choice (`shard_optimizer` turns foreach on only for steps through
-the dispatch), so torch picks its implementation from the local tensors as on one device:
-its for-loop on CPU is faster than foreach for large tensors, foreach on GPUs.  A group that
-does not qualify (a Partial gradient left, a state placed differently, an optimizer that reduces over
-a tensor) steps through the dispatch as before.
+gradient and states placed like that shard; under a mixed-precision policy it is the
+float32 master copy of that piece (`ZeroParam.step_piece`), its gradient cast up.  `swap`
+puts the local pieces into the optimizer for one step; `restore` puts the parameters back
+and wraps the states the step created as distributed tensors placed like the pieces.  The
+local step runs with the group's own `foreach` choice (`shard_optimizer` turns foreach on
+only for steps through the dispatch), so torch picks its implementation from the local
+tensors as on one device: its for-loop on CPU is faster than foreach for large tensors,
+foreach on GPUs.  A group that does not qualify (a Partial gradient left, a state placed
+differently, an optimizer that reduces over a tensor) steps through the dispatch as before.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ class LocalStep:
             pieces, stand_ins, states = [], [], []
             for zp, pair in zip(zero_params, pairs):
                 p = zp.param
-                grad, st, piece = p.grad, state.get(p, _NO_STATE), zp.piece()
+                grad, st, piece = p.grad, state.get(p, _NO_STATE), zp.step_piece()
                 if pair is not None and piece is not None and pair.holds(piece, st):
                     local = piece[1] if grad is None or _placed_like(grad, piece[0]) else None
                     st = pair
@@ -121,7 +122,7 @@ class LocalStep:
                     p = zp.param
                     if local is p:
                         continue
-                    local.grad = None if p.grad is None else p.grad._local
+                    local.grad = None if p.grad is None else p.grad._local.to(local.dtype)  # (a master's: float32)
                     if type(st) is _Pair:
                         state[local] = st.local
                     elif st is not _NO_STATE:

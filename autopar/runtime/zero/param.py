@@ -19,6 +19,7 @@ from ...placement import Replicate, Shard
 from ...spec import DistSpec, TensorMeta
 from ...tensor.dispatch import storage_key
 from ...tensor.dtensor import DistTensor
+from ..precision import spec_in
 
 
 class ZeroParam:
@@ -30,18 +31,22 @@ class ZeroParam:
     is the local step's (`local_step.py`); `unit`, `gathered`, `gathered_local` and
     `holders` are ZeRO-3's (`zero3.py`): the unit that gathers it, the full Parameter its
     layers use around the unit's run, that Parameter's local piece (storage only while
-    gathered), and the (layer parameter dict, attribute) places that hold it.
+    gathered), and the (layer parameter dict, attribute) places that hold it.  `master`: under
+    a mixed-precision policy, the float32 copy of the piece this rank steps while the
+    parameter is held in low precision (`sharding.py`), else None; `master_of`: the
+    parameter's local piece and the versions of both when the master last matched it (a
+    write through the dispatch bumps the parameter's version, a plain write the piece's).
     """
 
     __slots__ = ("param", "unsharded", "sharded", "mesh_dim", "in_place", "_view", "_view_key", "pair",
-                 "unit", "gathered", "gathered_local", "holders", "__weakref__")
+                 "unit", "gathered", "gathered_local", "holders", "master", "master_of", "__weakref__")
 
     def __init__(self, param: torch.Tensor, unsharded: Optional[DistSpec] = None, sharded: Optional[DistSpec] = None,
                  mesh_dim: Optional[int] = None, in_place: bool = False):
         self.param, self.unsharded, self.sharded, self.mesh_dim, self.in_place = (
             param, unsharded, sharded, mesh_dim, in_place)
         self._view = self._view_key = self.pair = None
-        self.unit = self.gathered = self.gathered_local = self.holders = None
+        self.unit = self.gathered = self.gathered_local = self.holders = self.master = self.master_of = None
 
     @property
     def steps_a_shard(self) -> bool:
@@ -65,6 +70,29 @@ class ZeroParam:
         if key != self._view_key:
             self._view_key, self._view = key, piece_within(local, self.unsharded, self.sharded)
         return self.sharded, self._view
+
+    def step_piece(self) -> Optional[tuple]:
+        """What the optimizer steps: `piece()`, or (its spec in float32, the master copy)."""
+        piece = self.piece()
+        return piece if self.master is None else (spec_in(piece[0], self.master.dtype), self.master)
+
+    def master_matched(self) -> None:
+        """The parameter now holds its master's value (cast): note its piece and version."""
+        local = full_local(self.param)
+        self.master_of = (local, local._version, self.param._version)
+
+    def refresh_master(self) -> None:
+        """The parameter was written since the master last matched it (a checkpoint loaded, an
+        in-place edit) and holds another value than the master cast: the master takes it, cast
+        up.  (Weights loaded with their masters hold the masters' values: those stay exact.)"""
+        local = full_local(self.param)
+        held, version, outer = self.master_of
+        if local is not held or local._version != version or self.param._version != outer:
+            piece = self.piece()[1]
+            if not torch.equal(piece, self.master.to(piece.dtype)):
+                with torch.no_grad():
+                    self.master.copy_(piece)
+            self.master_matched()
 
     @property
     def cut_dim(self) -> int:

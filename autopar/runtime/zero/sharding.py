@@ -20,6 +20,11 @@ The optimizer stays the torch optimizer itself, stepping the user's Parameters (
   parameters just before it runs and frees them after, gathers them again for its backward
   and reduce-scatters their gradients (`zero3.py`).
 
+With a mixed-precision policy (`precision.py`) ZeRO-3's units gather and compute in its
+`param_dtype` over float32 shards, and at the other levels every parameter is held in
+`param_dtype` while the optimizer steps a float32 master copy of the piece each rank steps
+(`ZeroParam.master`: its shard under ZeRO-1/2), copied back after the step.
+
 `OptimizerSharding` is the optimizer's side (FSDP2's FSDPParamGroup, for all of its
 parameters): the stage, one `ZeroParam` per parameter, the all-gather buckets of ZeRO-1/2,
 the gradients ZeRO-2's backward left unreduced.
@@ -33,24 +38,31 @@ from typing import Callable, Optional
 import torch
 
 from ...comm import all_gather_into, get_rank
-from ...tensor.dtensor import DistTensor
+from ...tensor.dtensor import DistTensor, new_dist
 from ...tensor.observers import reduce_pending_on_read
 from .. import grad_reduce
 from ..grad_reduce import grad_plan, reduce_grads, reduce_in_backward
 from ...redistribute import piece_of_full
 from . import zero3
 from .flat_shards import FlatShards
-from .local_step import LocalStep
+from ..precision import MixedPrecisionPolicy, cast_model_io, spec_in
+from .local_step import ELEMENTWISE, LocalStep
 from .param import ZeroParam, full_local, param_spec, piece_within, sharded_spec
 from .states import place_states, placed
 
 
 def shard(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], models: list,
-          convert_in_place: Callable) -> "OptimizerSharding":
+          convert_in_place: Callable, mp_policy: Optional[MixedPrecisionPolicy] = None) -> "OptimizerSharding":
     """Put `optimizer` under `shard_fn` (a ShardingStage, another state function, or None):
     its sharding is `optimizer._autopar_sharding`, run by the optimizer's step and
     load_state_dict hooks.  ZeRO-3 cuts the converted `models` into units and converts plain
-    Parameters in place with `convert_in_place(old, new, name)`."""
+    Parameters in place with `convert_in_place(old, new, name)`; `mp_policy` sets the dtypes
+    (`precision.py`)."""
+    if mp_policy is not None and mp_policy.param_dtype is not None and not isinstance(optimizer, ELEMENTWISE):
+        raise ValueError(
+            f"mp_policy {mp_policy} steps float32 master weights, which needs an elementwise optimizer "
+            f"({', '.join(c.__name__ for c in ELEMENTWISE)}); got {type(optimizer).__name__}"
+        )
     dispatch_foreach = []
     for group in optimizer.param_groups:
         # a step through the dispatch (a group the local step cannot take) runs foreach ops:
@@ -59,10 +71,14 @@ def shard(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], models
         if distributed and "foreach" in group and group["foreach"] is None and not group.get("fused"):
             group["foreach"] = True
             dispatch_foreach.append(group)
-    sharding = OptimizerSharding(optimizer, shard_fn, tuple(dispatch_foreach), models, convert_in_place)
+    sharding = OptimizerSharding(optimizer, shard_fn, tuple(dispatch_foreach), models, convert_in_place, mp_policy)
     optimizer._autopar_sharding = sharding
     optimizer.register_step_pre_hook(sharding.pre_step)
     optimizer.register_step_post_hook(sharding.post_step)
+    if any(zp.master is not None for zp in sharding.params):
+        optimizer.register_state_dict_post_hook(sharding.save_masters)
+        optimizer.register_load_state_dict_pre_hook(sharding.load_masters)
+        optimizer.register_load_state_dict_post_hook(lambda opt: sharding.keep_float32_states())
     optimizer.register_load_state_dict_post_hook(lambda opt: sharding.place_states())
     return sharding
 
@@ -79,10 +95,11 @@ class OptimizerSharding:
     per parameter, in the order of the optimizer's groups."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], dispatch_foreach: tuple,
-                 models: list, convert_in_place: Callable):
+                 models: list, convert_in_place: Callable, policy: Optional[MixedPrecisionPolicy] = None):
         self.optimizer = optimizer
         self.shard_fn = shard_fn
         self.stage = getattr(shard_fn, "stage", None)
+        self.policy = policy
         self.gathers: Optional[list] = None  # ZeRO-1/2: the all-gathers after the step, planned once
         self.states_sharded = False
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -92,6 +109,8 @@ class OptimizerSharding:
             self.params = [self._stepped_at_shard(p) for p in params]
         else:
             self.params = [ZeroParam(p) for p in params]
+        if policy is not None:
+            self._apply_policy(models, convert_in_place)
         self._groups: list = []  # (param group, its params list, their ZeroParams), as last seen
         start = 0
         for group in optimizer.param_groups:
@@ -100,12 +119,14 @@ class OptimizerSharding:
             start = end
         # gradients go to where they are stepped: reduce them during backward (stage 3: its layers do)
         targets = [(zp, zp.step_spec()) for zp in self.params if type(zp.param) is DistTensor]
-        reduce_in_backward([(zp.param, s) for zp, s in targets if s is not None and not zero3.gathers(zp.param)],
+        reduce_in_backward([(zp.param, s) for zp, s in targets
+                            if s is not None and not zero3.gathers(zp.param) and not self._reduced_apart(zp.param)],
                            every_backward=self.stage == 2)
         self.local_step = LocalStep(optimizer, dispatch_foreach)
         self.place_states()
         reduce_pending_on_read(self)  # (held weakly: it goes with the optimizer)
         self.arrived: list = []  # ZeRO-2: parameters whose gradients backward left unreduced
+        self.loading: dict = {}  # a state dict's states of parameters with masters, while it loads
         if self.stage == 2:
             # weakly: the garbage collector does not see a distributed Parameter's
             # post-accumulate-grad hooks, so a hook holding the sharding (or the ZeroParam,
@@ -114,6 +135,38 @@ class OptimizerSharding:
             for n, zp in enumerate(self.params):
                 if type(zp.param) is DistTensor and zp.step_spec() is not None and zp.param.requires_grad:
                     zp.param.register_post_accumulate_grad_hook(functools.partial(_grad_arrived, sharding, n))
+
+    def _apply_policy(self, models: list, convert_in_place: Callable) -> None:
+        """Every parameter not gathered by ZeRO-3 units held in the policy's `param_dtype`, the
+        optimizer stepping a float32 master copy of the piece this rank steps; the models
+        holding them cast their inputs and outputs."""
+        dtype = self.policy.param_dtype
+        low = [(n, zp) for n, zp in enumerate(self.params) if dtype is not None and not zp.in_place
+               and zp.param.is_floating_point() and zp.param.dtype != dtype]
+        for n, zp in low:  # (refused before anything changes)
+            if type(zp.param) is not DistTensor:
+                raise ValueError(
+                    f"mp_policy {self.policy}: parameter #{n} of the optimizer (shape {list(zp.param.shape)}) is not "
+                    f"a distributed tensor: shard_layer or parallelize the model before shard_optimizer"
+                )
+        held = {id(zp.param) for zp in self.params}
+        for model in models:
+            if any(id(p) in held for p in model.parameters()):
+                cast_model_io(model, self.policy)
+        for n, zp in low:
+            p = zp.param
+            with torch.no_grad():
+                zp.master = zp.piece()[1].clone()  # (ZeRO-1/2: only the shard this rank steps)
+                held_low = torch.nn.Parameter(new_dist(p._local.to(dtype), spec_in(p._spec, dtype)), p.requires_grad)
+            convert_in_place(p, held_low, f"#{n} of the optimizer")
+            if zp.sharded is not None:
+                zp.unsharded, zp.sharded = spec_in(zp.unsharded, dtype), spec_in(zp.sharded, dtype)
+            zp.master_matched()
+
+    def _reduced_apart(self, p: torch.Tensor) -> bool:
+        """p's gradient is reduced in another dtype than its own: at the step, not in backward."""
+        reduce_dtype = self.policy.reduction_dtype if self.policy is not None else None
+        return reduce_dtype is not None and p.dtype != reduce_dtype
 
     def _cut(self, p: torch.Tensor) -> tuple:
         """(p's placements, the sharding mesh dim's index, p's placements sharded over it or
@@ -145,7 +198,7 @@ class OptimizerSharding:
                 convert_in_place(p, new, f"#{n} of the optimizer")
             zero_params.append(ZeroParam(p, spec, target, dim, in_place=True))
             sharded.append(zero_params[-1])
-        zero3.install(sharded, self.shard_fn.sharding_mesh_dim, models)
+        zero3.install(sharded, self.shard_fn.sharding_mesh_dim, models, self.policy)
         return zero_params
 
     def groups(self) -> list:
@@ -182,6 +235,45 @@ class OptimizerSharding:
             torch.autograd.Variable._execution_engine.queue_callback(self.prepare_grads)
         self.arrived.append(zp)
 
+    # -- float32 masters in the optimizer's state dict (Paddle's "master_weights") -------------
+    def _indexed(self) -> list:
+        """(index in the optimizer's state dict, ZeroParam) of every parameter with a master."""
+        params = [zp for _, zps in self.groups() for zp in zps]
+        return [(i, zp) for i, zp in enumerate(params) if zp.master is not None]
+
+    def save_masters(self, optimizer, state_dict: dict) -> dict:
+        """`state_dict["master_weights"]`: {parameter index: its float32 master}, placed like
+        the piece each rank steps (its shard under ZeRO-1/2), so that a checkpoint resumes
+        from the exact masters."""
+        state_dict["master_weights"] = {i: new_dist(zp.master, zp.step_piece()[0]) for i, zp in self._indexed()}
+        return state_dict
+
+    def load_masters(self, optimizer, state_dict: dict) -> dict:
+        """Take the masters out of a state dict (resharded to this run's pieces if saved with
+        others), before torch loads the rest; note the float32 states of their parameters,
+        which torch casts to the parameter's dtype (`keep_float32_states`)."""
+        states = state_dict.get("state", {})
+        self.loading = {i: dict(states[i]) for i, _ in self._indexed() if i in states}
+        masters = state_dict.get("master_weights")
+        if masters is None:
+            return state_dict
+        with torch.no_grad():
+            for i, zp in self._indexed():
+                if i in masters:
+                    zp.master.copy_(placed(masters[i], zp.step_piece()[0])._local)
+                    zp.master_matched()
+        return {k: v for k, v in state_dict.items() if k != "master_weights"}
+
+    def keep_float32_states(self) -> None:
+        """The states of parameters stepped through masters, as they were in the state dict
+        (torch's load casts them to the low-precision parameter's dtype)."""
+        loading, self.loading = self.loading, {}
+        for i, zp in self._indexed():
+            state = self.optimizer.state.get(zp.param)
+            for key, value in loading.get(i, {}).items():
+                if state is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    state[key] = value
+
     def place_states(self) -> None:
         place_states(self.optimizer, ((zp.param, zp.step_spec()) for _, zps in self.groups() for zp in zps))
 
@@ -189,7 +281,24 @@ class OptimizerSharding:
     def pre_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore()  # a step that raised left its swap behind: the groups hold stand-ins
         self.prepare_grads()
-        self.local_step.swap(self.groups())
+        for zp in self.params:
+            if zp.master is not None:
+                zp.refresh_master()
+        groups = self.groups()
+        self.local_step.swap(groups)
+        swapped = {id(group) for group, *_ in self.local_step.swapped}
+        for group, zps in groups:
+            mastered = [zp for zp in zps if zp.master is not None]
+            if id(group) not in swapped and mastered:
+                self.local_step.restore()
+                p, spec = mastered[0].param, mastered[0].step_spec()
+                grad = p.grad.placements if type(p.grad) is DistTensor else ("none" if p.grad is None else "plain")
+                raise RuntimeError(
+                    f"mp_policy {self.policy}: a param group of {len(zps)} parameters cannot step its float32 master "
+                    f"weights: a gradient or state is not placed like the piece this rank steps (its first such "
+                    f"parameter, shape {list(p.shape)}, is stepped at {list(spec.placements)} on {spec.mesh}; its "
+                    f"gradient: {grad})"
+                )
 
     def prepare_grads(self) -> None:
         """Bring every gradient to where its parameter is stepped (Partial ones reduced, in
@@ -208,11 +317,17 @@ class OptimizerSharding:
                 plan = grad_plan(g._spec, spec)
                 if plan[0]:
                     pending.append((p, plan))
-        reduce_grads(pending)
+        reduce_grads(pending, self.policy.reduction_dtype if self.policy is not None else None)
 
     def post_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore()
+        masters = [zp for zp in self.params if zp.master is not None]
+        with torch.no_grad():
+            for zp in masters:  # the stepped master, into the low-precision parameter
+                zp.piece()[1].copy_(zp.master)
         self._publish()
+        for zp in masters:
+            zp.master_matched()
         if self.shard_fn is not None and self.stage is None and not self.states_sharded:
             self.states_sharded = True
             for group in optimizer.param_groups:

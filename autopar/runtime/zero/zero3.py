@@ -21,6 +21,10 @@ data-parallel dim, whose storage holds data only around the unit's use:
   and frees the storage; at the end of backward the shards are added to the sharded
   parameters' `.grad`.
 
+Under a mixed-precision policy the full Parameters are in its `param_dtype`: the float32
+shards are cast before the all-gather (half the bytes in bfloat16) and the gradients are
+reduced in its `reduce_dtype` and added, cast back, to the float32 `.grad`.
+
 The full Parameters are placed like data-parallel ones, so the batch stays sharded through
 the whole model (every activation, the logits too) and a unit's layers run as local regions.
 Bytes: two all-gathers of the parameters and one reduce-scatter of the gradients, 1.5x data
@@ -42,6 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ...comm import all_gather_start, get_rank
 from ...comm.observers import capture_running
 from ...tensor.dtensor import new_dist
+from ..precision import MixedPrecisionPolicy, cast_dist, spec_in
 from .flat_shards import FlatShards
 from .param import ZeroParam
 from ..grad_reduce import GradReduction, grad_plan
@@ -72,10 +77,11 @@ def gathered_piece(p: torch.Tensor) -> Optional[torch.Tensor]:
     return None if zp is None else zp.gathered_local
 
 
-def install(zero_params: list, mesh_dim, models: list) -> None:
+def install(zero_params: list, mesh_dim, models: list, policy: Optional[MixedPrecisionPolicy] = None) -> None:
     """Cut the `models` (those `shard_layer` or `parallelize` converted) that hold these
-    sharded parameters into units (see the module doc).  Parameters in none of them, or
-    gathered by another optimizer's units already, are left to the op-by-op dispatch."""
+    sharded parameters into units (see the module doc), gathering and reducing in the
+    `policy`'s dtypes.  Parameters in none of them, or gathered by another optimizer's units
+    already, are left to the op-by-op dispatch."""
     wanted = set()
     for zp in zero_params:
         if not gathers(zp.param):
@@ -90,7 +96,7 @@ def install(zero_params: list, mesh_dim, models: list) -> None:
                 if zp in wanted and zp.unit is None:
                     owners.setdefault(zp, []).append((name, layer, attr))
         if owners:
-            _Model(model, owners, mesh_dim)
+            _Model(model, owners, mesh_dim, policy)
 
 
 def _unit_roots(model: torch.nn.Module) -> dict:
@@ -120,7 +126,7 @@ def _common(names: list) -> str:
 class _Model:
     """One model's units, their forward order, and the end-of-forward/backward bookkeeping."""
 
-    def __init__(self, model: torch.nn.Module, owners: dict, mesh_dim):
+    def __init__(self, model: torch.nn.Module, owners: dict, mesh_dim, policy: Optional[MixedPrecisionPolicy]):
         blocks = _unit_roots(model)
         members: dict = {}  # unit root name -> [ZeroParam]
         layers = dict(model.named_modules())
@@ -130,7 +136,7 @@ class _Model:
                 root = root.rpartition(".")[0]
             zp.holders = [(layer._parameters, attr) for _, layer, attr in holders]
             members.setdefault(root, []).append(zp)
-        self.units = [_Unit(self, layers[name], name, group, mesh_dim) for name, group in members.items()]
+        self.units = [_Unit(self, layers[name], name, group, mesh_dim, policy) for name, group in members.items()]
         self.order: list = []  # units in the order their forward starts
         self.last: Optional[_Unit] = None  # the unit whose forward ends last (kept for backward)
         self.recording = True
@@ -189,11 +195,16 @@ class _Model:
 class _Unit:
     """A layer's parameters under ZeRO-3 (FSDP2's FSDPParamGroup): their ZeroParams, each with
     the sharded Parameter (the user's) and the full one (used in the layer's forward and
-    backward); one all-gather and one reduce-scatter per use."""
+    backward); one all-gather and one reduce-scatter per use.  Under a mixed-precision
+    policy the full Parameters are in its `param_dtype` (the shards are cast before the
+    gather) and the gradients are reduced in its `reduce_dtype`."""
 
-    def __init__(self, model: _Model, layer: torch.nn.Module, name: str, params: list, mesh_dim):
+    def __init__(self, model: _Model, layer: torch.nn.Module, name: str, params: list, mesh_dim,
+                 policy: Optional[MixedPrecisionPolicy] = None):
         self.model, self.name = model, name
         self.params = params
+        self.reduce_dtype = policy.reduction_dtype if policy is not None else None
+        param_dtype = policy.param_dtype if policy is not None else None
         rank = get_rank()
         self.groups = []
         by_dtype: dict = {}
@@ -204,16 +215,17 @@ class _Unit:
             p, spec = zp.param, zp.param._spec
             m = spec.mesh.dim_index(mesh_dim)
             coord = spec.mesh.coordinate(rank)
-            local = torch.empty(zp.unsharded.local_shape(coord) if coord is not None else (0,), dtype=p.dtype,
+            dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
+            local = torch.empty(zp.unsharded.local_shape(coord) if coord is not None else (0,), dtype=dtype,
                                 device=p._local.device)
             zp.unit = self
-            zp.gathered = torch.nn.Parameter(new_dist(local, zp.unsharded), requires_grad=p.requires_grad)
+            zp.gathered = torch.nn.Parameter(new_dist(local, spec_in(zp.unsharded, dtype)), requires_grad=p.requires_grad)
             zp.gathered_local = local.data  # its own version counter: refills do not touch autograd's
             if p.requires_grad:
                 zp.gathered.register_post_accumulate_grad_hook(lambda _p, i=i: unit().grad_ready(i))
             if coord is not None:
                 ranks = spec.mesh.group_of(rank, (m,))
-                by_dtype.setdefault((ranks, p.dtype), []).append((i, spec.placements[m].dim))
+                by_dtype.setdefault((ranks, dtype), []).append((i, spec.placements[m].dim))
         for (ranks, _), entries in by_dtype.items():
             idx = [i for i, _ in entries]
             layout = FlatShards.of(tuple(tuple(params[i].gathered_local.shape) for i in idx),
@@ -247,7 +259,8 @@ class _Unit:
             w = zp.gathered_local
             _resize(w, w.numel() * w.element_size())
         for idx, ranks, me, layout in self.groups:
-            send = layout.pack_pieces([self.params[i].param._local for i in idx], me)
+            dtype = self.params[idx[0]].gathered_local.dtype  # (the policy's: cast before gathering)
+            send = layout.pack_pieces([self.params[i].param._local.to(dtype) for i in idx], me)
             self.pending.append(all_gather_start(send, ranks))
         self.gathered = None
 
@@ -330,7 +343,7 @@ class _Unit:
         if not self.grads or self.reduction is not None:
             return
         idx = sorted(self.grads)
-        grads = [self.grads[i] for i in idx]
+        grads = [cast_dist(self.grads[i], self.reduce_dtype) for i in idx]
         plans = [grad_plan(g._spec, self.params[i].param._spec) for i, g in zip(idx, grads)]
         self.reduction = (idx, GradReduction(grads, plans))
         self.grads = {}
@@ -343,4 +356,5 @@ class _Unit:
         with torch.no_grad():
             for i, g in zip(idx, reduction.finish()):
                 p = self.params[i].param
+                g = cast_dist(g, p.dtype)  # (reduced in the policy's dtype: into the float32 .grad)
                 p.grad = g if p.grad is None else p.grad + g
