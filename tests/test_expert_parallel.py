@@ -9,7 +9,7 @@ import autopar as dist
 from autopar.placement import Partial, Replicate, Shard
 from distpool import run_dist
 from hf_llama import HIDDEN, assert_matches, batches, optimizer, train
-from test_hf_models import reference, tiny
+from test_hf_models import tiny
 
 S0, R = Shard(0), Replicate()
 EP_PLAN = {"model.layers.*.mlp": dist.ExpertParallel()}
@@ -19,13 +19,33 @@ def _expert_params(model):
     return {k: p for k, p in model.named_parameters() if ".experts." in k}
 
 
+def _first_experts_only(model):
+    """Route every token to experts 0 and 1 only (the router's choice k taken modulo 2): the
+    rank holding experts 2 and 3 receives no token, its experts get no gradient but zeros."""
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda _m, _a, out: (out[0], out[1], out[2] % 2))
+    return model
+
+
+def _model(name, skewed=False, **variant):
+    model = tiny(name, **variant)
+    return _first_experts_only(model) if skewed else model
+
+
+def _reference(name, **variant):
+    """The single-process run (see test_hf_models.reference), `_model`'s variants."""
+    model, grads = _model(name, **variant), []
+    losses = train(model, optimizer(model.parameters()), batches(), grads=grads)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
+
+
 def _ep_run(name, dims, level=0, variant=None):
     """`name` trained 3 steps through parallelize with ExpertParallel on a 2-rank mesh named
     `dims`; also each expert weight's local piece, the routing of the last step's tokens (the
     local top-k index each experts call saw) and the last step's collectives."""
     variant = variant or {}
     mesh = dist.ProcessMesh([0, 1], dim_names=dims)
-    model = tiny(name, **variant)
+    model = _model(name, **variant)
     config = {"dp_config": {"sharding_level": level}, "mp_config": {"parallelize_plan": EP_PLAN}}
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     routed = []
@@ -62,7 +82,7 @@ def test_expert_parallel_on_an_ep_mesh_matches_one_process(name):
     the hidden rows cross the wire twice in forward (dispatch, combine) and twice in backward,
     each time exactly the (token, k) pairs whose expert lives on the other rank, after one small
     exchange of the per-expert counts; nothing is gathered."""
-    ref = reference(name)
+    ref = _reference(name)
     results = run_dist(_ep_run, 2, name, ["ep"])
     sent = [[_to_other_rank(ix, rank) for ix in r[2]] for rank, r in enumerate(results)]
     row = HIDDEN * 4
@@ -77,3 +97,40 @@ def test_expert_parallel_on_an_ep_mesh_matches_one_process(name):
         forward = [b for layer in range(2) for b in (counts, mine[layer] * row, theirs[layer] * row)]
         backward = [b for layer in (1, 0) for b in (mine[layer] * row, theirs[layer] * row)]
         assert to_all == forward + backward, (to_all, forward, backward)
+
+
+@pytest.mark.parametrize("level", [0, 1, 3])
+def test_experts_fold_onto_dp_when_the_mesh_has_no_ep(level):
+    """dp2ep: on a mesh named ["dp"] the experts split over "dp" (the data-parallel ranks each
+    hold 2 of them), the batch split there as well; also with ZeRO-1 and ZeRO-3 over "dp"."""
+    ref = _reference("mixtral")
+    for rank, (got, pieces, _, comm) in enumerate(run_dist(_ep_run, 2, "mixtral", ["dp"], level)):
+        assert_matches(got, ref)
+        if level == 0:
+            _check_pieces(pieces, ref[1], rank)
+        assert sum(op == "all_to_all" for op, _ in comm) == 2 * 3 + 2 * 2, comm
+
+
+def test_a_rank_that_receives_no_token_and_experts_that_get_none():
+    """Every token routed to experts 0 and 1 (rank 0's): rank 1 sends all its pairs away and
+    receives nothing, its experts see no token and get zero gradients, as in one process."""
+    ref = _reference("mixtral", skewed=True)
+    for rank, (got, pieces, routed, comm) in enumerate(run_dist(_ep_run, 2, "mixtral", ["ep"],
+                                                                variant={"skewed": True})):
+        assert_matches(got, ref)
+        _check_pieces(pieces, ref[1], rank)
+        assert all(int((ix >= 2).sum()) == 0 for ix in routed)
+        if rank == 1:
+            for step in got[2]:
+                for k, g in step.items():
+                    if ".experts." in k:
+                        assert torch.count_nonzero(g[2:]) == 0, k
+
+
+def test_the_load_balancing_loss_matches_one_process():
+    """HF's router auxiliary loss (output_router_logits=True) over the router logits of the
+    split batch: the loss and every gradient match one process."""
+    ref = _reference("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    for got, *_ in run_dist(_ep_run, 2, "mixtral", ["ep"],
+                            variant={"output_router_logits": True, "router_aux_loss_coef": 0.5}):
+        assert_matches(got, ref)
