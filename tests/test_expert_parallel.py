@@ -134,3 +134,127 @@ def test_the_load_balancing_loss_matches_one_process():
     for got, *_ in run_dist(_ep_run, 2, "mixtral", ["ep"],
                             variant={"output_router_logits": True, "router_aux_loss_coef": 0.5}):
         assert_matches(got, ref)
+
+
+def _parallelize_error(variant):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["ep"])
+    model = tiny("mixtral", **variant)
+    with pytest.raises(ValueError) as err:
+        dist.parallelize(model, mesh=mesh, config={"mp_config": {"parallelize_plan": EP_PLAN}})
+    return str(err.value)
+
+
+@pytest.mark.parametrize("variant, match", [
+    ({"num_local_experts": 3}, "ExpertParallel on 'model.layers.0.mlp': 3 experts do not divide over mesh dim 'ep' "
+                               "of size 2 (mesh ProcessMesh([0, 1], dim_names=['ep']), placement Shard(0))"),
+    ({"num_experts_per_tok": 5}, "ExpertParallel on 'model.layers.0.mlp': top-k 5 is larger than the expert count 4"),
+])
+def test_bad_expert_counts_are_refused_by_name(variant, match):
+    for msg in run_dist(_parallelize_error, 2, variant):
+        assert msg.startswith(match), msg
+
+
+# -- local_map, LocalLayer, moe_sub_mesh_tensors / moe_global_mesh_tensor ------------------------
+VALUES = [3., -1., 4., -1., 5., 9., -2., 6., 5.]  # 9 rows: uneven halves (5, 4)
+
+
+def _masked_mean(x):
+    keep = x > 0
+    return (x * keep).sum(), keep.sum()
+
+
+def _local_map_run():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    x = dist.shard_tensor(torch.tensor(VALUES), mesh, [S0]).requires_grad_()
+    total, count = dist.local_map(_masked_mean, [[Partial()], [Partial()]], [[S0]])(x)
+    mean = total / count
+    mean.backward()
+    rows = dist.local_map(lambda t: t * t.abs(), [[S0]])(x)  # uneven pieces: the global shape from every rank's
+    with pytest.raises(ValueError, match=r"input 0 is placed \[Shard\(dim=0\)\]|input 0 is placed \[Shard\(0\)\]"):
+        dist.local_map(_masked_mean, [[Partial()], [Partial()]], [[R]])(x)
+    moved = dist.local_map(lambda t: t.sum(), [[R]], [[R]], reshard_inputs=True)(x)
+    return (mean.item(), total.placements, dist.unshard_dtensor(x.grad), rows.placements, tuple(rows.shape),
+            rows.tolist(), moved.item())
+
+
+def test_local_map_runs_on_local_pieces_with_declared_placements():
+    want = torch.tensor(VALUES).requires_grad_()
+    total, count = _masked_mean(want)
+    (total / count).backward()
+    for mean, placements, grad, rows_placements, shape, rows, moved in run_dist(_local_map_run, 2):
+        assert mean == pytest.approx((total / count).item(), rel=1e-6)
+        assert placements == [Partial()]
+        torch.testing.assert_close(grad, want.grad)
+        assert rows_placements == [S0] and shape == (9,)
+        assert rows == [v * abs(v) for v in VALUES]
+        assert moved == sum(VALUES)
+
+
+class _RowNorms(dist.LocalLayer):
+    def __init__(self, mesh):
+        super().__init__([(mesh, [S0]), None])
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.scale * x.norm(dim=-1), x.shape[0]
+
+
+def _local_layer_run():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["x"])
+    layer = _RowNorms(mesh)
+    x = dist.shard_tensor(torch.arange(12.).reshape(4, 3), mesh, [S0]).requires_grad_()
+    y, rows = layer(x)
+    y.sum().backward()
+    return y.placements, y.tolist(), rows, dist.unshard_dtensor(x.grad), layer.scale.grad.item()
+
+
+def test_local_layer_forward_sees_local_pieces():
+    want = torch.arange(12.).reshape(4, 3).requires_grad_()
+    norms = 2.0 * want.norm(dim=-1)
+    norms.sum().backward()
+    local_scale_grads = []
+    for rank, (placements, values, rows, grad, scale_grad) in enumerate(run_dist(_local_layer_run, 2)):
+        assert placements == [S0] and rows == 2  # the forward saw its 2 rows
+        assert values == pytest.approx(norms.tolist(), rel=1e-6)
+        torch.testing.assert_close(grad, want.grad)
+        local_scale_grads.append(scale_grad)
+    # the plain parameter's gradient: each rank's own rows' share (a local layer declares no reduction)
+    assert sum(local_scale_grads) == pytest.approx(want.norm(dim=-1).sum().item(), rel=1e-6)
+
+
+def _sub_mesh_run(mesh_ids, dims, placements, dim):
+    mesh = dist.ProcessMesh(mesh_ids, dim_names=dims)
+    t = dist.shard_tensor(torch.arange(24.).reshape(4, 6), mesh, placements).requires_grad_()
+    parts = dist.moe_sub_mesh_tensors(t, mesh, dim, placements)
+    described = [(p.process_mesh.process_ids, p.placements, tuple(p.shape)) for p in parts]
+    mine = [p for p in parts if dist.get_rank() in p.process_mesh][0]
+    own = mine._local.clone()
+    doubled = [p * (i + 2) for i, p in enumerate(parts)]  # each slice's own op, on its own ranks
+    back = dist.moe_global_mesh_tensor(doubled, mesh, placements, dim)
+    back.sum().backward()
+    return described, own, back.placements, tuple(back.shape), dist.unshard_dtensor(back.detach()), \
+        dist.unshard_dtensor(t.grad)
+
+
+@pytest.mark.parametrize("mesh_ids, dims, placements, dim", [
+    ([0, 1], ["ep"], [S0], 0),
+    ([[0], [1]], ["ep", "mp"], [Shard(1), R], 0),
+])
+def test_sub_mesh_tensors_cut_a_tensor_per_slice_and_join_back(mesh_ids, dims, placements, dim):
+    """Slice i of the mesh along `dim` holds the part of the tensor its ranks hold (rows or
+    columns 3i..), placed Replicate on the cut dim; joined back, each part's own result lands
+    in its place, and the gradient comes back to each rank's piece."""
+    full = torch.arange(24.).reshape(4, 6)
+    cut = placements[dim].dim
+    for rank, (described, own, back_placements, shape, back, grad) in enumerate(
+            run_dist(_sub_mesh_run, 2, mesh_ids, dims, placements, dim)):
+        half = list(full.shape)
+        half[cut] //= 2
+        subs = [[0], [1]]
+        assert [(ids, p, s) for ids, p, s in described] == [
+            (subs[i], [R] * len(dims), tuple(half)) for i in range(2)], described
+        torch.testing.assert_close(own, full.chunk(2, dim=cut)[rank])
+        assert back_placements == placements and shape == (4, 6)
+        torch.testing.assert_close(back, torch.cat([c * (i + 2) for i, c in enumerate(full.chunk(2, dim=cut))], cut))
+        torch.testing.assert_close(grad, torch.cat([torch.full_like(c, i + 2.) for i, c in
+                                                    enumerate(full.chunk(2, dim=cut))], cut))

@@ -21,6 +21,7 @@ import torch
 from ..comm import get_rank
 from ..mesh import ProcessMesh
 from ..placement import Placement, Replicate, Shard
+from ..redistribute import piece_of_full, redistribute_local
 from ..runtime.experts import check_experts, expert_parallel
 from ..spec import DistSpec, TensorMeta
 from ..tensor.dtensor import DistTensor, new_dist
@@ -172,7 +173,7 @@ def _cut_dim(placements: Sequence[Placement], dim: int, what: str) -> Optional[i
 class _SubMeshTensors(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, specs, mine):
-        ctx.spec, ctx.mine = t._spec, mine
+        ctx.spec, ctx.part_spec, ctx.mine = t._spec, specs[mine], mine
         return tuple(new_dist(t._local.view_as(t._local) if i == mine else t._local.new_empty(0), s)
                      for i, s in enumerate(specs))
 
@@ -181,8 +182,15 @@ class _SubMeshTensors(torch.autograd.Function):
         g = grads[ctx.mine]
         if g is None:
             return None, None, None
-        local = g._local if type(g) is DistTensor else g
-        return new_dist(local.contiguous(), ctx.spec.without_partial()), None, None
+        return new_dist(_piece(g, ctx.part_spec), ctx.spec.without_partial()), None, None
+
+
+def _piece(grad: torch.Tensor, spec: DistSpec) -> torch.Tensor:
+    """This rank's piece of `grad` placed as `spec` (less Partial)."""
+    target = spec.without_partial()
+    if type(grad) is not DistTensor:
+        return piece_of_full(grad, target)
+    return redistribute_local(grad._local, grad._spec, target).contiguous()
 
 
 def moe_sub_mesh_tensors(dist_tensor: torch.Tensor, global_mesh: Optional[ProcessMesh] = None,
@@ -234,14 +242,13 @@ def _span_along(spec: DistSpec, dim: int, index: int, cut: int) -> tuple[int, in
 class _GlobalMeshTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, mine, count, *parts):
-        ctx.part_spec, ctx.mine, ctx.count = parts[mine]._spec, mine, count
+        ctx.spec, ctx.part_spec, ctx.mine, ctx.count = spec, parts[mine]._spec, mine, count
         return new_dist(parts[mine]._local.view_as(parts[mine]._local), spec)
 
     @staticmethod
     def backward(ctx, grad):
-        local = grad._local if type(grad) is DistTensor else grad
         out = [None] * ctx.count
-        out[ctx.mine] = new_dist(local.contiguous(), ctx.part_spec.without_partial())
+        out[ctx.mine] = new_dist(_piece(grad, ctx.spec), ctx.part_spec.without_partial())
         return (None, None, None, *out)
 
 
