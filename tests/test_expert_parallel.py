@@ -258,3 +258,41 @@ def test_sub_mesh_tensors_cut_a_tensor_per_slice_and_join_back(mesh_ids, dims, p
         torch.testing.assert_close(back, torch.cat([c * (i + 2) for i, c in enumerate(full.chunk(2, dim=cut))], cut))
         torch.testing.assert_close(grad, torch.cat([torch.full_like(c, i + 2.) for i, c in
                                                     enumerate(full.chunk(2, dim=cut))], cut))
+
+
+def _whole_tokens_run(name):
+    """ExpertParallel alone on an "ep" mesh: the batch is not split, each rank routes its cut
+    of the tokens and the output is gathered back."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["ep"])
+    model = tiny(name)
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh,
+                                  {"mp_config": {"parallelize_plan": EP_PLAN}})
+    data, grads = batches(), []
+    losses = train(model, opt, data, grads=grads)
+    return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, grads
+
+
+def test_tokens_whole_over_ep_are_cut_routed_and_gathered_back():
+    ref = _reference("mixtral")
+    for got in run_dist(_whole_tokens_run, 2, "mixtral"):
+        assert_matches(got, ref)
+
+
+def _ep_dp_run(name):
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "ep"])
+    model = tiny(name)
+    config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": EP_PLAN}}
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
+    data, grads = batches(), []
+    losses = train(model, opt, data, grads=grads)
+    pieces = {k: p.placements for k, p in _expert_params(model).items()}
+    return (losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, grads), pieces
+
+
+def test_ep_times_dp_on_four_ranks():
+    """A [dp 2, ep 2] mesh: the batch split over both, each expert on one rank of its ep pair
+    and replicated over dp, its gradient summed over dp."""
+    ref = _reference("mixtral")
+    for got, pieces in run_dist(_ep_dp_run, 4, "mixtral"):
+        assert_matches(got, ref)
+        assert set(map(tuple, pieces.values())) == {(R, S0)}, pieces
