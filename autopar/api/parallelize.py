@@ -372,11 +372,11 @@ def parallelize(
     (its config on its mesh, or on `mesh`'s ranks, its recomputed layers checkpointed), or
     holds any of
     - `"dp_config": {"sharding_level": 0|1|2|3}`: plain tensor inputs are split on dim 0
-      over "dp"; the optimizer gets ZeRO stage `sharding_level` over "dp" (0: none);
+      over "dp" (and "ep"); the optimizer gets ZeRO stage `sharding_level` over "dp" (0: none);
     - `"mp_config": {"parallelize_plan": {name: plan or [plans]}}`: names of layers or of
       parameters (ending in weight/bias), regular expressions allowed (`layers.*.mlp`);
       plans `ColWiseParallel`, `RowWiseParallel`, `SequenceParallelBegin/End/Enable/Disable`,
-      `PrepareLayerInput/Output`;
+      `PrepareLayerInput/Output`, and `ExpertParallel` (over "ep" or "dp", docs/moe.md);
     - `"pp_config": {"split_spec": prefix or {name: SplitPoint}, "global_spec": name}`:
       pipeline stages on the slices of the mesh along "pp" (see `module_meshes`); compute
       the loss from the model's output (on the last stage).  Its schedule keys
