@@ -6,7 +6,8 @@ Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) splits the block's experts over the mesh dim 
 the experts' grouped [experts, ...] weights become Shard(0) there, the router stays
 replicated, and each call sends every token to the rank holding its expert and back
 (`runtime.experts`).  The experts module is the block's child holding 3-D weights and a
-`num_experts`, called as `experts(hidden [tokens, hidden], top_k_index, top_k_weights)`.
+`num_experts`, called as `experts(hidden [tokens, hidden], top_k_index, top_k_weights)`; a
+block without one (a dense MLP matched by the same wildcard) is left as it is.
 
 `moe_sub_mesh_tensors` / `moe_global_mesh_tensor` cut a tensor split over one mesh dim into
 one tensor per sub-mesh along that dim, and join them back (Paddle's names).
@@ -96,10 +97,8 @@ class ExpertParallel(PlanBase):
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
         experts = experts_of(layer)
-        if experts is None:
-            raise TypeError(
-                f"ExpertParallel on '{name}': no experts module under it (a sub-module with a `num_experts` and "
-                f"grouped [num_experts, ...] weights, called as experts(hidden, top_k_index, top_k_weights))")
+        if experts is None:  # a dense layer the key's wildcard matched too (DeepSeek-V3's first layers)
+            return
         ep = mesh.dim_index(expert_dim(mesh))
         check_experts(experts.num_experts, _top_k(layer), mesh, ep, f"ExpertParallel on '{name}'")
         for pname, p in list(experts.named_parameters(recurse=False)):
