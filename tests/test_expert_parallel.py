@@ -297,3 +297,27 @@ def test_ep_times_dp_on_four_ranks():
     for got, pieces in run_dist(_ep_dp_run, 4, "mixtral"):
         assert_matches(got, ref)
         assert set(map(tuple, pieces.values())) == {(R, S0)}, pieces
+
+
+def _ep_tp_run(name):
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["ep", "mp"])
+    model = tiny(name)
+    col, row = dist.ColWiseParallel(), dist.RowWiseParallel()
+    attention = "model.layers.*.self_attn."
+    plan = {attention + "q_proj": col, attention + "k_proj": col, attention + "v_proj": col,
+            attention + "o_proj": row, "lm_head": col, **EP_PLAN}
+    config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": plan}}
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
+    data, grads = batches(), []
+    losses = train(model, opt, data, grads=grads)
+    pieces = {k: p.placements for k, p in _expert_params(model).items()}
+    return (losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, grads), pieces
+
+
+def test_ep_times_tp_on_four_ranks():
+    """An [ep 2, mp 2] mesh: attention split by heads over "mp", the experts over "ep"; the
+    tokens reach the MoE block whole over "mp" and every mp rank routes them alike."""
+    ref = _reference("mixtral")
+    for got, pieces in run_dist(_ep_tp_run, 4, "mixtral"):
+        assert_matches(got, ref)
+        assert set(map(tuple, pieces.values())) == {(S0, R)}, pieces
