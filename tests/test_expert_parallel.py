@@ -107,8 +107,7 @@ def test_experts_fold_onto_dp_when_the_mesh_has_no_ep(level):
     ref = _reference("mixtral")
     for rank, (got, pieces, _, comm) in enumerate(run_dist(_ep_run, 2, "mixtral", ["dp"], level)):
         assert_matches(got, ref)
-        if level == 0:
-            _check_pieces(pieces, ref[1], rank)
+        _check_pieces(pieces, ref[1], rank)  # ZeRO leaves the experts, split over "dp" already, as they are
         assert sum(op == "all_to_all" for op, _ in comm) == 2 * 3 + 2 * 2, comm
 
 
@@ -321,3 +320,32 @@ def test_ep_times_tp_on_four_ranks():
     for got, pieces in run_dist(_ep_tp_run, 4, "mixtral"):
         assert_matches(got, ref)
         assert set(map(tuple, pieces.values())) == {(S0, R)}, pieces
+
+
+def test_dispatch_and_combine_on_one_rank_is_the_weighted_sum_of_the_chosen_experts():
+    """The algorithm without processes (a group of one: the all-to-alls hand their rows back):
+    sum_k w[t, k] * expert_{index[t, k]}(x[t]), gradients included; an expert no token chose
+    gets no row."""
+    from autopar.runtime.experts import Routing, dispatch_combine
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 6, generator=g, requires_grad=True)
+    w_experts = torch.randn(5, 6, 6, generator=g, requires_grad=True)
+    index = torch.randint(0, 4, (10, 3), generator=g)  # expert 4 never chosen
+    weights = torch.rand(10, 3, generator=g, requires_grad=True)
+    seen = []
+
+    def run(rows, experts):
+        seen.append(experts.clone())
+        return torch.bmm(rows.unsqueeze(1), w_experts[experts]).squeeze(1)
+
+    got = dispatch_combine(x, index, weights, 5, (0,), run)
+    want = sum(weights[:, k:k + 1] * torch.bmm(x.unsqueeze(1), w_experts[index[:, k]]).squeeze(1) for k in range(3))
+    torch.testing.assert_close(got, want)
+    assert torch.equal(seen[0], index.reshape(-1).sort(stable=True).values)
+    assert 4 not in seen[0].tolist()
+    grads = torch.autograd.grad(got.square().sum(), (x, w_experts, weights))
+    for a, b in zip(grads, torch.autograd.grad(want.square().sum(), (x, w_experts, weights))):
+        torch.testing.assert_close(a, b)
+    route = Routing(index, 5, (0,))
+    assert route.send == route.recv == [30]
