@@ -349,3 +349,47 @@ def test_dispatch_and_combine_on_one_rank_is_the_weighted_sum_of_the_chosen_expe
         torch.testing.assert_close(a, b)
     route = Routing(index, 5, (0,))
     assert route.send == route.recv == [30]
+
+
+class _Experts(torch.nn.Module):
+    """HF's experts interface, in a few lines: grouped [experts, in, out] weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = 4
+        self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x, index, weights):
+        out = torch.zeros_like(x)
+        for k in range(index.shape[1]):
+            out = out + weights[:, k:k + 1] * torch.bmm(x.unsqueeze(1), self.w[index[:, k]]).squeeze(1)
+        return out
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.top_k, self.gate, self.experts = 2, torch.nn.Linear(8, 4), _Experts()
+
+    def forward(self, x):
+        weights, index = self.gate(x).softmax(-1).topk(self.top_k)
+        return self.experts(x, index, weights)
+
+
+def _static_run():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["ep"])
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"moe": _Block()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = dist.parallelize(model, opt, mesh, {"mp_config": {"parallelize_plan": {"moe": dist.ExpertParallel()}}})
+    step = dist.to_static(model["moe"], None, lambda out, y: (out - y).square().mean(), opt)
+    x, y = (dist.shard_tensor(torch.randn(6, 8), mesh, [S0]) for _ in range(2))
+    with pytest.raises(dist.CaptureError, match="expert routing's split sizes"):
+        step(x, y)
+    return True
+
+
+def test_a_captured_program_refuses_the_data_dependent_routing():
+    """The all-to-alls' split sizes depend on the router's choice: to_static, which replays
+    the transfers it captured, refuses instead of replaying the first step's splits."""
+    assert all(run_dist(_static_run, 2))

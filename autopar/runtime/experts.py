@@ -67,6 +67,8 @@ class Routing:
         self.tokens = torch.div(self.order, k, rounding_mode="floor")
         counts = torch.bincount(flat, minlength=num_experts)
         got = collectives.all_to_all(counts, [per_rank] * size, [per_rank] * size, ranks)  # [source, local expert]
+        # the split sizes are read into Python: a captured program (to_static) cannot replay them
+        collectives.reading_values("the expert routing's split sizes (.tolist())")
         self.send = counts.view(size, per_rank).sum(1).tolist()
         self.recv = got.view(size, per_rank).sum(1).tolist()
         self.local_expert = torch.repeat_interleave(
