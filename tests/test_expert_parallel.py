@@ -260,64 +260,49 @@ def test_sub_mesh_tensors_cut_a_tensor_per_slice_and_join_back(mesh_ids, dims, p
                                                     enumerate(full.chunk(2, dim=cut))], cut))
 
 
-def _whole_tokens_run(name):
-    """ExpertParallel alone on an "ep" mesh: the batch is not split, each rank routes its cut
-    of the tokens and the output is gathered back."""
-    mesh = dist.ProcessMesh([0, 1], dim_names=["ep"])
+def _mesh_run(name, mesh_ids, dims, plan, split_batch=True):
+    """`name` trained 3 steps through parallelize on the mesh `mesh_ids` named `dims` with
+    `plan`, the batch split (dp_config) or not; also the experts' placements."""
+    mesh = dist.ProcessMesh(mesh_ids, dim_names=dims)
     model = tiny(name)
-    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh,
-                                  {"mp_config": {"parallelize_plan": EP_PLAN}})
-    data, grads = batches(), []
-    losses = train(model, opt, data, grads=grads)
-    return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, grads
-
-
-def test_tokens_whole_over_ep_are_cut_routed_and_gathered_back():
-    ref = _reference("mixtral")
-    for got in run_dist(_whole_tokens_run, 2, "mixtral"):
-        assert_matches(got, ref)
-
-
-def _ep_dp_run(name):
-    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "ep"])
-    model = tiny(name)
-    config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": EP_PLAN}}
+    config = {"mp_config": {"parallelize_plan": plan}}
+    if split_batch:
+        config["dp_config"] = {"sharding_level": 0}
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     data, grads = batches(), []
     losses = train(model, opt, data, grads=grads)
     pieces = {k: p.placements for k, p in _expert_params(model).items()}
     return (losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, grads), pieces
+
+
+def test_tokens_whole_over_ep_are_cut_routed_and_gathered_back():
+    """ExpertParallel alone on an "ep" mesh: the batch is not split, each rank routes its cut
+    of the tokens and the output is gathered back."""
+    ref = _reference("mixtral")
+    for got, _ in run_dist(_mesh_run, 2, "mixtral", [0, 1], ["ep"], EP_PLAN, split_batch=False):
+        assert_matches(got, ref)
 
 
 def test_ep_times_dp_on_four_ranks():
     """A [dp 2, ep 2] mesh: the batch split over both, each expert on one rank of its ep pair
     and replicated over dp, its gradient summed over dp."""
     ref = _reference("mixtral")
-    for got, pieces in run_dist(_ep_dp_run, 4, "mixtral"):
+    for got, pieces in run_dist(_mesh_run, 4, "mixtral", [[0, 1], [2, 3]], ["dp", "ep"], EP_PLAN):
         assert_matches(got, ref)
         assert set(map(tuple, pieces.values())) == {(R, S0)}, pieces
 
 
-def _ep_tp_run(name):
-    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["ep", "mp"])
-    model = tiny(name)
-    col, row = dist.ColWiseParallel(), dist.RowWiseParallel()
-    attention = "model.layers.*.self_attn."
-    plan = {attention + "q_proj": col, attention + "k_proj": col, attention + "v_proj": col,
-            attention + "o_proj": row, "lm_head": col, **EP_PLAN}
-    config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": plan}}
-    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
-    data, grads = batches(), []
-    losses = train(model, opt, data, grads=grads)
-    pieces = {k: p.placements for k, p in _expert_params(model).items()}
-    return (losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, grads), pieces
+ATTENTION = "model.layers.*.self_attn."
+TP_EP_PLAN = {ATTENTION + "q_proj": dist.ColWiseParallel(), ATTENTION + "k_proj": dist.ColWiseParallel(),
+              ATTENTION + "v_proj": dist.ColWiseParallel(), ATTENTION + "o_proj": dist.RowWiseParallel(),
+              "lm_head": dist.ColWiseParallel(), **EP_PLAN}
 
 
 def test_ep_times_tp_on_four_ranks():
     """An [ep 2, mp 2] mesh: attention split by heads over "mp", the experts over "ep"; the
     tokens reach the MoE block whole over "mp" and every mp rank routes them alike."""
     ref = _reference("mixtral")
-    for got, pieces in run_dist(_ep_tp_run, 4, "mixtral"):
+    for got, pieces in run_dist(_mesh_run, 4, "mixtral", [[0, 1], [2, 3]], ["ep", "mp"], TP_EP_PLAN):
         assert_matches(got, ref)
         assert set(map(tuple, pieces.values())) == {(S0, R)}, pieces
 
