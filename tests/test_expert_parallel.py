@@ -378,3 +378,49 @@ def test_a_captured_program_refuses_the_data_dependent_routing():
     """The all-to-alls' split sizes depend on the router's choice: to_static, which replays
     the transfers it captured, refuses instead of replaying the first step's splits."""
     assert all(run_dist(_static_run, 2))
+
+
+def _lm_loss(out, labels):
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
+def _pipelined(pipeline):
+    """Mixtral trained 3 steps with the loss on its logits: in one process, or in 2 pipeline
+    stages (1F1B over 2 micro-batches) whose layers split their experts over "ep"."""
+    from autopar.pipelining import build_schedule
+
+    model = tiny("mixtral")
+    opt = optimizer(model.parameters())
+    step = None
+    if pipeline:
+        mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "ep"])
+        config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": EP_PLAN},
+                  "pp_config": {"split_spec": "model.layers", "schedule_mode": "1F1B", "accumulate_steps": 2}}
+        model, opt = dist.parallelize(model, opt, mesh, config)
+        step = build_schedule(model, _lm_loss).step
+    losses = []
+    for ids, labels in batches():
+        if step is not None:
+            loss = step(ids, target=labels)
+        else:
+            loss = _lm_loss(model(input_ids=ids), labels)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    pieces = {k: p.placements for k, p in _expert_params(model).items() if dist.is_dist_tensor(p) and
+              dist.get_rank() in p.process_mesh}
+    weights = {k: dist.unshard_dtensor(v.detach()) if dist.is_dist_tensor(v) else v.detach()
+               for k, v in model.state_dict().items()}
+    return losses, weights, pieces
+
+
+def test_pipeline_stages_with_experts_split_over_ep():
+    """A [pp 2, ep 2] mesh: each stage's MoE layer splits its experts over the stage's "ep"
+    ranks, micro-batches split over "ep" as well."""
+    ref_losses, ref_weights, _ = _pipelined(False)
+    for losses, weights, pieces in run_dist(_pipelined, 4, True):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for k, v in ref_weights.items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        assert len(pieces) == 2 and set(map(tuple, pieces.values())) == {(S0,)}, pieces

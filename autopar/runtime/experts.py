@@ -126,6 +126,8 @@ def expert_parallel(hidden: DistTensor, index: DistTensor, weights: DistTensor, 
     communication) and the output gathered back.  `run_local(local params, rows,
     local_expert)` runs this rank's experts.  The output is placed like the (cut) tokens."""
     mesh = params[0]._spec.mesh
+    if get_rank() not in mesh:  # another pipeline stage's layer: no piece here, nothing sent
+        return hidden.clone()
     placements = token_placements(hidden._spec, ep)
     inputs = [reshard_to(t, t._spec.with_placements(placements)) for t in (hidden, index, weights)]
     spec = inputs[0]._spec
