@@ -136,21 +136,23 @@ def test_the_load_balancing_loss_matches_one_process():
         assert_matches(got, ref)
 
 
-def _parallelize_error(variant):
-    mesh = dist.ProcessMesh([0, 1], dim_names=["ep"])
+def _parallelize_error(variant, dim="ep"):
+    mesh = dist.ProcessMesh([0, 1], dim_names=[dim])
     model = tiny("mixtral", **variant)
     with pytest.raises(ValueError) as err:
         dist.parallelize(model, mesh=mesh, config={"mp_config": {"parallelize_plan": EP_PLAN}})
     return str(err.value)
 
 
-@pytest.mark.parametrize("variant, match", [
-    ({"num_local_experts": 3}, "ExpertParallel on 'model.layers.0.mlp': 3 experts do not divide over mesh dim 'ep' "
-                               "of size 2 (mesh ProcessMesh([0, 1], dim_names=['ep']), placement Shard(0))"),
-    ({"num_experts_per_tok": 5}, "ExpertParallel on 'model.layers.0.mlp': top-k 5 is larger than the expert count 4"),
+@pytest.mark.parametrize("variant, dim, match", [
+    ({"num_local_experts": 3}, "ep", "ExpertParallel on 'model.layers.0.mlp': 3 experts do not divide over mesh dim "
+                                     "'ep' of size 2 (mesh ProcessMesh([0, 1], dim_names=['ep']), placement Shard(0))"),
+    ({"num_experts_per_tok": 5}, "ep", "ExpertParallel on 'model.layers.0.mlp': top-k 5 is larger than the expert "
+                                       "count 4"),
+    ({}, "x", "ExpertParallel needs a mesh dim named 'ep' (or 'dp'), but mesh ProcessMesh([0, 1], dim_names=['x'])"),
 ])
-def test_bad_expert_counts_are_refused_by_name(variant, match):
-    for msg in run_dist(_parallelize_error, 2, variant):
+def test_bad_expert_counts_are_refused_by_name(variant, dim, match):
+    for msg in run_dist(_parallelize_error, 2, variant, dim):
         assert msg.startswith(match), msg
 
 
