@@ -5,7 +5,8 @@ dispatch written by hand with torch.distributed's differentiable all_to_all_sing
 
 Model: HF's MixtralSparseMoeBlock (hidden 256, intermediate 512, 8 experts, top-2, its grouped
 GEMM experts), each rank holding 8/ranks experts and routing its own batch x seq tokens; one
-step = forward, loss = out.square().mean(), backward, zero_grad.
+step = zero_grad, forward, loss = out.square().mean(), backward; the tokens need a gradient, as
+inside a model.
   autopar : parallelize with {"moe": ExpertParallel()} on a mesh ["ep"], the tokens Shard(0).
   plain   : the router on the local tokens, the per-expert counts exchanged, the rows sorted by
             expert sent with torch.distributed.nn.functional.all_to_all_single, the local
@@ -80,11 +81,11 @@ class Runner:
         self.model, self.batch, self.ranks, self.out = model, batch, ranks, None
 
     def step(self):
+        for p in [self.batch, *self.model.parameters()]:
+            p.grad = None
         out = self.model(self.batch)
         (out.square().sum() / (out.numel() * self.ranks)).backward()
         self.out = out
-        for p in self.model.parameters():
-            p.grad = None
 
 
 def main():
@@ -110,11 +111,11 @@ def main():
     tokens = torch.randn(k * args.batch, args.seq, args.hidden, generator=gen)
     mine = tokens[rank * args.batch:(rank + 1) * args.batch]
 
-    hand = Runner(HandDispatch(block, args, rank, k), mine.clone(), k)
+    hand = Runner(HandDispatch(block, args, rank, k), mine.clone().requires_grad_(), k)  # (as inside a model)
     mesh = dist.ProcessMesh(list(range(k)), dim_names=["ep"])
     model, _ = dist.parallelize(torch.nn.ModuleDict({"moe": block}), mesh=mesh,
                                 config={"mp_config": {"parallelize_plan": {"moe": dist.ExpertParallel()}}})
-    ap = Runner(model["moe"], dist.shard_tensor(tokens, mesh, [dist.Shard(0)]))
+    ap = Runner(model["moe"], dist.shard_tensor(tokens, mesh, [dist.Shard(0)]).requires_grad_())
 
     # correctness: same output, same gradients of this rank's experts and of the router
     hand_grads, ap_grads = {}, {}
@@ -125,6 +126,7 @@ def main():
         ap.step()
     hand.step()
     C.assert_close(ap.out.local_value(), hand.out, "autopar vs hand-written dispatch output")
+    C.assert_close(ap.batch.grad.local_value(), hand.batch.grad, "the tokens' gradient")
     for name in ("experts.gate_up_proj", "experts.down_proj"):
         C.assert_close(ap_grads[name].local_value(), hand_grads[name], f"gradient of the local {name}")
     C.assert_close(dist.reshard(ap_grads["gate.weight"], mesh, [dist.Replicate()]).local_value(),

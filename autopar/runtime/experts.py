@@ -97,7 +97,8 @@ class _Pieces(torch.autograd.Function):
     def forward(ctx, grad_specs: tuple, *tensors):
         ctx.grad_specs = grad_specs
         out = [t._local.view_as(t._local) for t in tensors]
-        ctx.mark_non_differentiable(*[o for o in out if not o.is_floating_point()])
+        # (a piece whose tensor needs no gradient gets none: no backward computes it)
+        ctx.mark_non_differentiable(*[o for o, t in zip(out, tensors) if not t.requires_grad])
         return tuple(out)
 
     @staticmethod
