@@ -428,3 +428,36 @@ def test_pipeline_stages_with_experts_split_over_ep():
         for k, v in ref_weights.items():
             torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
         assert len(pieces) == 2 and set(map(tuple, pieces.values())) == {(S0,)}, pieces
+
+
+def _one_step_collectives():
+    """One forward and backward of Mixtral with its experts split over a 4-rank "ep" mesh:
+    this rank's collectives [(op, ranks, bytes)] and how many experts it holds per layer."""
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["ep"])
+    model = tiny("mixtral")
+    config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": EP_PLAN}}
+    model, _ = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
+    ids = batches(1, batch=8)[0][0]
+    with dist.comm_log() as log:
+        model(input_ids=ids, labels=ids).loss.backward()
+    held = {p._local.shape[0] for p in _expert_params(model).values()}
+    return [(r.op, list(r.ranks), r.bytes) for r in log], sorted(held)
+
+
+def _simulated_rank_1():
+    with dist.simulate(4, 1):
+        return _one_step_collectives()
+
+
+def test_a_simulated_rank_sends_the_real_ranks_collectives():
+    """`dist.simulate` runs rank 1 of a 4-rank expert-parallel job in one process: the same
+    collectives on the same groups as the real rank 1, the counts' exchange of the same size
+    (the rows' sizes follow the routing, which the fake exchange cannot know), 1 expert of 4 held."""
+    from plain_process import evaluated
+
+    simulated, held = evaluated("t._simulated_rank_1()", "test_expert_parallel")
+    real, real_held = run_dist(_one_step_collectives, 4)[1]
+    assert held == real_held == [1]
+    assert [(op, ranks) for op, ranks, _ in simulated] == [(op, ranks) for op, ranks, _ in real]
+    counts = [b for op, _, b in real if op == "all_to_all" and b == 3 * 8]
+    assert len(counts) == 2 and [b for op, _, b in simulated if op == "all_to_all" and b == 3 * 8] == counts
