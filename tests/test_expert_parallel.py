@@ -27,8 +27,10 @@ def _first_experts_only(model):
     return model
 
 
-def _model(name, skewed=False, **variant):
+def _model(name, skewed=False, checkpointed=False, **variant):
     model = tiny(name, **variant)
+    if checkpointed:  # each decoder layer recomputed in backward (torch's non-reentrant checkpoint)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return _first_experts_only(model) if skewed else model
 
 
@@ -125,6 +127,16 @@ def test_a_rank_that_receives_no_token_and_experts_that_get_none():
                 for k, g in step.items():
                     if ".experts." in k:
                         assert torch.count_nonzero(g[2:]) == 0, k
+
+
+def test_activation_checkpointing_recomputes_the_dispatch():
+    """With HF's gradient checkpointing each layer's forward runs again in backward, the
+    all-to-alls with it, on every rank in the same order: the numbers stay those of one process."""
+    ref = _reference("mixtral", checkpointed=True)
+    for got, _, _, comm in run_dist(_ep_run, 2, "mixtral", ["ep"], variant={"checkpointed": True}):
+        assert_matches(got, ref)
+        # per layer: 3 in forward, the same 3 again in backward's recomputation, then backward's 2
+        assert sum(op == "all_to_all" for op, _ in comm) == 2 * (3 + 3 + 2), comm
 
 
 def test_the_load_balancing_loss_matches_one_process():
