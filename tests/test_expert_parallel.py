@@ -473,3 +473,35 @@ def test_a_simulated_rank_sends_the_real_ranks_collectives():
     assert [(op, ranks) for op, ranks, _ in simulated] == [(op, ranks) for op, ranks, _ in real]
     counts = [b for op, _, b in real if op == "all_to_all" and b == 3 * 8]
     assert len(counts) == 2 and [b for op, _, b in simulated if op == "all_to_all" and b == 3 * 8] == counts
+
+
+def _saved_and_loaded(path):
+    """A step of Mixtral with its experts split over "ep", saved; loaded into the same model
+    under plain data parallel (every expert whole on each rank) and into a fresh
+    expert-parallel one."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["ep"])
+    config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": EP_PLAN}}
+    model = tiny("mixtral")
+    model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
+    train(model, opt, batches(1))
+    dist.save_state_dict(model.state_dict(), path)
+    saved = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    dp = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    whole, _ = dist.parallelize(tiny("mixtral", seed=7), None, dp, {"dp_config": {"sharding_level": 0}})
+    again, _ = dist.parallelize(tiny("mixtral", seed=7), None, mesh, config)
+    out = []
+    for target in (whole, again):
+        dist.load_state_dict(target.state_dict(), path)
+        out.append({k: dist.unshard_dtensor(v.detach()) for k, v in target.state_dict().items()})
+    experts = [[p.placements for k, p in m.named_parameters() if k.endswith("layers.0.mlp.experts.down_proj")][0]
+               for m in (whole, again)]
+    return saved, out, experts
+
+
+def test_a_checkpoint_of_split_experts_loads_into_other_layouts(tmp_path):
+    for saved, loaded, experts in run_dist(_saved_and_loaded, 2, str(tmp_path / "ckpt")):
+        assert experts == [[R], [S0]]
+        for got in loaded:
+            assert got.keys() == saved.keys()
+            for k, v in saved.items():
+                torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
