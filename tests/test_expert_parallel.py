@@ -396,14 +396,11 @@ def test_a_captured_program_refuses_the_data_dependent_routing():
     assert all(run_dist(_static_run, 2))
 
 
-def _lm_loss(out, labels):
-    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
-
-
 def _pipelined(pipeline):
     """Mixtral trained 3 steps with the loss on its logits: in one process, or in 2 pipeline
     stages (1F1B over 2 micro-batches) whose layers split their experts over "ep"."""
     from autopar.pipelining import build_schedule
+    from test_pipeline_models import _hf_lm_loss
 
     model = tiny("mixtral")
     opt = optimizer(model.parameters())
@@ -413,13 +410,13 @@ def _pipelined(pipeline):
         config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": EP_PLAN},
                   "pp_config": {"split_spec": "model.layers", "schedule_mode": "1F1B", "accumulate_steps": 2}}
         model, opt = dist.parallelize(model, opt, mesh, config)
-        step = build_schedule(model, _lm_loss).step
+        step = build_schedule(model, _hf_lm_loss).step
     losses = []
     for ids, labels in batches():
         if step is not None:
             loss = step(ids, target=labels)
         else:
-            loss = _lm_loss(model(input_ids=ids), labels)
+            loss = _hf_lm_loss(model(input_ids=ids), labels)
             loss.backward()
         opt.step()
         opt.zero_grad()
