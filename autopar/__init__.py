@@ -13,6 +13,8 @@ the numbers of the single-device run.
 from .api.dataloader import ShardDataloader, shard_dataloader
 from .api.global_mesh import get_mesh, set_mesh
 from .api.layer import shard_layer
+from .api.local_map import LocalLayer, local_map
+from .api.moe import ExpertParallel, moe_global_mesh_tensor, moe_sub_mesh_tensors
 from .api.parallelize import parallelize
 from .api.plans import (
     ColWiseParallel,
@@ -58,6 +60,11 @@ from .tensor import dispatch as _dispatch  # noqa: F401  (installs the op dispat
 
 __all__ = [
     "ColWiseParallel",
+    "ExpertParallel",
+    "LocalLayer",
+    "local_map",
+    "moe_global_mesh_tensor",
+    "moe_sub_mesh_tensors",
     "PrepareLayerInput",
     "PrepareLayerOutput",
     "RowWiseParallel",

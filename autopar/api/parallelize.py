@@ -328,12 +328,13 @@ def _hook_stage_entries(modules: dict, meshes: dict) -> None:
 
 
 def _shard_batch(mesh: ProcessMesh):
-    """A forward pre-hook splitting plain tensor inputs on dim 0 (the batch) over "dp"."""
+    """A forward pre-hook splitting plain tensor inputs on dim 0 (the batch) over "dp", and over
+    "ep" too (expert-parallel ranks each route their own tokens, as data-parallel ranks)."""
 
     def split(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, DistTensor) or t.dim() == 0:
             return t
-        return shard_tensor(t, mesh, placements_on(t, mesh, dp=Shard(0)))
+        return shard_tensor(t, mesh, placements_on(t, mesh, dp=Shard(0), ep=Shard(0)))
 
     return lambda _layer, args, kwargs: tree_map_only(torch.Tensor, split, (args, kwargs))
 
@@ -392,7 +393,7 @@ def parallelize(
     (its config on its mesh, or on `mesh`'s ranks, its recomputed layers checkpointed), or
     holds any of
     - `"dp_config": {"sharding_level": 0|1|2|3, "mp_policy": MixedPrecisionPolicy}`: plain
-      tensor inputs are split on dim 0 over "dp"; the optimizer gets ZeRO stage
+      tensor inputs are split on dim 0 over "dp" (and "ep"); the optimizer gets ZeRO stage
       `sharding_level` over "dp" (0: none), under the mixed-precision policy if given;
     - `"amp_config": {"level": "O1"|"O2", "dtype": "bfloat16"|"float16"}`: Paddle's amp: O1
       runs the forward under autocast, O2 is `MixedPrecisionPolicy(param_dtype=dtype)`
@@ -400,7 +401,7 @@ def parallelize(
     - `"mp_config": {"parallelize_plan": {name: plan or [plans]}}`: names of layers or of
       parameters (ending in weight/bias), regular expressions allowed (`layers.*.mlp`);
       plans `ColWiseParallel`, `RowWiseParallel`, `SequenceParallelBegin/End/Enable/Disable`,
-      `PrepareLayerInput/Output`;
+      `PrepareLayerInput/Output`, and `ExpertParallel` (over "ep" or "dp", docs/moe.md);
     - `"pp_config": {"split_spec": prefix or {name: SplitPoint}, "global_spec": name}`:
       pipeline stages on the slices of the mesh along "pp" (see `module_meshes`); compute
       the loss from the model's output (on the last stage).  Its schedule keys
@@ -525,7 +526,7 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"parallelize needs a ProcessMesh, got {type(mesh).__name__}")
     for key, dim in _CONFIG_DIMS.items():
-        if key in config and dim not in mesh.dim_names:
+        if key in config and dim not in mesh.dim_names and not _dim_optional(key, config[key], mesh):
             raise ValueError(
                 f"parallelize: {key} needs a mesh dim named {dim!r}, but mesh {mesh} has dims {mesh.dim_names}"
             )
@@ -540,6 +541,19 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     if "pp_config" in config:
         pipeline_settings(config["pp_config"])
     return config
+
+
+def _dim_optional(key: str, section: Any, mesh: ProcessMesh) -> bool:
+    """A config section that works without its mesh dim: dp_config on a mesh with "ep" (the
+    expert-parallel ranks split the batch), an mp_config whose plans all act along another
+    mesh dim (ExpertParallel)."""
+    if key == "dp_config":
+        return "ep" in mesh.dim_names
+    plans = section.get("parallelize_plan") if key == "mp_config" and isinstance(section, dict) else None
+    if not isinstance(plans, dict) or not plans:
+        return False
+    flat = [p for v in plans.values() for p in (v if isinstance(v, (list, tuple)) else [v])]
+    return all(getattr(p, "mesh_dim", "mp") != "mp" for p in flat)
 
 
 DP_CONFIG_KEYS = ("sharding_level", "mp_policy")

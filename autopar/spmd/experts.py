@@ -9,7 +9,8 @@ piece of the result.  So the module runs as a local region without verification;
 would sort the whole batch's tokens by expert (a gather of the batch) to compute the same.
 Dropless routing only: a module with a capacity (tokens dropped by how many others chose the
 same expert) is not per token, and has no `num_experts` with 3-D weights and no other
-parameters, or is not called this way.
+parameters, or is not called this way.  Weights split over their experts (`ExpertParallel`)
+are not whole: runtime/experts.py sends each token to its expert's rank instead.
 """
 from __future__ import annotations
 

@@ -1,0 +1,159 @@
+"""Expert parallel: each token goes to the rank holding its expert and comes back, by two
+all-to-alls with uneven splits.
+
+The experts' grouped weights ([experts, ...]) are split Shard(0) over one mesh dim (the "ep"
+group), so each rank holds `experts / ep` consecutive experts; the tokens are split over the
+same dim (each rank routes its own).  One MoE call on rank r:
+
+1. route: its (token, k) pairs sorted by expert (stable), so the rows for rank j are one run;
+   the per-expert counts are exchanged first (an all-to-all of `experts` integers), so every
+   rank knows how many rows it receives from each rank for each of its experts;
+2. dispatch: the sorted token rows (a token once per chosen expert) go to their expert's
+   rank, one all-to-all;
+3. the local experts run on what arrived (the experts module's own forward, on its local
+   weights: HF's grouped GEMM or loop, whatever the model uses);
+4. combine: the results go back by the reverse all-to-all, are scaled by their routing
+   weights where the token lives and summed per token.
+
+The all-to-all's backward is the reverse all-to-all, so a backward moves each token's
+gradient twice as well, and the gradients of tokens, routing weights and expert weights are
+those of the single-process computation: an expert's weight gradient is whole on its rank
+(every token routed to it came there), summed over the other mesh dims the tokens are split
+on.  A rank that routes no token to some rank, or receives none, sends and receives empty
+runs; an expert that receives no token gets a zero gradient.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..comm import collectives, get_rank
+from ..placement import Partial, Replicate, Shard
+from ..spec import DistSpec, TensorMeta
+from ..tensor.convert import FromLocal, reshard_to
+from ..tensor.dtensor import DistTensor, new_dist
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows [sum(send[:j]), ...) of `x` to member j of `ranks`; `recv[j]` rows from j.  The
+    gradient goes back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list, recv: list, ranks: tuple):
+        ctx.send, ctx.recv, ctx.ranks = send, recv, ranks
+        return collectives.all_to_all(x.contiguous(), send, recv, ranks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return collectives.all_to_all(grad.contiguous(), ctx.recv, ctx.send, ctx.ranks), None, None, None
+
+
+class Routing:
+    """Where this rank's (token, k) pairs go and what it receives.
+
+    `order`: the pairs (flattened [tokens, k]) sorted by expert; `tokens`: the token of each
+    sorted pair; `send` / `recv`: rows to / from each member of the group; `local_expert`:
+    the local expert (0 .. experts/ep - 1) of each received row, in arrival order."""
+
+    __slots__ = ("order", "tokens", "send", "recv", "local_expert")
+
+    def __init__(self, index: torch.Tensor, num_experts: int, ranks: tuple):
+        size = len(ranks)
+        per_rank = num_experts // size
+        flat = index.reshape(-1)
+        k = index.shape[-1] if index.dim() > 1 else 1
+        self.order = torch.argsort(flat, stable=True)
+        self.tokens = torch.div(self.order, k, rounding_mode="floor")
+        counts = torch.bincount(flat, minlength=num_experts)
+        got = collectives.all_to_all(counts, [per_rank] * size, [per_rank] * size, ranks)  # [source, local expert]
+        # the split sizes are read into Python: a captured program (to_static) cannot replay them
+        collectives.reading_values("the expert routing's split sizes (.tolist())")
+        self.send = counts.view(size, per_rank).sum(1).tolist()
+        self.recv = got.view(size, per_rank).sum(1).tolist()
+        self.local_expert = torch.repeat_interleave(
+            torch.arange(per_rank, device=index.device).repeat(size), got.to(index.device))
+
+
+def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                     ranks: tuple, run_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_k weights[t, k] * expert[index[t, k]](hidden[t]) for this rank's tokens (plain local
+    tensors), the experts split evenly over `ranks`: `run_experts(rows, local_expert)` runs
+    this rank's experts, row i through its local expert `local_expert[i]`."""
+    route = Routing(index, num_experts, ranks)
+    rows = AllToAll.apply(hidden[route.tokens], route.send, route.recv, ranks)
+    done = run_experts(rows, route.local_expert)
+    back = AllToAll.apply(done, route.recv, route.send, ranks)
+    scaled = back * weights.reshape(-1)[route.order].unsqueeze(-1)
+    return torch.zeros_like(hidden).index_add(0, route.tokens, scaled.to(hidden.dtype))
+
+
+# -- the distributed boundary -----------------------------------------------------------------
+class _Pieces(torch.autograd.Function):
+    """Distributed tensors -> their local pieces; each gradient comes back as a distributed
+    tensor placed by `grad_specs` (a None gradient, an expert that got no token, as zeros)."""
+
+    @staticmethod
+    def forward(ctx, grad_specs: tuple, *tensors):
+        ctx.grad_specs = grad_specs
+        out = [t._local.view_as(t._local) for t in tensors]
+        # (a piece whose tensor needs no gradient gets none: no backward computes it)
+        ctx.mark_non_differentiable(*[o for o, t in zip(out, tensors) if not t.requires_grad])
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *(None if spec is None else new_dist(g.contiguous(), spec)
+                        for g, spec in zip(grads, ctx.grad_specs)))
+
+
+def _grad_spec(spec: DistSpec, placements: Sequence) -> DistSpec:
+    return DistSpec(spec.mesh, tuple(placements), TensorMeta.contiguous(spec.shape, spec.meta.dtype))
+
+
+def token_placements(spec: DistSpec, ep: int) -> tuple:
+    """The placements the tokens ([tokens, ...]) are routed under: split on dim 0 over mesh dim
+    `ep` (each rank routes its own), as they are on every other dim where they are split on
+    dim 0 or whole, whole where they are anything else."""
+    return tuple(Shard(0) if k == ep else p if p in (Shard(0), Replicate()) else Replicate()
+                 for k, p in enumerate(spec.placements))
+
+
+def expert_parallel(hidden: DistTensor, index: DistTensor, weights: DistTensor, params: list, ep: int,
+                    num_experts: int, run_local: Callable[[list, torch.Tensor, torch.Tensor], torch.Tensor]):
+    """The MoE experts' output for distributed tokens `hidden` [tokens, hidden], their chosen
+    experts `index` and routing `weights` [tokens, k], with the experts' grouped weights
+    `params` split Shard(0) over mesh dim `ep`.  Tokens not split over `ep` are cut there (no
+    communication) and the output gathered back.  `run_local(local params, rows,
+    local_expert)` runs this rank's experts.  The output is placed like the (cut) tokens."""
+    mesh = params[0]._spec.mesh
+    if get_rank() not in mesh:  # another pipeline stage's layer: no piece here, nothing sent
+        return hidden.clone()
+    placements = token_placements(hidden._spec, ep)
+    inputs = [reshard_to(t, t._spec.with_placements(placements)) for t in (hidden, index, weights)]
+    spec = inputs[0]._spec
+    split = [type(p) is Shard and mesh.shape[k] > 1 for k, p in enumerate(placements)]
+    param_grads = tuple(
+        _grad_spec(p._spec, [q if k == ep or not split[k] else Partial() for k, q in enumerate(p._spec.placements)])
+        for p in params)
+    grad_specs = (_grad_spec(spec, placements), None, _grad_spec(inputs[2]._spec, placements)) + param_grads
+    local = _Pieces.apply(grad_specs, *inputs, *params)
+    ranks = mesh.dim_group_of(get_rank(), ep)
+    out = dispatch_combine(local[0], local[1], local[2], num_experts, ranks,
+                           lambda rows, experts: run_local(list(local[3:]), rows, experts))
+    out = FromLocal.apply(out, spec)
+    return out if placements == hidden._spec.placements else reshard_to(out, hidden._spec)
+
+
+def check_experts(num_experts: int, top_k: Optional[int], mesh, ep: int, what: str) -> None:
+    """Refuse an expert count the mesh dim does not divide, or a top-k above the expert count."""
+    size = mesh.shape[ep]
+    if num_experts % size:
+        raise ValueError(
+            f"{what}: {num_experts} experts do not divide over mesh dim {mesh.dim_names[ep]!r} of size {size} "
+            f"(mesh {mesh}, placement Shard(0)): each rank must hold the same number of experts")
+    if top_k is not None and top_k > num_experts:
+        raise ValueError(f"{what}: top-k {top_k} is larger than the expert count {num_experts}")
+
+
+__all__ = ["AllToAll", "Routing", "check_experts", "dispatch_combine", "expert_parallel", "token_placements"]
