@@ -14,6 +14,7 @@ from .api.dataloader import ShardDataloader, shard_dataloader
 from .api.global_mesh import get_mesh, set_mesh
 from .api.layer import shard_layer
 from .api.parallelize import parallelize
+from .api.context_plans import ContextParallel, PrepareContextParallel, shard_sequence
 from .api.plans import (
     ColWiseParallel,
     PrepareLayerInput,
@@ -44,6 +45,7 @@ from .comm import CommError, comm_log, get_rank, get_world_size
 from .tools.simulate import representative_ranks, simulate
 from .tools.explain import explain
 from .runtime.local_region import local_regions
+from .runtime.context_parallel import context_parallel
 from .tensor.dtensor import DistTensor
 from .mesh import ProcessMesh
 from .placement import Partial, Placement, ReduceType, Replicate, Shard
@@ -56,6 +58,10 @@ from .tensor import dispatch as _dispatch  # noqa: F401  (installs the op dispat
 
 __all__ = [
     "ColWiseParallel",
+    "ContextParallel",
+    "PrepareContextParallel",
+    "context_parallel",
+    "shard_sequence",
     "PrepareLayerInput",
     "PrepareLayerOutput",
     "RowWiseParallel",

@@ -375,7 +375,8 @@ def parallelize(
     - `"mp_config": {"parallelize_plan": {name: plan or [plans]}}`: names of layers or of
       parameters (ending in weight/bias), regular expressions allowed (`layers.*.mlp`);
       plans `ColWiseParallel`, `RowWiseParallel`, `SequenceParallelBegin/End/Enable/Disable`,
-      `PrepareLayerInput/Output`;
+      `PrepareLayerInput/Output` (along the mesh dim "mp"), `PrepareContextParallel`,
+      `ContextParallel` (along "sep");
     - `"pp_config": {"split_spec": prefix or {name: SplitPoint}, "global_spec": name}`:
       pipeline stages on the slices of the mesh along "pp" (see `module_meshes`); compute
       the loss from the model's output (on the last stage).  Its schedule keys
@@ -421,10 +422,15 @@ def parallelize(
     for name, attr, plan in plans:
         if attr is None and meshes[name] is None:
             raise ValueError(f"{type(plan).__name__} on '{name}': the layer spans several pipeline stages")
+        if plan.mesh_dim not in mesh.dim_names:
+            raise ValueError(f"{type(plan).__name__} on '{name}' acts along a mesh dim named {plan.mesh_dim!r}, "
+                             f"but mesh {mesh} has dims {mesh.dim_names}")
     _place_parameters(model, meshes, _parameter_targets(model, meshes, plans))
     modules = dict(model.named_modules())
     if pp:  # first: the plans' hooks then see inputs on their layer's mesh
         _hook_stage_entries(modules, meshes)
+    for plan in dict.fromkeys(plan for _, _, plan in plans):
+        plan.prepare_model(model, mesh)
     for name, plan in dict.fromkeys((name, plan) for name, _, plan in plans):  # a plan hooks its layer once
         plan.apply(modules[name], meshes[name], name)
     if pp:
@@ -496,8 +502,8 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
         return config
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"parallelize needs a ProcessMesh, got {type(mesh).__name__}")
-    for key, dim in _CONFIG_DIMS.items():
-        if key in config and dim not in mesh.dim_names:
+    for key, dim in _CONFIG_DIMS.items():  # (mp_config's plans say which dim they need: "mp", or "sep")
+        if key in config and key != "mp_config" and dim not in mesh.dim_names:
             raise ValueError(
                 f"parallelize: {key} needs a mesh dim named {dim!r}, but mesh {mesh} has dims {mesh.dim_names}"
             )

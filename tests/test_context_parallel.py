@@ -1,0 +1,140 @@
+"""Context parallel over the mesh dim "sep": ring ("p2p") and Ulysses ("all2all") attention
+against the single-process attention, forward and backward, their bytes from comm_log, and
+HF Llama trained through `parallelize` with Paddle's plans against one process."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distpool import run_dist
+import hf_llama
+
+B, HEADS, KV_HEADS, SEQ, DIM = 2, 4, 2, 16, 8
+
+
+def _qkv(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HEADS, SEQ, DIM, generator=g)
+    k, v = (torch.randn(B, KV_HEADS, SEQ, DIM, generator=g) for _ in range(2))
+    return q, k, v, torch.randn(B, HEADS, SEQ, DIM, generator=g)
+
+
+def _reference(causal):
+    q, k, v, w = _qkv()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    (out * w).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _attention(backend, causal):
+    import autopar as dist
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    q, k, v, w = (dist.shard_sequence(t, mesh, 2, backend).detach() for t in _qkv())
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with dist.comm_log() as forward, dist.context_parallel(mesh, backend):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    with dist.comm_log() as backward:
+        (out * w).sum().backward()
+    moved = [[(c.op, c.bytes) for c in log] for log in (forward, backward)]
+    return [dist.unshard_dtensor(t) for t in (out, q.grad, k.grad, v.grad)], out.placements, moved
+
+
+def _natural(t, backend):
+    """A global tensor in `backend`'s layout (dim 2) back in the natural order."""
+    from autopar.runtime.context_parallel import load_balanced_order
+
+    if backend == "all2all":
+        return t
+    return t[:, :, torch.argsort(load_balanced_order(t.shape[2], 2))]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("backend", ["p2p", "all2all"])
+def test_attention_matches_one_process(backend, causal):
+    """Output and the gradients of q, k, v (grouped-query heads) to rtol 1e-5; the ring sends
+    each rank's K and V block once (cp-1 = 1 hop) in the forward and nothing else, Ulysses
+    makes four all-to-alls of half of each local q, k, v, out."""
+    ref = _reference(causal)
+    local_kv = B * KV_HEADS * SEQ // 2 * DIM * 4 * 2  # this rank's K and V, fp32
+    local_q = B * HEADS * SEQ // 2 * DIM * 4
+    for got, placements, (forward, backward) in run_dist(_attention, 2, backend, causal):
+        assert placements == [__import__("autopar").Shard(2)]
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(_natural(g, backend), r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        if backend == "p2p":
+            assert forward == [("send", local_kv), ("recv", 0)]
+            sends = [b for op, b in backward if op == "send"]
+            # K/V once around (cp-1 hops), their gradients (fp32) all the way home (cp hops)
+            assert sends == [local_kv, local_kv, local_kv], backward
+        else:
+            assert [op for op, _ in forward] == ["all_to_all"] * 4
+            assert sum(b for _, b in forward) == (local_q * 2 + local_kv) // 2
+            assert [op for op, _ in backward] == ["all_to_all"] * 4
+
+
+def _errors():
+    import autopar as dist
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    found = []
+    with pytest.raises(ValueError) as err:
+        dist.shard_sequence(torch.zeros(2, 10), mesh, 1, "p2p")
+    found.append(str(err.value))
+    q = dist.shard_sequence(torch.randn(1, 3, 8, 4), mesh, 2, "all2all")
+    with pytest.raises(ValueError) as err, dist.context_parallel(mesh, "all2all"):
+        F.scaled_dot_product_attention(q, q, q)
+    found.append(str(err.value))
+    return found
+
+
+def test_bad_input_gets_a_clear_error():
+    import autopar as dist
+
+    padding, heads = run_dist(_errors, 2)[0]
+    assert "sequence of 10 tokens" in padding and "pad it by 2 to 12" in padding and "'sep'" in padding
+    assert "3 heads, not divisible by 2" in heads and "[1, 3, 8, 4]" in heads
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dist.ContextParallel("ring")
+    with pytest.raises(ValueError, match="has no dim named 'sep'"):
+        dist.context_parallel(dist.ProcessMesh([0], dim_names=["dp"])).__enter__()
+
+
+def _llama(backend, data):
+    import autopar as dist
+
+    model = hf_llama.tiny_llama(attention="sdpa")
+    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    plan = {"model": dist.PrepareContextParallel(backend), "model.layers.*.self_attn": dist.ContextParallel(backend)}
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
+                                  {"mp_config": {"parallelize_plan": plan}})
+    grads = []
+    with dist.comm_log() as log:
+        losses = hf_llama.train(model, opt, data, steps=1, grads=grads)
+    with dist.comm_log() as forward:
+        model(input_ids=data[1][0], labels=data[1][1])
+    losses += hf_llama.train(model, opt, data[1:], grads=grads)
+    weights = {k: dist.unshard_dtensor(v).detach() for k, v in model.state_dict().items()}
+    return (losses, weights, grads), [(c.op, c.bytes) for c in forward]
+
+
+@pytest.mark.parametrize("backend", ["p2p", "all2all"])
+def test_hf_llama_trains_as_one_process(backend):
+    """Tiny HF Llama (sdpa attention, grouped-query heads), 3 SGD steps through parallelize with
+    PrepareContextParallel on the model and ContextParallel on every attention layer: losses,
+    gradients and weights match one process; each layer's forward makes exactly the ring's
+    sends (cp-1 = 1 hop of each rank's K and V) or Ulysses's four all-to-alls."""
+    data = hf_llama.batches(n=3, batch=2)
+    grads = []
+    ref = hf_llama.reference(data, grads=grads, attention="sdpa")
+    layers, half = 2, hf_llama.SEQ // 2
+    kv = 2 * (2 * hf_llama.KV_HEADS * half * (hf_llama.HIDDEN // hf_llama.HEADS) * 4)  # batch 2, fp32
+    for got, forward in run_dist(_llama, 2, backend, data):
+        hf_llama.assert_matches(got, ref + (grads,))
+        if backend == "p2p":
+            assert [b for op, b in forward if op == "send"] == [kv] * layers
+            assert "all_to_all" not in [op for op, _ in forward]
+        else:
+            assert [op for op, _ in forward].count("all_to_all") == 4 * layers
+            assert "send" not in [op for op, _ in forward]
