@@ -116,7 +116,7 @@ def _llama(backend, data):
         model(input_ids=data[1][0], labels=data[1][1])
     losses += hf_llama.train(model, opt, data[1:], grads=grads)
     weights = {k: dist.unshard_dtensor(v).detach() for k, v in model.state_dict().items()}
-    return (losses, weights, grads), [(c.op, c.bytes) for c in forward]
+    return (losses, weights, grads), [(c.op, c.bytes, c.shape) for c in forward]
 
 
 @pytest.mark.parametrize("backend", ["p2p", "all2all"])
@@ -132,9 +132,11 @@ def test_hf_llama_trains_as_one_process(backend):
     kv = 2 * (2 * hf_llama.KV_HEADS * half * (hf_llama.HIDDEN // hf_llama.HEADS) * 4)  # batch 2, fp32
     for got, forward in run_dist(_llama, 2, backend, data):
         hf_llama.assert_matches(got, ref + (grads,))
-        if backend == "p2p":
-            assert [b for op, b in forward if op == "send"] == [kv] * layers
-            assert "all_to_all" not in [op for op, _ in forward]
+        ops = [op for op, _, _ in forward]
+        if backend == "p2p":  # (the other sends scatter the inputs from rank 0, as shard_tensor does)
+            assert [(b, shape) for op, b, shape in forward if op == "send" and b >= kv] == [(kv, (kv // 4,))] * layers
+            assert "all_to_all" not in ops
         else:
-            assert [op for op, _ in forward].count("all_to_all") == 4 * layers
-            assert "send" not in [op for op, _ in forward]
+            assert ops.count("all_to_all") == 4 * layers
+            assert [b for op, b, _ in forward if op == "all_to_all"] == [kv * 2 // 2 // 2, kv // 4, kv // 4,
+                                                                          kv * 2 // 2 // 2] * layers

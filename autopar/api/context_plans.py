@@ -78,9 +78,12 @@ class PrepareContextParallel(PlanBase):
     dim (dim 1 of [batch, sequence, ...]: ids, embeddings, position ids) are split over the
     mesh dim "sep" as `backend` ("p2p" ring, "all2all" Ulysses) needs (`shard_sequence`).
     A forward taking `position_ids` without being given them gets those of the tokens it
-    holds; for "p2p" one taking `attention_mask` without one gets an all-ones mask, which
-    tells an HF model that the permuted positions are one sequence (not packed ones).  At the
-    top model, HF-style `labels` (passed by keyword) are shifted one token and split alike.
+    holds; one taking `attention_mask` without one gets an all-ones mask, which tells an HF
+    model that the positions (permuted for "p2p") are one sequence, not packed ones (it
+    would otherwise look for packed sequences across the split positions); one
+    taking `use_cache` gets False in training (HF's key cache would concatenate the split
+    keys, gathering them).  At the top model, HF-style `labels` (passed by keyword) are
+    shifted one token and split alike.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["sep"])
@@ -104,10 +107,13 @@ class PrepareContextParallel(PlanBase):
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
         _sep_size(mesh, f"PrepareContextParallel on '{name}'")
-        positions, mask = _takes(layer, "position_ids"), self.backend == "p2p" and _takes(layer, "attention_mask")
+        positions, mask = _takes(layer, "position_ids"), _takes(layer, "attention_mask")
+        cache = _takes(layer, "use_cache")
 
-        def hook(_layer, args, kwargs):
+        def hook(layer, args, kwargs):
             args, kwargs = tree_map_only(torch.Tensor, lambda t: self._split(t, mesh), (args, kwargs))
+            if cache and layer.training and kwargs.get("use_cache") is None:
+                kwargs["use_cache"] = False  # a key cache would gather the split keys back (and is of no use)
             first = next((t for t in list(args) + list(kwargs.values()) if _split_over_sep(t)), None)
             if first is not None and positions and kwargs.get("position_ids") is None:
                 kwargs["position_ids"] = shard_sequence(torch.arange(first.shape[1], device=first.device).unsqueeze(0),

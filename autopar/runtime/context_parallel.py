@@ -245,7 +245,14 @@ class _RingAttention(torch.autograd.Function):
                 kv = moving[1].wait()
         grads[0].wait()
         dk, dv = _unpack(grads[1].wait(), (k, v))
-        return torch.cat(dq, dim=_SEQ).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return _laid_out_like(torch.cat(dq, dim=_SEQ), q), _laid_out_like(dk, k), _laid_out_like(dv, v), None
+
+
+def _laid_out_like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`grad` in `t`'s dtype and memory layout: a distributed tensor's piece is laid out as its
+    global strides say (q is a transposed view in most models), and the views of the backward
+    rely on it."""
+    return torch.empty_like(t).copy_(grad)
 
 
 def ring_attention(q, k, v, ranks: tuple, causal: bool = False, scale: Optional[float] = None,
