@@ -101,14 +101,16 @@ def test_bad_input_gets_a_clear_error():
         dist.context_parallel(dist.ProcessMesh([0], dim_names=["dp"])).__enter__()
 
 
-def _llama(backend, data):
+def _llama(backend, data, mesh_ids=(0, 1), dims=("sep",), sharding_level=None):
     import autopar as dist
 
     model = hf_llama.tiny_llama(attention="sdpa")
-    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    mesh = dist.ProcessMesh(list(mesh_ids), dim_names=list(dims))
     plan = {"model": dist.PrepareContextParallel(backend), "model.layers.*.self_attn": dist.ContextParallel(backend)}
-    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
-                                  {"mp_config": {"parallelize_plan": plan}})
+    config = {"mp_config": {"parallelize_plan": plan}}
+    if sharding_level is not None:
+        config["dp_config"] = {"sharding_level": sharding_level}
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh, config)
     grads = []
     with dist.comm_log() as log:
         losses = hf_llama.train(model, opt, data, steps=1, grads=grads)
@@ -116,7 +118,7 @@ def _llama(backend, data):
         model(input_ids=data[1][0], labels=data[1][1])
     losses += hf_llama.train(model, opt, data[1:], grads=grads)
     weights = {k: dist.unshard_dtensor(v).detach() for k, v in model.state_dict().items()}
-    return (losses, weights, grads), [(c.op, c.bytes, c.shape) for c in forward]
+    return (losses, weights, grads), [(c.op, c.bytes, c.shape, c.ranks) for c in forward]
 
 
 @pytest.mark.parametrize("backend", ["p2p", "all2all"])
@@ -132,11 +134,27 @@ def test_hf_llama_trains_as_one_process(backend):
     kv = 2 * (2 * hf_llama.KV_HEADS * half * (hf_llama.HIDDEN // hf_llama.HEADS) * 4)  # batch 2, fp32
     for got, forward in run_dist(_llama, 2, backend, data):
         hf_llama.assert_matches(got, ref + (grads,))
-        ops = [op for op, _, _ in forward]
+        ops = [op for op, *_ in forward]
         if backend == "p2p":  # (the other sends scatter the inputs from rank 0, as shard_tensor does)
-            assert [(b, shape) for op, b, shape in forward if op == "send" and b >= kv] == [(kv, (kv // 4,))] * layers
+            assert [(b, shape) for op, b, shape, _ in forward if op == "send" and b >= kv] == [(kv, (kv // 4,))] * layers
             assert "all_to_all" not in ops
         else:
             assert ops.count("all_to_all") == 4 * layers
-            assert [b for op, b, _ in forward if op == "all_to_all"] == [kv * 2 // 2 // 2, kv // 4, kv // 4,
+            assert [b for op, b, *_ in forward if op == "all_to_all"] == [kv * 2 // 2 // 2, kv // 4, kv // 4,
                                                                           kv * 2 // 2 // 2] * layers
+
+
+@pytest.mark.parametrize("level", [0, 3], ids=["dp", "zero3"])
+def test_hf_llama_context_and_data_parallel(level):
+    """cp x dp on 4 ranks (mesh [["dp"], ["sep"]] = [[0, 1], [2, 3]]), plain data parallel and
+    ZeRO-3 over "dp", the ring over "sep": as one process; each rank's ring runs within its
+    "sep" pair and sends its K and V block once per layer."""
+    data = hf_llama.batches(n=3, batch=4)
+    grads = []
+    ref = hf_llama.reference(data, grads=grads, attention="sdpa")
+    kv = 2 * (2 * hf_llama.KV_HEADS * hf_llama.SEQ // 2 * (hf_llama.HIDDEN // hf_llama.HEADS) * 4)  # 2 rows here
+    results = run_dist(_llama, 4, "p2p", data, [[0, 1], [2, 3]], ("dp", "sep"), level)
+    for rank, (got, forward) in enumerate(results):
+        hf_llama.assert_matches(got, ref + (grads,))
+        partner = rank ^ 1
+        assert [(b, r) for op, b, _, r in forward if op == "send" and b >= kv] == [(kv, (rank, partner))] * 2
