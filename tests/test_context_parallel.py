@@ -50,6 +50,44 @@ def _natural(t, backend):
     return t[:, :, torch.argsort(load_balanced_order(t.shape[2], 2))]
 
 
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_head_tail_split_gives_every_rank_the_same_work(cp):
+    """Under a causal mask, the blocks each rank computes over a full turn of the ring, a
+    causal diagonal counted half: the same on every rank (a contiguous split: 1 to cp); and
+    the blocks cover every (query chunk, key chunk) pair at or below the diagonal once."""
+    from autopar.runtime.context_parallel import block_pairs, held_chunks, load_balanced_order
+
+    def turn(r, balanced):
+        for step in range(cp):
+            mine, held = held_chunks(r, cp, balanced), held_chunks((r - step) % cp, cp, balanced)
+            yield from ((mine[a], held[b], diagonal) for a, b, diagonal in block_pairs(mine, held, True))
+
+    work = [sum(1 if d else 2 for *_, d in turn(r, True)) for r in range(cp)]
+    assert work == [4 * cp] * cp
+    assert [sum(1 if d else 2 for *_, d in turn(r, False)) for r in range(cp)] == [2 * r + 1 for r in range(cp)]
+    seen = sorted((a, b) for r in range(cp) for a, b, _ in turn(r, True))
+    assert seen == [(a, b) for a in range(2 * cp) for b in range(a + 1)]
+    order = load_balanced_order(4 * cp, cp).reshape(cp, 4)  # rank r's 4 tokens: chunks r and 2cp-1-r
+    assert [row.tolist() for row in order] == [[2 * r, 2 * r + 1, 4 * cp - 2 - 2 * r, 4 * cp - 1 - 2 * r]
+                                               for r in range(cp)]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_plain_torch_block_matches_the_flash_kernel(causal):
+    """The ring's block attention off the CPU (plain torch) against the CPU flash kernel:
+    output, log-sum-exp, and the block gradients from the whole rows' output (grouped heads)."""
+    from autopar.runtime.context_parallel import (block_backward, block_backward_math, block_forward,
+                                                  block_forward_math)
+
+    q, k, v, dout = (t.double() for t in _qkv())
+    kernel, math = block_forward(q, k, v, causal, None), block_forward_math(q, k, v, causal, None)
+    for a, b in zip(kernel, math):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(block_backward(dout, q, k, v, *kernel, causal, 0.3),
+                    block_backward_math(dout, q, k, v, *kernel, causal, 0.3)):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("backend", ["p2p", "all2all"])
 def test_attention_matches_one_process(backend, causal):

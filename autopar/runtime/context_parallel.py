@@ -103,8 +103,18 @@ def _repeated(kv: torch.Tensor, heads: int) -> torch.Tensor:
     return kv if kv.shape[_HEADS] == heads else kv.repeat_interleave(heads // kv.shape[_HEADS], dim=_HEADS)
 
 
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Half precision accumulated in fp32, as the attention kernels do."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _acc_zeros(t: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like `t` to accumulate its gradient in (half precision: fp32)."""
+    return torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+
+
 def _probabilities(q, k, lse, causal: bool, scale: float) -> torch.Tensor:
-    s = (q.float() @ _repeated(k, q.shape[_HEADS]).float().transpose(-1, -2)) * scale
+    s = (_acc(q) @ _acc(_repeated(k, q.shape[_HEADS])).transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s if lse is None else torch.exp(s - lse.unsqueeze(-1))
@@ -114,9 +124,7 @@ def block_forward(q, k, v, causal: bool, scale: Optional[float]) -> tuple[torch.
     """(out, logsumexp) of q's rows against one key/value block."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    s = _probabilities(q, k, None, causal, _scale(q, scale))
-    lse = torch.logsumexp(s, dim=-1)
-    return (torch.exp(s - lse.unsqueeze(-1)) @ _repeated(v, q.shape[_HEADS]).float()).to(q.dtype), lse
+    return block_forward_math(q, k, v, causal, scale)
 
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, scale: Optional[float]) -> tuple:
@@ -125,13 +133,26 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: Optional[float]
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
                                                                           scale=scale)
+    return block_backward_math(dout, q, k, v, out, lse, causal, scale)
+
+
+def block_forward_math(q, k, v, causal: bool, scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_forward` in plain torch (half precision in fp32), for devices without the CPU
+    flash kernel."""
+    s = _probabilities(q, k, None, causal, _scale(q, scale))
+    lse = torch.logsumexp(s, dim=-1)
+    return (torch.exp(s - lse.unsqueeze(-1)) @ _acc(_repeated(v, q.shape[_HEADS]))).to(q.dtype), lse
+
+
+def block_backward_math(dout, q, k, v, out, lse, causal: bool, scale: Optional[float]) -> tuple:
+    """`block_backward` in plain torch: flash attention's backward of one block."""
     sc, heads = _scale(q, scale), q.shape[_HEADS]
     p = _probabilities(q, k, lse, causal, sc)
-    do = dout.float()
+    do = _acc(dout)
     dv = p.transpose(-1, -2) @ do
-    ds = p * (do @ _repeated(v, heads).float().transpose(-1, -2) - (do * out.float()).sum(-1, keepdim=True))
-    dq = ds @ _repeated(k, heads).float() * sc
-    dk = ds.transpose(-1, -2) @ q.float() * sc
+    ds = p * (do @ _acc(_repeated(v, heads)).transpose(-1, -2) - (do * _acc(out)).sum(-1, keepdim=True))
+    dq = ds @ _acc(_repeated(k, heads)) * sc
+    dk = ds.transpose(-1, -2) @ _acc(q) * sc
 
     def grouped(g, like):  # a repeated head's gradient summed back into its group
         return g.unflatten(_HEADS, (like.shape[_HEADS], -1)).sum(_HEADS + 1).to(like.dtype)
@@ -140,11 +161,12 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: Optional[float]
 
 
 def _merge(acc: Optional[tuple], out: torch.Tensor, lse: torch.Tensor) -> tuple:
-    """Two partial attentions of the same rows, combined by their log-sum-exp (fp32)."""
+    """Two partial attentions of the same rows, combined by their log-sum-exp (half precision
+    in fp32)."""
     if acc is None:
-        return out.float(), lse
+        return _acc(out), lse
     total = torch.logaddexp(acc[1], lse)
-    return acc[0] * torch.exp(acc[1] - total).unsqueeze(-1) + out.float() * torch.exp(lse - total).unsqueeze(-1), total
+    return acc[0] * torch.exp(acc[1] - total).unsqueeze(-1) + _acc(out) * torch.exp(lse - total).unsqueeze(-1), total
 
 
 # -- the ring ---------------------------------------------------------------------------------
@@ -222,14 +244,14 @@ class _RingAttention(torch.autograd.Function):
         ring = ctx.ring
         dout = dout.contiguous()
         qs, dos, outs, lses = ring.chunks(q), ring.chunks(dout), ring.chunks(out), ring.chunks(lse, -1)
-        dq = [torch.zeros_like(x, dtype=torch.float32) for x in qs]
+        dq = [_acc_zeros(x) for x in qs]
         kv, grads = _pack(k, v), None  # grads: the dk/dv of the block held, from the ranks before
         for step in range(ring.cp):
             moving = ring.pass_on(kv, _KV) if step < ring.cp - 1 else None
             kb, vb = _unpack(kv, (k, v))
             ks, vs = ring.chunks(kb), ring.chunks(vb)
-            dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
-            dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
+            dks = [_acc_zeros(x) for x in ks]
+            dvs = [_acc_zeros(x) for x in vs]
             for a, b, diagonal in ring.pairs(step):
                 g = block_backward(dos[a], qs[a], ks[b], vs[b], outs[a], lses[a], diagonal, ring.scale)
                 dq[a] += g[0]
@@ -389,5 +411,6 @@ def context_parallel(mesh: ProcessMesh, backend: str = "p2p", load_balanced: boo
         yield
 
 
-__all__ = ["BACKENDS", "SEP", "block_backward", "block_forward", "block_pairs", "check_backend",
+__all__ = ["BACKENDS", "SEP", "block_backward", "block_backward_math", "block_forward", "block_forward_math",
+           "block_pairs", "check_backend",
            "check_sequence_length", "context_parallel", "SdpaOnSep", "held_chunks", "load_balanced_order", "ring_attention"]
