@@ -124,13 +124,18 @@ def _errors():
     with pytest.raises(ValueError) as err, dist.context_parallel(mesh, "all2all"):
         F.scaled_dot_product_attention(q, q, q)
     found.append(str(err.value))
+    q = dist.shard_sequence(torch.randn(1, 2, 8, 4), mesh, 2, "p2p")
+    with pytest.raises(ValueError) as err, dist.context_parallel(mesh, "p2p"):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(8, 8))
+    found.append(str(err.value))
     return found
 
 
 def test_bad_input_gets_a_clear_error():
     import autopar as dist
 
-    padding, heads = run_dist(_errors, 2)[0]
+    padding, heads, mask = run_dist(_errors, 2)[0]
+    assert "ring ('p2p')" in mask and "attention mask [8, 8] is not supported" in mask and "'all2all'" in mask
     assert "sequence of 10 tokens" in padding and "pad it by 2 to 12" in padding and "'sep'" in padding
     assert "3 heads, not divisible by 2" in heads and "[1, 3, 8, 4]" in heads
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -197,3 +202,23 @@ def test_hf_llama_context_and_data_parallel(level):
         hf_llama.assert_matches(got, ref + (grads,))
         partner = rank ^ 1
         assert [(b, r) for op, b, _, r in forward if op == "send" and b >= kv] == [(kv, (rank, partner))] * 2
+
+
+def _cp_plan(backend):
+    import autopar as dist
+
+    plan = {"model": dist.PrepareContextParallel(backend), "model.layers.*.self_attn": dist.ContextParallel(backend)}
+    return {"mp_config": {"parallelize_plan": plan}}
+
+
+@pytest.mark.parametrize("backend,padded", [("p2p", False), ("all2all", False), ("all2all", True)],
+                         ids=["ring", "ulysses", "ulysses-padded"])
+def test_hf_qwen2_trains_as_one_process(backend, padded):
+    """Tiny HF Qwen2 (sdpa) through the same plans, also with a padding mask (left-padded rows)
+    under Ulysses, whose attention takes the mask: as one process."""
+    from test_hf_models import _parallel, reference
+
+    variant = dict(attention="sdpa", padded=padded)
+    ref = reference("qwen2", **variant)
+    for got, *_ in run_dist(_parallel, 2, "qwen2", _cp_plan(backend), ["sep"], **variant):
+        hf_llama.assert_matches(got, ref)
