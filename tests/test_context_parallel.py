@@ -150,6 +150,8 @@ def _llama(backend, data, mesh_ids=(0, 1), dims=("sep",), sharding_level=None):
     model = hf_llama.tiny_llama(attention="sdpa")
     mesh = dist.ProcessMesh(list(mesh_ids), dim_names=list(dims))
     plan = {"model": dist.PrepareContextParallel(backend), "model.layers.*.self_attn": dist.ContextParallel(backend)}
+    if "mp" in dims:
+        plan.update(hf_llama.mp_plan())
     config = {"mp_config": {"parallelize_plan": plan}}
     if sharding_level is not None:
         config["dp_config"] = {"sharding_level": sharding_level}
@@ -188,16 +190,17 @@ def test_hf_llama_trains_as_one_process(backend):
                                                                           kv * 2 // 2 // 2] * layers
 
 
-@pytest.mark.parametrize("level", [0, 3], ids=["dp", "zero3"])
-def test_hf_llama_context_and_data_parallel(level):
-    """cp x dp on 4 ranks (mesh [["dp"], ["sep"]] = [[0, 1], [2, 3]]), plain data parallel and
-    ZeRO-3 over "dp", the ring over "sep": as one process; each rank's ring runs within its
-    "sep" pair and sends its K and V block once per layer."""
+@pytest.mark.parametrize("other,level", [("dp", 0), ("dp", 3), ("mp", None)], ids=["dp", "zero3", "tp"])
+def test_hf_llama_context_parallel_with_another_dim(other, level):
+    """The ring over "sep" on 4 ranks (mesh [[0, 1], [2, 3]], dims [other, "sep"]) beside plain
+    data parallel, ZeRO-3 over "dp", or Megatron's tensor parallel over "mp" (heads and the
+    vocabulary split there): as one process; each rank's ring runs within its "sep" pair and
+    sends its K and V block (of its rows, or its heads) once per layer."""
     data = hf_llama.batches(n=3, batch=4)
     grads = []
     ref = hf_llama.reference(data, grads=grads, attention="sdpa")
-    kv = 2 * (2 * hf_llama.KV_HEADS * hf_llama.SEQ // 2 * (hf_llama.HIDDEN // hf_llama.HEADS) * 4)  # 2 rows here
-    results = run_dist(_llama, 4, "p2p", data, [[0, 1], [2, 3]], ("dp", "sep"), level)
+    kv = 2 * (4 * hf_llama.KV_HEADS * hf_llama.SEQ // 2 * (hf_llama.HIDDEN // hf_llama.HEADS) * 4) // 2  # half of
+    results = run_dist(_llama, 4, "p2p", data, [[0, 1], [2, 3]], (other, "sep"), level)  # the rows or heads
     for rank, (got, forward) in enumerate(results):
         hf_llama.assert_matches(got, ref + (grads,))
         partner = rank ^ 1

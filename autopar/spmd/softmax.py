@@ -164,7 +164,7 @@ def _pick(target, weight, ignore_index, spec, coord, dtype):
     """Per sample: local class index, weight (0 where ignored), and whether the target's class
     lies in this rank's class range."""
     c = _class_dim(spec.ndim)
-    lo, hi = spec.local_box(coord)[c]
+    lo, hi = spec.block_box(coord)[c]  # (the rows may be split strided: see _rows_only)
     valid = target != ignore_index
     t = torch.where(valid, target, 0)
     in_bounds = ((t >= 0) & (t < spec.shape[c])).all()  # asserted without a host sync on accelerators
