@@ -225,3 +225,28 @@ def test_hf_qwen2_trains_as_one_process(backend, padded):
     ref = reference("qwen2", **variant)
     for got, *_ in run_dist(_parallel, 2, "qwen2", _cp_plan(backend), ["sep"], **variant):
         hf_llama.assert_matches(got, ref)
+
+
+def _activation_peak(cp, backend):
+    """The most bytes autograd holds for backward on one rank of a cp-rank "sep" mesh, in a
+    simulated job (tiny HF Llama, a 64-token sequence)."""
+    import autopar as dist
+
+    with dist.simulate(cp, 0) as sim:
+        model = hf_llama.tiny_llama(attention="sdpa")
+        mesh = dist.ProcessMesh(list(range(cp)), dim_names=["sep"])
+        model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh, _cp_plan(backend))
+        ids = torch.randint(0, hf_llama.VOCAB, (2, 64))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return sim.memory(model, opt).activations_peak
+
+
+def test_each_rank_holds_its_share_of_the_activations():
+    """simulate's peak of the activations saved for backward on one rank: under the ring 1/cp
+    of one rank's on 2 and 4 ranks (to 1%); under Ulysses on 2 ranks (2 key/value heads: no
+    more) half of it to 6%: its attention saves the head-split copies of q, k, v, which one
+    rank does not make."""
+    whole, two, four = (_activation_peak(cp, "p2p") for cp in (1, 2, 4))
+    assert two <= whole / 2 * 1.01 and four <= whole / 4 * 1.01, (whole, two, four)
+    whole, two = (_activation_peak(cp, "all2all") for cp in (1, 2))
+    assert two <= whole / 2 * 1.06, (whole, two)

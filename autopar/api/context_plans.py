@@ -119,8 +119,8 @@ class PrepareContextParallel(PlanBase):
                 kwargs["position_ids"] = shard_sequence(torch.arange(first.shape[1], device=first.device).unsqueeze(0),
                                                         mesh, 1, self.backend)
             if first is not None and mask and kwargs.get("attention_mask") is None:
-                ones = torch.ones(first.shape[:2], dtype=torch.long, device=first.device)
-                kwargs["attention_mask"] = shard_sequence(ones, mesh, 1, self.backend)
+                # plain: it tells, without reading a distributed value, that nothing is padded
+                kwargs["attention_mask"] = torch.ones(first.shape[:2], dtype=torch.long, device=first.device)
             return args, kwargs
 
         layer.register_forward_pre_hook(hook, with_kwargs=True)
