@@ -112,6 +112,31 @@ def test_attention_matches_one_process(backend, causal):
             assert [op for op, _ in backward] == ["all_to_all"] * 4
 
 
+def _ulysses_grouped_heads():
+    """4 query heads over 2 key/value heads on 4 ranks: each key/value head repeated once."""
+    import autopar as dist
+
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["sep"])
+    q, k, v, w = (dist.shard_sequence(t, mesh, 2, "all2all").detach() for t in _qkv())
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with dist.context_parallel(mesh, "all2all"):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    (out * w).sum().backward()
+    return [dist.unshard_dtensor(t) for t in (out, q.grad, k.grad, v.grad)]
+
+
+def test_ulysses_repeats_key_value_heads_fewer_than_the_ranks():
+    """Ulysses on more ranks than key/value heads (grouped-query attention, DeepSpeed's
+    repeat): output and gradients as one process."""
+    from autopar.runtime.context_parallel import kv_head_repeats
+
+    assert (kv_head_repeats(4, 2, 4), kv_head_repeats(4, 4, 4), kv_head_repeats(4, 2, 8)) == (2, 1, None)
+    ref = _reference(True)
+    for got in run_dist(_ulysses_grouped_heads, 4):
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def _errors():
     import autopar as dist
 
@@ -243,10 +268,10 @@ def _activation_peak(cp, backend):
 
 def test_each_rank_holds_its_share_of_the_activations():
     """simulate's peak of the activations saved for backward on one rank: under the ring 1/cp
-    of one rank's on 2 and 4 ranks (to 1%); under Ulysses on 2 ranks (2 key/value heads: no
-    more) half of it to 6%: its attention saves the head-split copies of q, k, v, which one
+    of one rank's on 2 and 4 ranks (to 1%); under Ulysses to 6% and 12%: its attention saves
+    the head-split copies of q, k, v (on 4 ranks the 2 key/value heads repeated), which one
     rank does not make."""
     whole, two, four = (_activation_peak(cp, "p2p") for cp in (1, 2, 4))
     assert two <= whole / 2 * 1.01 and four <= whole / 4 * 1.01, (whole, two, four)
-    whole, two = (_activation_peak(cp, "all2all") for cp in (1, 2))
-    assert two <= whole / 2 * 1.06, (whole, two)
+    whole, two, four = (_activation_peak(cp, "all2all") for cp in (1, 2, 4))
+    assert two <= whole / 2 * 1.06 and four <= whole / 4 * 1.12, (whole, two, four)

@@ -347,16 +347,34 @@ def _ulysses_sdpa(mesh, load_balanced, q, k, v, attn_mask=None, dropout_p=0.0, i
     _check_inputs(q, k, v, mesh, dropout_p, "all2all")
     sep = mesh.dim_index(SEP)
     cp = mesh.shape[sep]
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        if t.shape[_HEADS] % cp:
-            raise ValueError(f"context parallel all-to-all ('all2all', Ulysses) over mesh dim {SEP!r} of size {cp} "
-                             f"splits the attention heads, but the {name} {list(t.shape)} has {t.shape[_HEADS]} "
-                             f"heads, not divisible by {cp}; use backend 'p2p' or a 'sep' size dividing the heads")
+    repeat = kv_head_repeats(q.shape[_HEADS], k.shape[_HEADS], cp)
+    if repeat is None:
+        name, t = ("query", q) if q.shape[_HEADS] % cp else ("key", k)
+        raise ValueError(f"context parallel all-to-all ('all2all', Ulysses) over mesh dim {SEP!r} of size {cp} "
+                         f"splits the attention heads, but the {name} {list(t.shape)} has {t.shape[_HEADS]} "
+                         f"heads, not divisible by {cp} (nor by repeating its groups); use backend 'p2p' or a "
+                         f"'sep' size dividing the heads")
     check_sequence_length(q.shape[_SEQ], cp, False, "context parallel all-to-all ('all2all')")
+    if repeat > 1:  # fewer key/value heads than ranks: each repeated, every rank holds whole groups
+        k, v = (t.repeat_interleave(repeat, dim=_HEADS) for t in (k, v))
     by_heads = [_placed(t, _over_sep(t, sep, _HEADS)) for t in (q, k, v)]
     out = F.scaled_dot_product_attention(*by_heads, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                          scale=scale, enable_gqa=enable_gqa)
     return _placed(out, _over_sep(out, sep, _SEQ))
+
+
+def kv_head_repeats(q_heads: int, kv_heads: int, cp: int) -> Optional[int]:
+    """How many times Ulysses repeats each key/value head so that the heads split over `cp`
+    ranks with every query head beside its key/value head (1: as they are; None: the query
+    heads do not divide by `cp`, or no repeat of the groups does).
+
+    >>> kv_head_repeats(32, 8, 16), kv_head_repeats(4, 2, 2), kv_head_repeats(6, 2, 4)
+    (2, 1, None)
+    """
+    if q_heads % cp or q_heads % kv_heads:
+        return None
+    group = q_heads // kv_heads
+    return next((r for r in range(1, group + 1) if group % r == 0 and kv_heads * r % cp == 0), None)
 
 
 _ALGORITHMS = {"p2p": _ring_sdpa, "all2all": _ulysses_sdpa}
@@ -411,6 +429,6 @@ def context_parallel(mesh: ProcessMesh, backend: str = "p2p", load_balanced: boo
         yield
 
 
-__all__ = ["BACKENDS", "SEP", "block_backward", "block_backward_math", "block_forward", "block_forward_math",
-           "block_pairs", "check_backend",
-           "check_sequence_length", "context_parallel", "SdpaOnSep", "held_chunks", "load_balanced_order", "ring_attention"]
+__all__ = ["BACKENDS", "SEP", "SdpaOnSep", "block_backward", "block_backward_math", "block_forward",
+           "block_forward_math", "block_pairs", "check_backend", "check_sequence_length", "context_parallel",
+           "held_chunks", "kv_head_repeats", "load_balanced_order", "ring_attention"]
