@@ -178,11 +178,11 @@ class Ring:
     """The ring of "sep" ranks this rank is in, and what every block of it computes."""
 
     def __init__(self, ranks: tuple, causal: bool, scale: Optional[float], load_balanced: bool):
-        self.ranks, self.causal, self.scale = ranks, causal, scale
-        self.cp, self.index = len(ranks), ranks.index(get_rank())
+        me = get_rank()
+        self.causal, self.scale = causal, scale
+        self.cp, self.index = len(ranks), ranks.index(me)
         self.balanced = load_balanced and causal
         self.next, self.prev = ranks[(self.index + 1) % self.cp], ranks[(self.index - 1) % self.cp]
-        me = get_rank()
         # each ring edge's channels made in one global order: made in ring order, every rank
         # would first wait for its next neighbour, who waits for its own next, around the ring
         for pair in sorted({tuple(sorted((me, self.next))), tuple(sorted((self.prev, me)))}):
@@ -195,8 +195,8 @@ class Ring:
 
     def pairs(self, step: int) -> list:
         """The (query chunk, key chunk, causal diagonal) blocks computed at `step`."""
-        mine, held = held_chunks(self.index, self.cp, self.balanced), held_chunks(self.source(step), self.cp, self.balanced)
-        return block_pairs(mine, held, self.causal)
+        mine = held_chunks(self.index, self.cp, self.balanced)
+        return block_pairs(mine, held_chunks(self.source(step), self.cp, self.balanced), self.causal)
 
     def chunks(self, t: torch.Tensor, dim: int = _SEQ) -> tuple:
         """A local piece cut into the chunks it holds (one unless load-balanced)."""
