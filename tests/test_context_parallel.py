@@ -169,10 +169,12 @@ def test_bad_input_gets_a_clear_error():
         dist.context_parallel(dist.ProcessMesh([0], dim_names=["dp"])).__enter__()
 
 
-def _llama(backend, data, mesh_ids=(0, 1), dims=("sep",), sharding_level=None):
+def _llama(backend, data, mesh_ids=(0, 1), dims=("sep",), sharding_level=None, checkpointed=False):
     import autopar as dist
 
     model = hf_llama.tiny_llama(attention="sdpa")
+    if checkpointed:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     mesh = dist.ProcessMesh(list(mesh_ids), dim_names=list(dims))
     plan = {"model": dist.PrepareContextParallel(backend), "model.layers.*.self_attn": dist.ContextParallel(backend)}
     if "mp" in dims:
@@ -214,6 +216,16 @@ def test_hf_llama_trains_as_one_process(backend):
             assert ops.count("all_to_all") == 4 * layers
             # half of each local piece: q and the output hold twice the heads of k and v
             assert [b for op, b, *_ in forward if op == "all_to_all"] == [kv // 2, kv // 4, kv // 4, kv // 2] * layers
+
+
+def test_hf_llama_ring_under_activation_checkpointing():
+    """HF's gradient checkpointing of every decoder layer: the ring runs again in backward,
+    where the layer is recomputed, and training stays exact."""
+    data = hf_llama.batches(n=3, batch=2)
+    grads = []
+    ref = hf_llama.reference(data, grads=grads, attention="sdpa")
+    for got, _ in run_dist(_llama, 2, "p2p", data, checkpointed=True):
+        hf_llama.assert_matches(got, ref + (grads,))
 
 
 @pytest.mark.parametrize("other,level", [("dp", 0), ("dp", 3), ("mp", None)], ids=["dp", "zero3", "tp"])
