@@ -252,11 +252,11 @@ def _cp_plan(backend):
     return {"mp_config": {"parallelize_plan": plan}}
 
 
-@pytest.mark.parametrize("backend,padded", [("p2p", False), ("all2all", False), ("all2all", True)],
-                         ids=["ring", "ulysses", "ulysses-padded"])
+@pytest.mark.parametrize("backend,padded", [("p2p", False), ("all2all", False), ("p2p", True), ("all2all", True)],
+                         ids=["ring", "ulysses", "ring-padded", "ulysses-padded"])
 def test_hf_qwen2_trains_as_one_process(backend, padded):
-    """Tiny HF Qwen2 (sdpa) through the same plans, also with a padding mask (left-padded rows)
-    under Ulysses, whose attention takes the mask: as one process."""
+    """Tiny HF Qwen2 (sdpa) through the same plans, also with a padding mask (left-padded rows):
+    the ring takes it as its key padding, Ulysses's attention takes HF's mask: as one process."""
     from test_hf_models import _parallel, reference
 
     variant = dict(attention="sdpa", padded=padded)
@@ -288,3 +288,32 @@ def test_each_rank_holds_its_share_of_the_activations():
     assert two <= whole / 2 * 1.01 and four <= whole / 4 * 1.01, (whole, two, four)
     whole, two, four = (_activation_peak(cp, "all2all") for cp in (1, 2, 4))
     assert two <= whole / 2 * 1.06 and four <= whole / 4 * 1.12, (whole, two, four)
+
+
+def _ring_padded():
+    """Causal attention with left-padded rows (the first rows see no key at all), the key
+    padding given to the ring."""
+    import autopar as dist
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    keep = torch.ones(B, SEQ, dtype=torch.long)
+    keep[1, :11] = 0
+    q, k, v, w = (dist.shard_sequence(t, mesh, 2, "p2p").detach() for t in _qkv())
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with dist.context_parallel(mesh, "p2p", key_padding_mask=dist.shard_sequence(keep, mesh, 1, "p2p")):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    (out * w).sum().backward()
+    return [dist.unshard_dtensor(t) for t in (out, q.grad, k.grad, v.grad)], keep
+
+
+def test_ring_with_a_key_padding_mask_matches_one_process():
+    """The ring with left padding (11 of 16 keys of row 1 hidden: query rows that see no key
+    come out 0, as torch gives them) against torch's masked attention, output and gradients."""
+    for got, keep in run_dist(_ring_padded, 2):
+        q, k, v, w = _qkv()
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        mask = keep.bool()[:, None, None, :] & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        (out * w).sum().backward()
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, (out.detach(), q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(_natural(g, "p2p"), r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -23,7 +23,8 @@ from torch.utils._pytree import tree_map_only
 
 from ..mesh import ProcessMesh
 from ..placement import Shard
-from ..runtime.context_parallel import SEP, SdpaOnSep, check_backend, check_sequence_length, load_balanced_order
+from ..runtime.context_parallel import (SEP, SdpaOnSep, check_backend, check_sequence_length, key_padding,
+                                        load_balanced_order)
 from ..tensor.dtensor import DistTensor
 from .plans import PlanBase, placements_on
 from .tensors import reshard, shard_tensor
@@ -80,7 +81,9 @@ class PrepareContextParallel(PlanBase):
     A forward taking `position_ids` without being given them gets those of the tokens it
     holds; one taking `attention_mask` without one gets an all-ones mask, which tells an HF
     model that the positions (permuted for "p2p") are one sequence, not packed ones (it
-    would otherwise look for packed sequences across the split positions); one
+    would otherwise look for packed sequences across the split positions); for "p2p" a 2D
+    padding mask given goes to the ring as its key padding instead (HF's masks would follow
+    the natural order, not the permuted one) and the layer gets the all-ones mask too; one
     taking `use_cache` gets False in training (HF's key cache would concatenate the split
     keys, gathering them).  At the top model, HF-style `labels` (passed by keyword) are
     shifted one token and split alike.
@@ -109,6 +112,7 @@ class PrepareContextParallel(PlanBase):
         _sep_size(mesh, f"PrepareContextParallel on '{name}'")
         positions, mask = _takes(layer, "position_ids"), _takes(layer, "attention_mask")
         cache = _takes(layer, "use_cache")
+        padding: list = []  # the key padding in force while the layer runs
 
         def hook(layer, args, kwargs):
             args, kwargs = tree_map_only(torch.Tensor, lambda t: self._split(t, mesh), (args, kwargs))
@@ -118,12 +122,20 @@ class PrepareContextParallel(PlanBase):
             if first is not None and positions and kwargs.get("position_ids") is None:
                 kwargs["position_ids"] = shard_sequence(torch.arange(first.shape[1], device=first.device).unsqueeze(0),
                                                         mesh, 1, self.backend)
-            if first is not None and mask and kwargs.get("attention_mask") is None:
-                # plain: it tells, without reading a distributed value, that nothing is padded
+            given = kwargs.get("attention_mask")
+            keep = given if self.backend == "p2p" and isinstance(given, DistTensor) and given.dim() == 2 else None
+            if first is not None and mask and (given is None or keep is not None):
+                # plain: it tells, without reading a distributed value, that HF need build no mask
                 kwargs["attention_mask"] = torch.ones(first.shape[:2], dtype=torch.long, device=first.device)
+            padding.append(key_padding(keep))  # the ring applies the padding itself
+            padding[-1].__enter__()
             return args, kwargs
 
+        def leave(*_):
+            padding.pop().__exit__(None, None, None)
+
         layer.register_forward_pre_hook(hook, with_kwargs=True)
+        layer.register_forward_hook(leave, always_call=True)
 
     def prepare_model(self, model: torch.nn.Module, mesh: ProcessMesh) -> None:
         def hook(_model, args, kwargs):

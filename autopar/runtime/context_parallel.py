@@ -113,41 +113,44 @@ def _acc_zeros(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
 
 
-def _probabilities(q, k, lse, causal: bool, scale: float) -> torch.Tensor:
+def _probabilities(q, k, lse, causal: bool, scale: float, mask) -> torch.Tensor:
     s = (_acc(q) @ _acc(_repeated(k, q.shape[_HEADS])).transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s if lse is None else torch.exp(s - lse.unsqueeze(-1))
 
 
-def block_forward(q, k, v, causal: bool, scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, logsumexp) of q's rows against one key/value block."""
+def block_forward(q, k, v, causal: bool, scale: Optional[float], mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) of q's rows against one key/value block (`mask`: additive, -inf where
+    a row may not see a key)."""
     if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return block_forward_math(q, k, v, causal, scale)
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return block_forward_math(q, k, v, causal, scale, mask)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: Optional[float]) -> tuple:
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: Optional[float], mask=None) -> tuple:
     """(dq, dk, dv) of one block, given the output and logsumexp of the rows' whole attention:
     the block's share of the gradients (they add up over the blocks)."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
-                                                                          scale=scale)
-    return block_backward_math(dout, q, k, v, out, lse, causal, scale)
+                                                                          attn_mask=mask, scale=scale)
+    return block_backward_math(dout, q, k, v, out, lse, causal, scale, mask)
 
 
-def block_forward_math(q, k, v, causal: bool, scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward_math(q, k, v, causal: bool, scale: Optional[float], mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`block_forward` in plain torch (half precision in fp32), for devices without the CPU
     flash kernel."""
-    s = _probabilities(q, k, None, causal, _scale(q, scale))
+    s = _probabilities(q, k, None, causal, _scale(q, scale), mask)
     lse = torch.logsumexp(s, dim=-1)
     return (torch.exp(s - lse.unsqueeze(-1)) @ _acc(_repeated(v, q.shape[_HEADS]))).to(q.dtype), lse
 
 
-def block_backward_math(dout, q, k, v, out, lse, causal: bool, scale: Optional[float]) -> tuple:
+def block_backward_math(dout, q, k, v, out, lse, causal: bool, scale: Optional[float], mask=None) -> tuple:
     """`block_backward` in plain torch: flash attention's backward of one block."""
     sc, heads = _scale(q, scale), q.shape[_HEADS]
-    p = _probabilities(q, k, lse, causal, sc)
+    p = _probabilities(q, k, lse, causal, sc, mask)
     do = _acc(dout)
     dv = p.transpose(-1, -2) @ do
     ds = p * (do @ _acc(_repeated(v, heads)).transpose(-1, -2) - (do * _acc(out)).sum(-1, keepdim=True))
@@ -166,7 +169,11 @@ def _merge(acc: Optional[tuple], out: torch.Tensor, lse: torch.Tensor) -> tuple:
     if acc is None:
         return _acc(out), lse
     total = torch.logaddexp(acc[1], lse)
-    return acc[0] * torch.exp(acc[1] - total).unsqueeze(-1) + _acc(out) * torch.exp(lse - total).unsqueeze(-1), total
+
+    def weight(part):  # (a row that has seen no key yet, -inf in both, keeps weight 0)
+        return torch.where(total == float("-inf"), 0.0, torch.exp(part - total)).unsqueeze(-1)
+
+    return acc[0] * weight(acc[1]) + _acc(out) * weight(lse), total
 
 
 # -- the ring ---------------------------------------------------------------------------------
@@ -202,58 +209,81 @@ class Ring:
         """A local piece cut into the chunks it holds (one unless load-balanced)."""
         return tuple(c.contiguous() for c in t.chunk(2 if self.balanced else 1, dim=dim))
 
+    def block(self, a: int, b: int, diagonal: bool, qs, ks, vs, keeps) -> tuple:
+        """(q, k, v, causal, additive mask, rows seeing some key or None) of block (a, b): with
+        a key padding (`keeps`, 1 where a key may be seen), the mask holds it and the diagonal."""
+        if keeps is None:
+            return qs[a], ks[b], vs[b], diagonal, None, None
+        q, k = qs[a], ks[b]
+        seen = (keeps[b] > 0)[:, None, None, :].expand(q.shape[0], 1, q.shape[_SEQ], k.shape[_SEQ])
+        if diagonal:
+            seen = seen & torch.ones(seen.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))
+        return q, k, vs[b], False, mask, seen.any(-1)
+
     def pass_on(self, buf: torch.Tensor, channel: str) -> tuple:
         """Post sending `buf` to the next rank and receiving its like from the previous one."""
         incoming = torch.empty_like(buf)
         return p2p.isend(buf, self.next, channel), p2p.irecv(incoming, self.prev, channel)
 
 
-def _pack(*ts: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in ts])
+def _pack(*ts: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in ts if t is not None])
 
 
 def _unpack(buf: torch.Tensor, like: tuple) -> list:
-    return [piece.view(t.shape) for piece, t in zip(buf.split([t.numel() for t in like]), like)]
+    """`buf` cut back into tensors shaped as `like` (None stays None)."""
+    given = [t for t in like if t is not None]
+    pieces = iter(piece.view(t.shape) for piece, t in zip(buf.split([t.numel() for t in given]), given))
+    return [None if t is None else next(pieces) for t in like]
 
 
 class _RingAttention(torch.autograd.Function):
     """Ring attention on local pieces: q, k, v (batch, heads, local sequence, head dim)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
+    def forward(ctx, q, k, v, keep, ring: Ring):
         qs, acc = ring.chunks(q), [None] * (2 if ring.balanced else 1)
-        kv = _pack(k, v)
+        keep = None if keep is None else keep.to(k.dtype)  # travels with its keys
+        kv = _pack(k, v, keep)
         for step in range(ring.cp):
             moving = ring.pass_on(kv, _KV) if step < ring.cp - 1 else None
-            kb, vb = _unpack(kv, (k, v))
-            ks, vs = ring.chunks(kb), ring.chunks(vb)
+            kb, vb, keepb = _unpack(kv, (k, v, keep))
+            ks, vs, keeps = ring.chunks(kb), ring.chunks(vb), None if keep is None else ring.chunks(keepb, 1)
             for a, b, diagonal in ring.pairs(step):
-                acc[a] = _merge(acc[a], *block_forward(qs[a], ks[b], vs[b], diagonal, ring.scale))
+                qa, kb_, vb_, causal, mask, seen = ring.block(a, b, diagonal, qs, ks, vs, keeps)
+                o, lse = block_forward(qa, kb_, vb_, causal, ring.scale, mask)
+                if seen is not None:  # a row seeing no key here: no part of its softmax
+                    o, lse = o.masked_fill(~seen.unsqueeze(-1), 0), lse.masked_fill(~seen, float("-inf"))
+                acc[a] = _merge(acc[a], o, lse)
             if moving is not None:
                 moving[0].wait()
                 kv = moving[1].wait()
         out = torch.cat([o for o, _ in acc], dim=_SEQ).to(q.dtype)
         lse = torch.cat([lse for _, lse in acc], dim=_SEQ)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # a row that sees no key at all comes out 0, as torch's kernels give it, and no gradient
+        # (a finite stand-in for its logsumexp makes each block's probabilities 0)
+        ctx.save_for_backward(q, k, v, out, lse.masked_fill(lse == float("-inf"), 0.0), keep)
         ctx.ring = ring
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, keep = ctx.saved_tensors
         ring = ctx.ring
         dout = dout.contiguous()
         qs, dos, outs, lses = ring.chunks(q), ring.chunks(dout), ring.chunks(out), ring.chunks(lse, -1)
         dq = [_acc_zeros(x) for x in qs]
-        kv, grads = _pack(k, v), None  # grads: the dk/dv of the block held, from the ranks before
+        kv, grads = _pack(k, v, keep), None  # grads: the dk/dv of the block held, from the ranks before
         for step in range(ring.cp):
             moving = ring.pass_on(kv, _KV) if step < ring.cp - 1 else None
-            kb, vb = _unpack(kv, (k, v))
-            ks, vs = ring.chunks(kb), ring.chunks(vb)
+            kb, vb, keepb = _unpack(kv, (k, v, keep))
+            ks, vs, keeps = ring.chunks(kb), ring.chunks(vb), None if keep is None else ring.chunks(keepb, 1)
             dks = [_acc_zeros(x) for x in ks]
             dvs = [_acc_zeros(x) for x in vs]
             for a, b, diagonal in ring.pairs(step):
-                g = block_backward(dos[a], qs[a], ks[b], vs[b], outs[a], lses[a], diagonal, ring.scale)
+                qa, kb_, vb_, causal, mask, _ = ring.block(a, b, diagonal, qs, ks, vs, keeps)
+                g = block_backward(dos[a], qa, kb_, vb_, outs[a], lses[a], causal, ring.scale, mask)
                 dq[a] += g[0]
                 dks[b] += g[1]
                 dvs[b] += g[2]
@@ -267,7 +297,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = moving[1].wait()
         grads[0].wait()
         dk, dv = _unpack(grads[1].wait(), (k, v))
-        return _laid_out_like(torch.cat(dq, dim=_SEQ), q), _laid_out_like(dk, k), _laid_out_like(dv, v), None
+        return _laid_out_like(torch.cat(dq, dim=_SEQ), q), _laid_out_like(dk, k), _laid_out_like(dv, v), None, None
 
 
 def _laid_out_like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -278,13 +308,18 @@ def _laid_out_like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def ring_attention(q, k, v, ranks: tuple, causal: bool = False, scale: Optional[float] = None,
-                   load_balanced: bool = True) -> torch.Tensor:
+                   load_balanced: bool = True, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of this rank's query rows over the whole sequence split across `ranks`
     (local pieces, differentiable); with `causal`, the pieces are in the load-balanced layout
-    when `load_balanced`, else contiguous."""
+    when `load_balanced`, else contiguous.  `keep` (batch, local sequence), true where a key
+    may be seen, is a key padding mask: a row seeing no key comes out 0, as in torch."""
     if len(ranks) == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
-    return _RingAttention.apply(q, k, v, Ring(tuple(ranks), causal, scale, load_balanced))
+        mask = None if keep is None else keep.bool()[:, None, None, :]
+        if mask is not None and causal:
+            mask = mask & torch.ones(q.shape[_SEQ], k.shape[_SEQ], dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+                                              enable_gqa=True)
+    return _RingAttention.apply(q, k, v, keep, Ring(tuple(ranks), causal, scale, load_balanced))
 
 
 # -- on distributed tensors ---------------------------------------------------------------------
@@ -319,13 +354,23 @@ def _check_inputs(q, k, v, mesh: ProcessMesh, dropout_p: float, backend: str) ->
                          f"is not supported; set the model's attention dropout to 0")
 
 
-def _ring_sdpa(mesh, load_balanced, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+def _key_padding_piece(keep: DistTensor, q: DistTensor, sep: int) -> torch.Tensor:
+    """This rank's piece of the key padding mask `keep` (batch, sequence), split as q's rows."""
+    if type(keep) is not DistTensor or keep._spec.mesh != q._spec.mesh or tuple(keep.shape) != (q.shape[0], q.shape[_SEQ]):
+        raise ValueError(f"context parallel ring ('p2p'): the key padding mask {list(keep.shape)} must be a "
+                         f"distributed (batch, sequence) tensor on {q._spec.mesh} for the query {list(q.shape)}")
+    placements = [Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in q._spec.placements]
+    placements[sep] = Shard(1)
+    return local_value(_placed(keep.detach(), placements))
+
+
+def _ring_sdpa(mesh, load_balanced, keep, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
     _check_inputs(q, k, v, mesh, dropout_p, "p2p")
     if attn_mask is not None:
         raise ValueError(f"context parallel ring ('p2p') over mesh {mesh}: an attention mask "
-                         f"{list(attn_mask.shape)} is not supported (causal or full attention only; "
-                         f"use backend 'all2all' for masked attention)")
+                         f"{list(attn_mask.shape)} is not supported (causal or full attention, and a key padding "
+                         f"mask given to context_parallel; use backend 'all2all' for other masks)")
     sep = mesh.dim_index(SEP)
     cp = mesh.shape[sep]
     check_sequence_length(q.shape[_SEQ], cp, load_balanced and is_causal, "context parallel ring ('p2p')")
@@ -336,15 +381,19 @@ def _ring_sdpa(mesh, load_balanced, q, k, v, attn_mask=None, dropout_p=0.0, is_c
     q, k, v = (_placed(t, placements) for t in (q, k, v))
     ranks = mesh.dim_group_of(get_rank(), sep)
     _communicates()
+    keep = None if keep is None else _key_padding_piece(keep, q, sep)
     out = ring_attention(local_value(q), local_value(k), local_value(v), ranks, is_causal, scale,
-                         load_balanced)
+                         load_balanced, keep)
     shape = (*q.shape[:3], v.shape[-1])
     return FromLocal.apply(out, DistSpec(mesh, placements, TensorMeta.contiguous(shape, q.dtype)))
 
 
-def _ulysses_sdpa(mesh, load_balanced, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+def _ulysses_sdpa(mesh, load_balanced, keep, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False):
     _check_inputs(q, k, v, mesh, dropout_p, "all2all")
+    if keep is not None:
+        raise ValueError(f"context parallel all-to-all ('all2all') over mesh {mesh} takes padding as the "
+                         f"attention's attn_mask, not as a key padding mask")
     sep = mesh.dim_index(SEP)
     cp = mesh.shape[sep]
     repeat = kv_head_repeats(q.shape[_HEADS], k.shape[_HEADS], cp)
@@ -388,9 +437,24 @@ def _communicates() -> None:
         capture.value_read("context parallel's ring attention (point-to-point transfers)")
 
 
+_KEY_PADDING: list = []  # the key padding masks in force (`key_padding`), innermost last
+
+
+@contextlib.contextmanager
+def key_padding(keep: Optional[DistTensor]) -> Iterator[None]:
+    """Within: the ring hides the keys where `keep` (batch, sequence), split like them, is 0
+    (HF's 2D attention mask; None: every key is seen)."""
+    _KEY_PADDING.append(keep)
+    try:
+        yield
+    finally:
+        _KEY_PADDING.pop()
+
+
 class SdpaOnSep(TorchFunctionMode):
     """While active: F.scaled_dot_product_attention on distributed tensors on `mesh` runs
-    the context-parallel algorithm; any other call runs as it is."""
+    the context-parallel algorithm (with the key padding in force); any other call runs as
+    it is."""
 
     def __init__(self, mesh: ProcessMesh, backend: str, load_balanced: bool):
         super().__init__()
@@ -400,18 +464,22 @@ class SdpaOnSep(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and args and type(args[0]) is DistTensor \
                 and args[0]._spec.mesh == self.mesh:
-            return self.algorithm(self.mesh, self.load_balanced, *args, **kwargs)
+            keep = _KEY_PADDING[-1] if _KEY_PADDING else None
+            return self.algorithm(self.mesh, self.load_balanced, keep, *args, **kwargs)
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def context_parallel(mesh: ProcessMesh, backend: str = "p2p", load_balanced: bool = True) -> Iterator[None]:
+def context_parallel(mesh: ProcessMesh, backend: str = "p2p", load_balanced: bool = True,
+                     key_padding_mask: Optional[DistTensor] = None) -> Iterator[None]:
     """Within the block, `F.scaled_dot_product_attention` on distributed q, k, v of shape
     (batch, heads, sequence, head dim) on `mesh` runs context parallel over its dim "sep":
     the ring ("p2p") or Ulysses ("all2all").  The output is split over "sep" on the sequence
     like the query.  For the causal ring the sequence must be in the load-balanced order
     (`shard_sequence(..., backend="p2p")` lays it out so); `load_balanced=False` takes a
-    contiguous split instead (correct, but the last rank does the most work).
+    contiguous split instead (correct, but the last rank does the most work).  The ring
+    takes padding as `key_padding_mask` (batch, sequence), 0 at the padded keys, laid out as
+    the keys (a row seeing no key comes out 0, as in torch); Ulysses takes any attn_mask.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["sep"])
@@ -425,10 +493,10 @@ def context_parallel(mesh: ProcessMesh, backend: str = "p2p", load_balanced: boo
     if SEP not in mesh.dim_names:
         raise ValueError(f"context_parallel: mesh {mesh} has no dim named {SEP!r} (its dims: {mesh.dim_names}); "
                          f"context parallel splits the sequence over 'sep'")
-    with SdpaOnSep(mesh, backend, load_balanced):
+    with SdpaOnSep(mesh, backend, load_balanced), key_padding(key_padding_mask):
         yield
 
 
 __all__ = ["BACKENDS", "SEP", "SdpaOnSep", "block_backward", "block_backward_math", "block_forward",
            "block_forward_math", "block_pairs", "check_backend", "check_sequence_length", "context_parallel",
-           "held_chunks", "kv_head_repeats", "load_balanced_order", "ring_attention"]
+           "held_chunks", "key_padding", "kv_head_repeats", "load_balanced_order", "ring_attention"]
