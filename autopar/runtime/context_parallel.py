@@ -356,7 +356,8 @@ def _check_inputs(q, k, v, mesh: ProcessMesh, dropout_p: float, backend: str) ->
 
 def _key_padding_piece(keep: DistTensor, q: DistTensor, sep: int) -> torch.Tensor:
     """This rank's piece of the key padding mask `keep` (batch, sequence), split as q's rows."""
-    if type(keep) is not DistTensor or keep._spec.mesh != q._spec.mesh or tuple(keep.shape) != (q.shape[0], q.shape[_SEQ]):
+    on_mesh = type(keep) is DistTensor and keep._spec.mesh == q._spec.mesh
+    if not on_mesh or tuple(keep.shape) != (q.shape[0], q.shape[_SEQ]):
         raise ValueError(f"context parallel ring ('p2p'): the key padding mask {list(keep.shape)} must be a "
                          f"distributed (batch, sequence) tensor on {q._spec.mesh} for the query {list(q.shape)}")
     placements = [Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in q._spec.placements]
