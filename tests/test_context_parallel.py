@@ -167,6 +167,10 @@ def test_bad_input_gets_a_clear_error():
         dist.ContextParallel("ring")
     with pytest.raises(ValueError, match="has no dim named 'sep'"):
         dist.context_parallel(dist.ProcessMesh([0], dim_names=["dp"])).__enter__()
+    for plan, dims, dim in ((dist.ContextParallel(), ["mp"], "sep"), (dist.ColWiseParallel(), ["sep"], "mp")):
+        with pytest.raises(ValueError, match=f"{type(plan).__name__} on '0' acts along a mesh dim named '{dim}'"):
+            dist.parallelize(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh=dist.ProcessMesh([0], dim_names=dims),
+                             config={"mp_config": {"parallelize_plan": {"0": plan}}})
 
 
 def _llama(backend, data, mesh_ids=(0, 1), dims=("sep",), sharding_level=None, checkpointed=False):
