@@ -10,11 +10,12 @@ Two algorithms, named as Paddle names its backends:
   forward.  With a causal mask the sequence is split head-tail (load-balanced, "zig-zag"):
   cut into 2*cp chunks, rank r holds chunks r and 2*cp-1-r, so every rank computes the same
   number of query-key blocks (`load_balanced_order` gives the order whose plain split is
-  this layout; the global tensor then holds the sequence in that order).
+  this layout; the global tensor then holds the sequence in that order).  Padding comes as
+  a key padding mask that travels with its block (`key_padding`).
 - "all2all", Ulysses.  One all-to-all each turns the sequence split of q, k, v into a split
   of the heads, each rank attends over the whole sequence for its heads, and one all-to-all
-  turns the output back: four per forward.  Needs heads divisible by the "sep" size; the
-  sequence stays in its natural order.
+  turns the output back: four per forward.  Needs query heads divisible by the "sep" size
+  (grouped key/value heads are repeated up to it); the sequence stays in its natural order.
 
 `context_parallel(mesh, backend)` makes `F.scaled_dot_product_attention` on distributed
 tensors run one of these while it is active (the plans `PrepareContextParallel` and
