@@ -422,7 +422,7 @@ def parallelize(
     for name, attr, plan in plans:
         if attr is None and meshes[name] is None:
             raise ValueError(f"{type(plan).__name__} on '{name}': the layer spans several pipeline stages")
-        if plan.mesh_dim not in mesh.dim_names:
+        if plan.mesh_dim is not None and plan.mesh_dim not in mesh.dim_names:
             raise ValueError(f"{type(plan).__name__} on '{name}' acts along a mesh dim named {plan.mesh_dim!r}, "
                              f"but mesh {mesh} has dims {mesh.dim_names}")
     _place_parameters(model, meshes, _parameter_targets(model, meshes, plans))

@@ -119,7 +119,7 @@ class PlanBase:
     """A tensor-parallel plan for one layer; `parallelize` calls `apply` on every layer
     whose name matches the plan's key, and `prepare_model` once on the whole model."""
 
-    mesh_dim = "mp"  # the mesh dim the plan acts along
+    mesh_dim: Optional[str] = "mp"  # the mesh dim the plan acts along (None: the plan checks its mesh itself)
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
         """Register the plan's hooks on `layer`, which lives on `mesh` (none by default)."""
