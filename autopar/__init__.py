@@ -16,6 +16,7 @@ from .api.layer import shard_layer
 from .api.local_map import LocalLayer, local_map
 from .api.moe import ExpertParallel, moe_global_mesh_tensor, moe_sub_mesh_tensors
 from .api.parallelize import parallelize
+from .api.context_plans import ContextParallel, PrepareContextParallel, shard_sequence
 from .api.plans import (
     ColWiseParallel,
     PrepareLayerInput,
@@ -46,6 +47,7 @@ from .comm import CommError, comm_log, get_rank, get_world_size
 from .tools.simulate import representative_ranks, simulate
 from .tools.explain import explain
 from .runtime.local_region import local_regions
+from .runtime.context_parallel import context_parallel
 from .runtime.precision import MixedPrecisionPolicy
 from .runtime.scaler import shard_scaler
 from .tensor.dtensor import DistTensor
@@ -60,11 +62,15 @@ from .tensor import dispatch as _dispatch  # noqa: F401  (installs the op dispat
 
 __all__ = [
     "ColWiseParallel",
+    "ContextParallel",
     "ExpertParallel",
     "LocalLayer",
+    "PrepareContextParallel",
+    "context_parallel",
     "local_map",
     "moe_global_mesh_tensor",
     "moe_sub_mesh_tensors",
+    "shard_sequence",
     "PrepareLayerInput",
     "PrepareLayerOutput",
     "RowWiseParallel",

@@ -93,7 +93,7 @@ class ExpertParallel(PlanBase):
     (6, 8)
     """
 
-    mesh_dim = "ep"  # (or "dp": parallelize needs no "mp" for it)
+    mesh_dim = None  # "ep", or "dp" without it: `apply` checks the mesh (`expert_dim`)
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
         experts = experts_of(layer)

@@ -401,7 +401,8 @@ def parallelize(
     - `"mp_config": {"parallelize_plan": {name: plan or [plans]}}`: names of layers or of
       parameters (ending in weight/bias), regular expressions allowed (`layers.*.mlp`);
       plans `ColWiseParallel`, `RowWiseParallel`, `SequenceParallelBegin/End/Enable/Disable`,
-      `PrepareLayerInput/Output`, and `ExpertParallel` (over "ep" or "dp", docs/moe.md);
+      `PrepareLayerInput/Output` (along the mesh dim "mp"), `PrepareContextParallel`,
+      `ContextParallel` (along "sep"), and `ExpertParallel` (over "ep" or "dp", docs/moe.md);
     - `"pp_config": {"split_spec": prefix or {name: SplitPoint}, "global_spec": name}`:
       pipeline stages on the slices of the mesh along "pp" (see `module_meshes`); compute
       the loss from the model's output (on the last stage).  Its schedule keys
@@ -448,10 +449,15 @@ def parallelize(
     for name, attr, plan in plans:
         if attr is None and meshes[name] is None:
             raise ValueError(f"{type(plan).__name__} on '{name}': the layer spans several pipeline stages")
+        if plan.mesh_dim is not None and plan.mesh_dim not in mesh.dim_names:
+            raise ValueError(f"{type(plan).__name__} on '{name}' acts along a mesh dim named {plan.mesh_dim!r}, "
+                             f"but mesh {mesh} has dims {mesh.dim_names}")
     _place_parameters(model, meshes, _parameter_targets(model, meshes, plans))
     modules = dict(model.named_modules())
     if pp:  # first: the plans' hooks then see inputs on their layer's mesh
         _hook_stage_entries(modules, meshes)
+    for plan in dict.fromkeys(plan for _, _, plan in plans):
+        plan.prepare_model(model, mesh)
     for name, plan in dict.fromkeys((name, plan) for name, _, plan in plans):  # a plan hooks its layer once
         plan.apply(modules[name], meshes[name], name)
     if pp:
@@ -525,8 +531,9 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
         return config
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"parallelize needs a ProcessMesh, got {type(mesh).__name__}")
-    for key, dim in _CONFIG_DIMS.items():
-        if key in config and dim not in mesh.dim_names and not _dim_optional(key, config[key], mesh):
+    for key, dim in _CONFIG_DIMS.items():  # (mp_config's plans say which dim they need: "mp", "sep", ...)
+        if key in config and key != "mp_config" and dim not in mesh.dim_names and not (
+                key == "dp_config" and "ep" in mesh.dim_names):  # the expert-parallel ranks split the batch
             raise ValueError(
                 f"parallelize: {key} needs a mesh dim named {dim!r}, but mesh {mesh} has dims {mesh.dim_names}"
             )
@@ -541,19 +548,6 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     if "pp_config" in config:
         pipeline_settings(config["pp_config"])
     return config
-
-
-def _dim_optional(key: str, section: Any, mesh: ProcessMesh) -> bool:
-    """A config section that works without its mesh dim: dp_config on a mesh with "ep" (the
-    expert-parallel ranks split the batch), an mp_config whose plans all act along another
-    mesh dim (ExpertParallel)."""
-    if key == "dp_config":
-        return "ep" in mesh.dim_names
-    plans = section.get("parallelize_plan") if key == "mp_config" and isinstance(section, dict) else None
-    if not isinstance(plans, dict) or not plans:
-        return False
-    flat = [p for v in plans.values() for p in (v if isinstance(v, (list, tuple)) else [v])]
-    return all(getattr(p, "mesh_dim", "mp") != "mp" for p in flat)
 
 
 DP_CONFIG_KEYS = ("sharding_level", "mp_policy")

@@ -117,10 +117,15 @@ def _swap_01(t: torch.Tensor) -> torch.Tensor:
 
 class PlanBase:
     """A tensor-parallel plan for one layer; `parallelize` calls `apply` on every layer
-    whose name matches the plan's key."""
+    whose name matches the plan's key, and `prepare_model` once on the whole model."""
+
+    mesh_dim: Optional[str] = "mp"  # the mesh dim the plan acts along (None: the plan checks its mesh itself)
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
         """Register the plan's hooks on `layer`, which lives on `mesh` (none by default)."""
+
+    def prepare_model(self, model: torch.nn.Module, mesh: ProcessMesh) -> None:
+        """Register what the plan needs at the model's own inputs (nothing by default)."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())

@@ -18,7 +18,7 @@ import warnings
 from ..mesh import ProcessMesh
 from ..placement import Partial, Replicate, Shard, StridedShard
 from ..spec import strided_cuts_valid
-from .registry import rule_for
+from .registry import STRIDED_KERNELS, rule_for
 from .strategy import OpCall, OpStrategy, replicated
 
 log = logging.getLogger("autopar.spmd")
@@ -158,7 +158,8 @@ def strided_variants(call: OpCall, strategies: list, current: list, m: int, k: i
     """A rule's Shard strategies read with StridedShard, where an input is strided on mesh
     dim m: a strategy that splits one index space (every operand it shards has the strided
     input's size there: the same letter of an einsum, a pointwise dim, a batch dim) splits
-    it blockwise just as well, so each of those Shards becomes the same StridedShard."""
+    it blockwise just as well, so each of those Shards becomes the same StridedShard.  A
+    strategy running a kernel qualifies where the kernel says so (`STRIDED_KERNELS`)."""
     out: list = []
     for i, placements in enumerate(current):
         p = placements[m]
@@ -170,7 +171,8 @@ def strided_variants(call: OpCall, strategies: list, current: list, m: int, k: i
         for s in strategies:
             if any(type(t) is StridedShard for t in s.inputs + s.outputs):
                 continue  # the rule's own strided strategy already says how blocks map
-            if s.kernel is None and s.inputs[i] == Shard(p.dim):
+            strided_ok = s.kernel is None or STRIDED_KERNELS.get(s.kernel, _never)(call, s)
+            if strided_ok and s.inputs[i] == Shard(p.dim):
                 v = _as_strided(call, s, n, p.split_factor)
                 if v is not None and v not in out:
                     out.append(v)
@@ -189,7 +191,11 @@ def _as_strided(call: OpCall, s: OpStrategy, n: int, f: int):
         return tuple(new)
 
     ins, outs = convert(s.inputs, call.inputs), convert(s.outputs, call.outputs)
-    return None if ins is None or outs is None else OpStrategy(outs, ins)
+    return None if ins is None or outs is None else OpStrategy(outs, ins, s.kernel)
+
+
+def _never(*_) -> bool:
+    return False
 
 
 def _deferred_reduction(call: OpCall, s: OpStrategy, mesh_shape, m: int) -> float:

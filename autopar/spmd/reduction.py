@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .. import comm
-from ..placement import Partial, ReduceType, Replicate, Shard
+from ..placement import Partial, ReduceType, Replicate, Shard, StridedShard
 from ..redistribute.execute import _identity
 from .registry import register, register_kernel
 from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
@@ -263,9 +263,10 @@ def _get(args, kwargs, index: int, name: str, default=None):
 
 def shard_group(spec, dims, coord) -> tuple[int, ...]:
     """The ranks that hold the other pieces of the reduced dims: one group across every mesh dim
-    sharding one of `dims` (my coordinate on the other mesh dims), in mesh order."""
+    sharding one of `dims`, plainly or strided (my coordinate on the other mesh dims), in mesh order."""
     index = tuple(
-        slice(None) if type(p) is Shard and p.dim in dims else c for p, c in zip(spec.placements, coord)
+        slice(None) if type(p) in (Shard, StridedShard) and p.dim in dims else c
+        for p, c in zip(spec.placements, coord)
     )
     return tuple(int(r) for r in np.asarray(spec.mesh.mesh[index]).reshape(-1))
 

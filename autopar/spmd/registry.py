@@ -15,6 +15,10 @@ KERNEL_PLAIN_WHEN: dict = {}
 # op -> fn(args, kwargs): names of the arguments the op writes although its schema does not
 # say so (native_batch_norm updates the running statistics it is given in training)
 UNDECLARED_WRITES: dict = {}
+# kernel name -> fn(call, strategy): True where that strategy of the kernel splits only dims whose
+# pieces the kernel treats alike wherever they lie (rows of a loss), so that the engine reads it
+# with a StridedShard of those dims as well (see engine.strided_variants)
+STRIDED_KERNELS: dict = {}
 # module type -> fn(module, args, kwargs, param_specs): the specs of the outputs (a DistSpec or a
 # tuple of them) when the module's forward on the local pieces computes exactly the local pieces
 # of its global result for these inputs (it then runs as a local region unverified; see

@@ -25,7 +25,7 @@ import torch
 from .. import comm
 from ..placement import Partial, ReduceType, Replicate, Shard
 from .reduction import shard_group
-from .registry import register, register_kernel
+from .registry import STRIDED_KERNELS, register, register_kernel
 from .strategy import LINEAR_PARTIALS, OpCall, OpStrategy
 
 aten = torch.ops.aten
@@ -164,7 +164,7 @@ def _pick(target, weight, ignore_index, spec, coord, dtype):
     """Per sample: local class index, weight (0 where ignored), and whether the target's class
     lies in this rank's class range."""
     c = _class_dim(spec.ndim)
-    lo, hi = spec.local_box(coord)[c]
+    lo, hi = spec.block_box(coord)[c]  # (the rows may be split strided: see _rows_only)
     valid = target != ignore_index
     t = torch.where(valid, target, 0)
     in_bounds = ((t >= 0) & (t < spec.shape[c])).all()  # asserted without a host sync on accelerators
@@ -178,6 +178,15 @@ def _pick(target, weight, ignore_index, spec, coord, dtype):
 def _classes_split(spec) -> bool:
     c = _class_dim(spec.ndim)
     return any(type(p) is Shard and p.dim == c for p, k in zip(spec.placements, spec.mesh.shape) if k > 1)
+
+
+def _rows_only(first: int):
+    """Whether a strategy leaves the class dim of input `first` whole: the kernels then sum
+    over the rows they hold, wherever those lie (a strided split of the rows works too)."""
+    return lambda call, s: s.inputs[first] != Shard(_class_dim(len(call.inputs[first].shape)))
+
+
+STRIDED_KERNELS.update({"nll_loss": _rows_only(0), "nll_loss_backward": _rows_only(1)})
 
 
 @register_kernel("nll_loss")
