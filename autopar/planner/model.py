@@ -22,8 +22,8 @@ Conventions (Megatron-LM's, Korthikanti et al. 2022 for activations):
 - mixture of experts: a MoE layer's routed experts are split over ep ranks, folded over the
   dp x cp ranks (torchtitan's dp2ep) and next to the tp group; each token's hidden state goes
   to its top-k experts' ranks and back (two all-to-alls forward, two backward); the dense
-  parameters are reduced (and ZeRO-sharded) over dp x cp, the experts' over the dp x cp / ep
-  ranks holding the same experts.  Layers are priced at their average (DeepSeek-V3's three
+  parameters' gradients are reduced over dp x cp and ZeRO shards them over dp, the experts'
+  over the dp x cp / ep ranks holding the same experts (ZeRO over what is left of dp).  Layers are priced at their average (DeepSeek-V3's three
   dense layers of 61 spread over all);
 - bf16 mixed precision: 2-byte weights and activations, fp32 gradients accumulated over
   micro-batches and reduced in bf16, Adam's fp32 master weights and two moments (12 bytes);
@@ -304,24 +304,41 @@ def _activation_bytes(spec: TransformerSpec, shape: Shape) -> tuple:
     return full, tokens * a * h / sp_div, tokens * a * h / sp_div
 
 
+@dataclass(frozen=True)
+class _Params:
+    """Parameters a rank holds (Affine in its layers) and the ranks holding the same ones:
+    `shard` ranks (`shard_stride` apart) that ZeRO shards them over (the mesh dim "dp"), and
+    `rest` ranks (`rest_stride` apart) that only reduce their gradients (sep, say)."""
+
+    params: Affine
+    shard: int
+    shard_stride: int
+    rest: int
+    rest_stride: int
+
+
 def _param_groups(spec: TransformerSpec, shape: Shape, first: bool, last: bool) -> list:
-    """[(parameters this rank holds, Affine in layers; the ranks they are reduced and
-    ZeRO-sharded over; those ranks' stride)]: a tp shard of the matrices and whole norms over
-    dp x cp, and (a MoE model) a tp x ep shard of the routed experts over dp x cp / ep."""
+    """A tp shard of the matrices and whole norms, the same on every dp and sep rank (ZeRO
+    over "dp"); and, a MoE model, a tp x ep shard of the routed experts, the same on the dp x
+    sep / ep ranks that hold those experts (ZeRO over what is left of "dp")."""
     h, tp, dp, cp, ep = spec.hidden, shape.tp, shape.dp, shape.cp, shape.ep
     layer_p = (spec.layer_split_params() - spec.layer_expert_params()) / tp + spec.layer_replicated_params()
     fixed_p = (spec.embedding_params() / tp if first else 0.0) + (spec.head_params() / tp if last else 0.0)
     if spec.tied and last and not first:
         fixed_p += spec.vocab * h / tp  # the last stage keeps its own copy of the shared weight
-    groups = [(Affine(fixed_p, layer_p), dp * cp, tp)]
+    groups = [_Params(Affine(fixed_p, layer_p), dp, tp * cp, cp, tp)]
     if spec.experts:
-        groups.append((Affine(0.0, spec.layer_expert_params() / (tp * ep)), dp * cp // ep, tp * ep))
+        experts = Affine(0.0, spec.layer_expert_params() / (tp * ep))
+        if dp % ep == 0:  # the experts split over part of "dp", sharded over the rest
+            groups.append(_Params(experts, dp // ep, tp * cp * ep, cp, tp))
+        else:  # folded over dp x sep: no ZeRO shard left
+            groups.append(_Params(experts, 1, 1, dp * cp // ep, tp * ep))
     return groups
 
 
 def _sharded(groups: list, shape: Shape, level: int, nbytes: float) -> Affine:
     """Bytes per rank of a per-parameter state of `nbytes` that ZeRO `level` and above shard."""
-    return sum((p * (nbytes / n if shape.zero >= level else nbytes) for p, n, _ in groups), Affine())
+    return sum((g.params * (nbytes / g.shard if shape.zero >= level else nbytes) for g in groups), Affine())
 
 
 def state_bytes_floor(spec: TransformerSpec, shape: Shape) -> float:
@@ -344,14 +361,14 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
     terms = StageTerms()
 
     groups = _param_groups(spec, shape, first, last)
-    params = sum((p for p, _, _ in groups), Affine())
+    params = sum((g.params for g in groups), Affine())
     sharded = lambda level, nbytes: _sharded(groups, shape, level, nbytes)  # noqa: E731
 
     terms.add("memory", "params", sharded(3, wb))
     terms.add("memory", "grads", sharded(2, gb))
     terms.add("memory", "optimizer", sharded(1, ob))
     if shape.zero >= 3:  # two layers gathered at a time (the one running, the next prefetched)
-        gathered = sum((p.per_layer * (1 - 1 / n) for p, n, _ in groups if n > 1), 0.0)
+        gathered = sum((g.params.per_layer * (1 - 1 / g.shard) for g in groups), 0.0)
         terms.add("memory", "params", Affine(2 * gathered * wb))
 
     # activations beyond the micro-batches held (`stage_terms`): one layer's working set in
@@ -431,28 +448,38 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
     # ZeRO-2/3 keep only a shard of the gradient, so each micro-batch reduce-scatters it;
     # ZeRO-3 also gathers each layer's weights for its forward and again for its backward
     # (the embedding and the head are units of their own)
+    # (the shard's gradient is then all-reduced over the other ranks holding it: sep)
     units = Affine((1 if first else 0) + (1 if last else 0), 1)
-    for p, n, stride in groups:
+    for g in groups:
         if shape.zero >= 2:
-            _collective(terms, "micro", "zero_comm", "reduce_scatter", n, stride, units, p * reduce_b, profile)
+            _collective(terms, "micro", "zero_comm", "reduce_scatter", g.shard, g.shard_stride, units,
+                        g.params * reduce_b, profile)
+            _collective(terms, "micro", "zero_comm", "all_reduce", g.rest, g.rest_stride, units,
+                        g.params * (reduce_b / g.shard), profile)
         if shape.zero >= 3:
-            _collective(terms, "micro", "zero_comm", "all_gather", n, stride, units * 2, p * (2 * gather_b), profile)
+            _collective(terms, "micro", "zero_comm", "all_gather", g.shard, g.shard_stride, units * 2,
+                        g.params * (2 * gather_b), profile)
 
     # pipeline: the activation (split over tp) goes forward, its gradient backward
     if pp > 1:
         sends = Affine((shape.vpp - last) + (shape.vpp - first))
         _collective(terms, "micro", "p2p", "send", 2, tp * cp * dp, sends, sends * (activation / tp), profile)
 
-    # end of step: gradients all-reduced over dp x cp (ZeRO-1: reduce-scattered), the updated
+    # end of step: gradients all-reduced over dp x sep (ZeRO-1: reduce-scattered over dp), the updated
     # weight shards all-gathered (ZeRO-1/2), then Adam
     once = Affine(1.0)
-    for p, n, stride in groups:
+    for g in groups:
         if shape.zero == 0:
-            _collective(terms, "end", "dp_comm", "all_reduce", n, stride, once, p * reduce_b, profile)
+            _collective(terms, "end", "dp_comm", "all_reduce", g.shard * g.rest, g.rest_stride, once,
+                        g.params * reduce_b, profile)
         if shape.zero == 1:
-            _collective(terms, "end", "dp_comm", "reduce_scatter", n, stride, once, p * reduce_b, profile)
+            _collective(terms, "end", "dp_comm", "reduce_scatter", g.shard, g.shard_stride, once,
+                        g.params * reduce_b, profile)
+            _collective(terms, "end", "dp_comm", "all_reduce", g.rest, g.rest_stride, once,
+                        g.params * (reduce_b / g.shard), profile)
         if shape.zero in (1, 2):
-            _collective(terms, "end", "dp_comm", "all_gather", n, stride, once, p * gather_b, profile)
+            _collective(terms, "end", "dp_comm", "all_gather", g.shard, g.shard_stride, once,
+                        g.params * gather_b, profile)
     terms.add("end_time", "optimizer", sharded(1, _ADAM_TRAFFIC[prec] / profile.hbm_bandwidth))
     return terms
 

@@ -54,8 +54,9 @@ def cp_options(spec: TransformerSpec, tp: int, ranks: int) -> list:
 
 
 def ep_options(spec: TransformerSpec, dp: int, cp: int) -> list:
-    """Expert-parallel degrees: dividing the experts and dp x cp (ep folds over them)."""
-    return [1] + [e for e in _divisors(dp * cp)[1:] if spec.experts and spec.experts % e == 0]
+    """Expert-parallel degrees the config can run: the experts split over the whole mesh dim
+    "dp" (`ExpertParallel` folds on "dp" where the mesh has no "ep"), where dp divides them."""
+    return [1] + ([dp] if dp > 1 and spec.experts and spec.experts % dp == 0 else [])
 
 
 def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: DeviceProfile,
