@@ -1,0 +1,121 @@
+"""A data-parallel step pays only what DDP pays: the batch each rank holds is used where it is
+(dp_config input_source), and the loss stays Partial until it is read.  Numbers against one
+process, collectives and bytes from `comm_log`."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar as dist
+from distpool import run_dist
+
+BATCH, IN, OUT = 6, 16, 8
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, 32), torch.nn.GELU(), torch.nn.Linear(32, OUT))
+
+
+def _batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)) for _ in range(n)]
+
+
+def _reference():
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for x, y in _batches():
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _what_rank_feeds(source, x, y, rank):
+    """rank0: rank 0's batch is used, so the others pass anything of the shape; replicated:
+    the whole batch everywhere; local: this rank's rows."""
+    if source == "local":
+        rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+        return x[rows], y[rows]
+    if source == "rank0" and rank != 0:
+        return torch.full_like(x, 7.0), torch.full_like(y, 7.0)
+    return x, y
+
+
+def _dp_steps(source):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    rank = dist.get_rank()
+    model, opt = dist.parallelize(_mlp(), None, mesh, {"dp_config": {"input_source": source}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    losses, logs = [], []
+    for x, y in _batches():
+        x, y = _what_rank_feeds(source, x, y, rank)
+        with dist.comm_log() as log:
+            out = model(x)
+            y = dist.shard_tensor(y, mesh, [dist.Shard(0)], src_data_rank=0) if source == "rank0" else \
+                dist.dtensor_from_local(y, mesh, [dist.Shard(0)], shape=(BATCH, OUT)) if source == "local" else \
+                dist.shard_tensor(y, mesh, [dist.Shard(0)], src_data_rank=None)
+            loss = F.mse_loss(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        logs.append([(r.op, r.bytes) for r in log])
+        losses.append(loss.item())
+    return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, logs, out.placements
+
+
+GRAD_BYTES = 4 * (IN * 32 + 32 + 32 * OUT + OUT)
+
+
+@pytest.mark.parametrize("source", ["rank0", "replicated", "local"])
+def test_dp_batch_sources_match_one_process_and_move_only_what_they_must(source):
+    ref_losses, ref_params = _reference()
+    for rank, (losses, params, logs, placements) in enumerate(run_dist(_dp_steps, 2, source)):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+        assert placements == [dist.Shard(0)]
+        for ops in logs:
+            rows = [4 * (BATCH // 2) * IN, 4 * (BATCH // 2) * OUT]  # rank 0 sends rank 1 its rows of x and y
+            moved = [("recv", 0)] * 2 if rank else [("send", n) for n in rows]
+            batch = moved if source == "rank0" else []
+            assert sorted(ops) == sorted(batch + [("all_reduce", GRAD_BYTES)]), ops
+
+
+def test_dp_config_refuses_an_unknown_input_source():
+    mesh = dist.ProcessMesh([0], dim_names=["dp"])
+    with pytest.raises(ValueError, match=r"input_source must be one of \['rank0', 'replicated', 'local'\], got 'own'"):
+        dist.parallelize(_mlp(), None, mesh, {"dp_config": {"input_source": "own"}})
+
+
+def _dp_steps_from_loader():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    xs, ys = map(torch.cat, zip(*_batches()))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=BATCH)
+    model, opt = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    losses, logs = [], []
+    batches = iter(dist.shard_dataloader(loader, mesh, shard_dims="dp"))
+    for _ in range(len(loader)):
+        with dist.comm_log() as log:
+            x, y = next(batches)  # this rank reads only its rows
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        logs.append([(r.op, r.bytes) for r in log])
+        losses.append(loss.item())
+    return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, logs
+
+
+def test_dp_batches_from_shard_dataloader_are_used_where_they_are_read():
+    ref_losses, ref_params = _reference()
+    for losses, params, logs in run_dist(_dp_steps_from_loader, 2):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+        assert all(ops == [("all_reduce", GRAD_BYTES)] for ops in logs), logs
