@@ -134,3 +134,23 @@ def test_the_process_exit_waits_for_an_async_save(tmp_path):
     sd = {"w": torch.zeros(6)}
     load_state_dict(sd, path)
     assert torch.equal(sd["w"], torch.arange(6.))
+
+
+def test_the_rank_files_are_safetensors_files_safetensors_reads_back(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from autopar.checkpoint.safetensors_file import DTYPE_NAMES, write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t_{str(d).removeprefix('torch.')}": (torch.randn(3, 5, generator=g) * 20).to(d)
+               for d in DTYPE_NAMES}
+    tensors["empty"] = torch.zeros(0, 4)
+    write_safetensors(tensors, str(tmp_path / "f.safetensors"), {"writer": "autopar"})
+    back = load_file(str(tmp_path / "f.safetensors"))
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name].view(torch.uint8), t.view(torch.uint8)), name
+    with safe_open(str(tmp_path / "f.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"writer": "autopar"}
+        assert torch.equal(f.get_slice("t_float32")[1:3], tensors["t_float32"][1:3])

@@ -48,6 +48,7 @@ from ..redistribute import redistribute_local
 from . import claim, sync
 from .errors import CheckpointError, Problems
 from .flatten import Leaf, flatten
+from .safetensors_file import write_safetensors
 from .metadata import (
     FORMAT,
     METADATA_FILE,
@@ -390,9 +391,7 @@ def _piece(t: torch.Tensor, rank: int):
 
 def _write_rank_file(tensors: dict, filename: str) -> None:
     """Write one rank's pieces and make them durable (tests replace this to simulate crashes)."""
-    from safetensors.torch import save_file
-
-    save_file(tensors, filename, metadata={"format": "pt", "writer": "autopar"})
+    write_safetensors(tensors, filename, metadata={"format": "pt", "writer": "autopar"})
     _fsync_file(filename)
 
 
