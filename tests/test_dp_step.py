@@ -119,3 +119,70 @@ def test_dp_batches_from_shard_dataloader_are_used_where_they_are_read():
         for k, v in params.items():
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
         assert all(ops == [("all_reduce", GRAD_BYTES)] for ops in logs), logs
+
+
+def _dp_steps_reading_the_loss_every(n, loss_of):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {"input_source": "replicated"}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    losses, logs = [], []
+    for i, (x, y) in enumerate(_batches(4)):
+        with dist.comm_log() as log:
+            loss = loss_of(model(x), y)
+            placements = loss.placements
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if i % n == 0:  # a logging step
+                losses.append(loss.item())
+        logs.append([(r.op, r.bytes) for r in log])
+    return losses, logs, placements
+
+
+def _mse(out, y):
+    return F.mse_loss(out, y)
+
+
+def _reference_read_every(n, loss_of):
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for i, (x, y) in enumerate(_batches(4)):
+        loss = loss_of(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i % n == 0:
+            losses.append(loss.item())
+    return losses
+
+
+def test_a_mean_loss_stays_partial_and_is_reduced_only_when_read():
+    """Backward of a Partial(avg) loss needs no reduced value: a step that does not read the
+    loss moves only the gradients; a logging step adds one 4-byte all-reduce."""
+    ref = _reference_read_every(2, _mse)
+    for losses, logs, placements in run_dist(_dp_steps_reading_the_loss_every, 2, 2, _mse):
+        assert placements == [dist.Partial("avg")]
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+        for i, ops in enumerate(logs):
+            read = [("all_reduce", 4)] if i % 2 == 0 else []
+            assert ops == [("all_reduce", GRAD_BYTES)] + read, (i, ops)
+
+
+def _ce(out, y):
+    target = y.argmax(-1)
+    target = torch.where(torch.arange(target.shape[0]) < 2, -100, target)
+    return F.cross_entropy(out, target)
+
+
+def test_a_mean_cross_entropy_pays_one_small_all_reduce_for_the_global_count():
+    """The exact mean of a cross-entropy divides by the count of targets it did not ignore over
+    all ranks, which only the ranks' targets tell: one 8-byte all-reduce (sum, count) in the
+    forward, every step (no per-rank mean is exact when the counts differ, as here); the loss
+    is then Replicate and reading it moves nothing."""
+    ref = _reference_read_every(2, _ce)
+    for losses, logs, placements in run_dist(_dp_steps_reading_the_loss_every, 2, 2, _ce):
+        assert placements == [dist.Replicate()]
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+        for ops in logs:
+            assert ops == [("all_reduce", 8), ("all_reduce", GRAD_BYTES)], ops
