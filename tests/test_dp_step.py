@@ -186,3 +186,16 @@ def test_a_mean_cross_entropy_pays_one_small_all_reduce_for_the_global_count():
         np.testing.assert_allclose(losses, ref, rtol=1e-5)
         for ops in logs:
             assert ops == [("all_reduce", 8), ("all_reduce", GRAD_BYTES)], ops
+
+
+def _ce_sum_over_known_count(out, y):
+    return F.cross_entropy(out, y.argmax(-1), reduction="sum") / BATCH
+
+
+def test_a_summed_cross_entropy_over_a_known_count_moves_nothing_until_read():
+    ref = _reference_read_every(2, _ce_sum_over_known_count)
+    for losses, logs, placements in run_dist(_dp_steps_reading_the_loss_every, 2, 2, _ce_sum_over_known_count):
+        assert placements == [dist.Partial("sum")]
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+        for i, ops in enumerate(logs):
+            assert ops == [("all_reduce", GRAD_BYTES)] + ([("all_reduce", 4)] if i % 2 == 0 else []), (i, ops)
