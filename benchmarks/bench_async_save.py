@@ -9,7 +9,8 @@ the model's and the optimizer's state dicts.  One repetition of each impl is a w
   `blocking`  `save_state_dict(...)`, then the steps;
   `async`     `save_state_dict(..., async_save=True)`, then the steps, then `handle.wait()`
               (the window ends when the checkpoint is in place).
-The cost of a save is its window's time minus `steps`' (median over repetitions); the
+The cost of a save is its window's time minus `steps`' in the same repetition (median over
+repetitions); the
 figures are each save's cost as a fraction of one step, async's cost over blocking's, and how
 long each save call holds the loop (`*_call_ms`; `async_wait_ms`: what was left to wait for
 at the window's end: 0 when the steps outlast the write).
@@ -44,7 +45,7 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--window", type=int, default=4, help="training steps per repetition")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     args = p.parse_args()
@@ -99,8 +100,8 @@ def main():
                           reps=args.reps, warmup=args.warmup)
     _check(model, opt, path, state)
     step_ms = statistics.median(times["steps"]) * 1e3 / args.window
-    cost = {n: statistics.median(times[n]) * 1e3 - statistics.median(times["steps"]) * 1e3
-            for n in ("blocking", "async")}
+    # paired: each repetition's window against the same repetition's steps (the load drifts)
+    cost = {n: statistics.median(a - b for a, b in zip(times[n], times["steps"])) * 1e3 for n in ("blocking", "async")}
     nbytes = C.local_bytes([v for v in _tensors(state())])
     for name, seconds in times.items():
         C.emit({"bench": "async_save", "impl": name, "ranks": k, "window_steps": args.window,

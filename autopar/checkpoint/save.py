@@ -353,15 +353,29 @@ def _my_pieces(tensors: list[Leaf], rank: int, snapshot: bool = False) -> list[t
 
 def _host_copies(pieces: list) -> list:
     """Each piece copied into a host buffer of its own (pinned for a device piece, the copies
-    queued and waited for once), so training may change the tensors while a thread writes."""
-    copies, on_device = [], False
+    queued and waited for once), so training may change the tensors while a thread writes.
+    The buffers are kept for the next asynchronous save of the same pieces (it starts after
+    this one has finished): allocating, and for pinned memory registering, costs more than
+    the copy."""
+    copies, on_device, kept = [], False, {}
     for name, box, data in pieces:
+        pinned = data.device.type == "cuda"
+        key = (name, tuple(data.shape), data.dtype, pinned)
+        buf = _STAGING.get(key)
+        if buf is None:
+            buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=pinned)
+        kept[key] = buf
         on_device |= data.device.type != "cpu"
-        buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.device.type == "cuda")
-        copies.append((name, box, buf.copy_(data, non_blocking=data.device.type == "cuda")))
+        copies.append((name, box, buf.copy_(data, non_blocking=pinned)))
     if on_device and torch.cuda.is_available():
         torch.cuda.synchronize()
+    _STAGING.clear()
+    _STAGING.update(kept)
     return copies
+
+
+# the host buffers of the last asynchronous save, by (name, shape, dtype, pinned)
+_STAGING: dict = {}
 
 
 def _piece(t: torch.Tensor, rank: int):
