@@ -46,6 +46,13 @@ def _what_rank_feeds(source, x, y, rank):
     return x, y
 
 
+def _labels(y, mesh, source):
+    """The labels placed as the model's input is, from the same source."""
+    if source == "local":
+        return dist.dtensor_from_local(y, mesh, [dist.Shard(0)], shape=(BATCH, OUT))
+    return dist.shard_tensor(y, mesh, [dist.Shard(0)], src_data_rank=0 if source == "rank0" else None)
+
+
 def _dp_steps(source):
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     rank = dist.get_rank()
@@ -56,10 +63,7 @@ def _dp_steps(source):
         x, y = _what_rank_feeds(source, x, y, rank)
         with dist.comm_log() as log:
             out = model(x)
-            y = dist.shard_tensor(y, mesh, [dist.Shard(0)], src_data_rank=0) if source == "rank0" else \
-                dist.dtensor_from_local(y, mesh, [dist.Shard(0)], shape=(BATCH, OUT)) if source == "local" else \
-                dist.shard_tensor(y, mesh, [dist.Shard(0)], src_data_rank=None)
-            loss = F.mse_loss(out, y)
+            loss = F.mse_loss(out, _labels(y, mesh, source))
             loss.backward()
             opt.step()
             opt.zero_grad()
