@@ -90,12 +90,6 @@ def test_dp_batch_sources_match_one_process_and_move_only_what_they_must(source)
             assert sorted(ops) == sorted(batch + [("all_reduce", GRAD_BYTES)]), ops
 
 
-def test_dp_config_refuses_an_unknown_input_source():
-    mesh = dist.ProcessMesh([0], dim_names=["dp"])
-    with pytest.raises(ValueError, match=r"input_source must be one of \['rank0', 'replicated', 'local'\], got 'own'"):
-        dist.parallelize(_mlp(), None, mesh, {"dp_config": {"input_source": "own"}})
-
-
 def _dp_steps_from_loader():
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     xs, ys = map(torch.cat, zip(*_batches()))
