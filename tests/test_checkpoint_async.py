@@ -154,3 +154,18 @@ def test_the_rank_files_are_safetensors_files_safetensors_reads_back(tmp_path):
     with safe_open(str(tmp_path / "f.safetensors"), framework="pt") as f:
         assert f.metadata() == {"writer": "autopar"}
         assert torch.equal(f.get_slice("t_float32")[1:3], tensors["t_float32"][1:3])
+
+
+def _load_right_after(path):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    sd = _state(mesh, offset=42.0)
+    save_state_dict(sd, path, async_save=True)  # not waited for
+    back = _zeros_like(sd)
+    load_state_dict(back, path)
+    return _values(sd), _values(back)
+
+
+def test_a_load_sees_an_async_save_made_before_it(tmp_path):
+    for want, got in run_dist(_load_right_after, 2, str(tmp_path / "ckpt")):
+        for k in ("w", "b", "p", "plain"):
+            assert torch.equal(got[k], want[k]), k
