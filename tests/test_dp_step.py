@@ -197,3 +197,23 @@ def test_a_summed_cross_entropy_over_a_known_count_moves_nothing_until_read():
         np.testing.assert_allclose(losses, ref, rtol=1e-5)
         for i, ops in enumerate(logs):
             assert ops == [("all_reduce", GRAD_BYTES)] + ([("all_reduce", 4)] if i % 2 == 0 else []), (i, ops)
+
+
+def _static_steps(source):
+    """The same data-parallel steps captured by `to_static` and replayed on new batches."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {"input_source": source}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    step = dist.to_static(model, None, F.mse_loss, opt)
+    losses = []
+    for x, y in _batches():
+        x, y = _what_rank_feeds(source, x, y, dist.get_rank())
+        losses.append(float(step(x, _labels(y, mesh, source))))
+    return losses
+
+
+def test_dp_batch_sources_under_to_static_replay_each_new_batch():
+    ref_losses, _ = _reference()
+    for source in ("rank0", "replicated", "local"):
+        for losses in run_dist(_static_steps, 2, source):
+            np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=source)
