@@ -23,6 +23,10 @@ error on every rank when any rank had one):
    before the checkpoint is in place.
 
 `path` is resolved (symlinks followed) first: saving to `latest -> step_10` replaces step_10.
+
+With `async_save=True` the call runs steps 1 and 2 and takes the pieces of step 3 (copied to host
+buffers); a thread (`AsyncSave`) writes them and does step 4, its agreements on a gloo group of
+their own so they never pair with the training's collectives.
 """
 from __future__ import annotations
 
