@@ -11,7 +11,8 @@ error on every rank when any rank had one):
    and sees rank 0's lock file and directory (a path on a disk of each node's own is caught
    here, before anything is written);
 3. reduce Partial tensors (the checkpoint holds global values), write this rank's pieces -
-   for each distinct box only the lowest rank holding it writes - into
+   a box several ranks hold is written once: a large one in row slices by all its holders
+   (`_share`), a small one by the lowest - into
    `rankNNNNN.safetensors`, fsync it, checksum every piece; agree (on failure the temporary
    directory is removed and `path` was never touched);
 4. rank 0 checks every file the ranks reported is there with its size, writes metadata.json,
@@ -48,6 +49,7 @@ import torch
 from .. import comm
 from ..tensor.dtensor import DistTensor
 from ..placement import Partial, Replicate
+from ..spec import split_range
 from ..redistribute import redistribute_local
 from . import claim, sync
 from .errors import CheckpointError, Problems
@@ -333,25 +335,15 @@ def _check_files(tmp: str, gathered: list) -> None:
 # -- pieces --------------------------------------------------------------------------------------
 def _my_pieces(tensors: list[Leaf], rank: int, snapshot: bool = False) -> list[tuple[str, list, torch.Tensor]]:
     """(name, global box, CPU data) of every piece this rank writes; with `snapshot`, each in
-    a host buffer of its own (`_host_copies`)."""
+    a host buffer of its own (`_host_copies`).  Pieces may share memory (tied weights, views
+    of one buffer): `write_safetensors` writes each one's bytes."""
     out = []
-    seen_storage: set = set()
     with torch.no_grad():
         for leaf in tensors:
             got = _piece(leaf.value, rank)
-            if got is None:
-                continue
-            box, data = got
-            if snapshot:
-                out.append((leaf.name, box, data.detach()))
-                continue
-            data = data.detach().to("cpu").contiguous()
-            storage = data.untyped_storage()
-            # safetensors refuses tensors sharing memory (tied weights, views of one buffer)
-            if storage.data_ptr() in seen_storage or storage.nbytes() != data.numel() * data.element_size():
-                data = data.clone()
-            seen_storage.add(data.untyped_storage().data_ptr())
-            out.append((leaf.name, box, data))
+            if got is not None:
+                box, data = got
+                out.append((leaf.name, box, data.detach() if snapshot else data.detach().to("cpu").contiguous()))
     return _host_copies(out) if snapshot else out
 
 
@@ -403,8 +395,23 @@ def _piece(t: torch.Tensor, rank: int):
     box = [list(b) for b in spec.local_box(coord)]
     if volume(box) == 0:
         return None
-    writer = min(int(r) for c, r in np.ndenumerate(spec.mesh.mesh) if spec.local_box(c) == spec.local_box(coord))
-    return (box, local) if writer == rank else None
+    holders = sorted(int(r) for c, r in np.ndenumerate(spec.mesh.mesh) if spec.local_box(c) == spec.local_box(coord))
+    return _share(box, local, holders.index(rank), len(holders))
+
+
+SHARED_WRITE_BYTES = 1 << 16  # a piece held alike by several ranks and at least this large is written by all
+
+
+def _share(box: list, local: torch.Tensor, index: int, holders: int):
+    """The part of a piece that `holders` ranks hold alike which the `index`-th of them writes:
+    a large one's rows split among them as evenly as they go (under data parallel every rank
+    holds the whole model: no rank writes it alone), a small or 0-d one by the first."""
+    if holders == 1 or not box or local.numel() * local.element_size() < SHARED_WRITE_BYTES:
+        return (box, local) if index == 0 else None
+    start, stop = split_range(box[0][1] - box[0][0], holders, index)
+    if start == stop:
+        return None
+    return [[box[0][0] + start, box[0][0] + stop]] + box[1:], local[start:stop]
 
 
 def _write_rank_file(tensors: dict, filename: str) -> None:
