@@ -82,14 +82,16 @@ def main():
     calls = {"blocking": [], "async": []}  # how long the save call itself holds the loop, seconds
 
     def blocking():
+        sd = state()
         t0 = time.perf_counter()
-        dist.save_state_dict(state(), path)
+        dist.save_state_dict(sd, path)
         calls["blocking"].append(time.perf_counter() - t0)
         steps()
 
     def asynchronous():
+        sd = state()
         t0 = time.perf_counter()
-        handle = dist.save_state_dict(state(), path, async_save=True)
+        handle = dist.save_state_dict(sd, path, async_save=True)
         calls["async"].append(time.perf_counter() - t0)
         steps()
         t0 = time.perf_counter()

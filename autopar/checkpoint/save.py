@@ -48,7 +48,7 @@ import torch
 
 from .. import comm
 from ..tensor.dtensor import DistTensor
-from ..placement import Partial, Replicate
+from ..placement import Partial, Replicate, Shard
 from ..spec import split_range
 from ..redistribute import redistribute_local
 from . import claim, sync
@@ -395,8 +395,18 @@ def _piece(t: torch.Tensor, rank: int):
     box = [list(b) for b in spec.local_box(coord)]
     if volume(box) == 0:
         return None
-    holders = sorted(int(r) for c, r in np.ndenumerate(spec.mesh.mesh) if spec.local_box(c) == spec.local_box(coord))
+    holders = _holders(spec, coord)
     return _share(box, local, holders.index(rank), len(holders))
+
+
+def _holders(spec, coord) -> list[int]:
+    """The ranks holding the same (non-empty) box as `coord`: along the mesh dims that replicate
+    the tensor, since distinct shards of a dim never share a non-empty box."""
+    if all(type(p) in (Shard, Replicate) for p in spec.placements):
+        at = tuple(slice(None) if type(p) is Replicate else c for p, c in zip(spec.placements, coord))
+        return sorted(int(r) for r in np.asarray(spec.mesh.mesh)[at].reshape(-1))
+    mine = spec.local_box(coord)
+    return sorted(int(r) for c, r in np.ndenumerate(spec.mesh.mesh) if spec.local_box(c) == mine)
 
 
 SHARED_WRITE_BYTES = 1 << 16  # a piece held alike by several ranks and at least this large is written by all
