@@ -20,9 +20,10 @@ DTYPE_NAMES = {
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str]) -> None:
-    """Write `tensors` (contiguous CPU tensors not sharing memory) as the safetensors file
-    `filename`: an 8-byte little-endian header length, the JSON header (padded with spaces to
-    8 bytes), then the tensors' bytes back to back in the header's order."""
+    """Write `tensors` (CPU tensors; views and tensors sharing memory alike, each one's own
+    elements are written) as the safetensors file `filename`: an 8-byte little-endian header
+    length, the JSON header (padded with spaces to 8 bytes), then the tensors' bytes back to
+    back in the header's order."""
     header, offset = {}, 0
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
