@@ -237,8 +237,8 @@ class AsyncSave:
     def __init__(self, save: _Save):
         self.path = save.given
         self._error: Optional[BaseException] = None
-        self._seen = False
-        group = comm.channel_group(tuple(range(save.world)), "checkpoint-save", on_host=True) if save.world > 1 else None
+        ranks = tuple(range(save.world))
+        group = comm.channel_group(ranks, "checkpoint-save", on_host=True) if save.world > 1 else None
         agree = functools.partial(sync.agree, group=group)
         self._thread = threading.Thread(target=self._run, args=(save, agree), name=f"autopar save {self.path}")
 
@@ -267,7 +267,6 @@ class AsyncSave:
         if self in _IN_FLIGHT:
             _IN_FLIGHT.remove(self)
         if self._error is not None:
-            self._seen = True
             raise self._error
 
 
