@@ -217,3 +217,30 @@ def test_dp_batch_sources_under_to_static_replay_each_new_batch():
     for source in ("rank0", "replicated", "local"):
         for losses in run_dist(_static_steps, 2, source):
             np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=source)
+
+
+def _pipeline_fed_locally(static):
+    """pp x dp: each dp rank of the first stage feeds its rows; the labels follow the model
+    to the last stage."""
+    import test_parallelize as P
+
+    model = P._LossInside()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"])
+    config = {"pp_config": {"split_spec": "layers"}, "dp_config": {"input_source": "local"}}
+    model, opt = dist.parallelize(model, opt, mesh, config)
+    rows = slice(dist.get_rank() % 2 * 4, dist.get_rank() % 2 * 4 + 4)
+    batches = [(x[rows], y[rows]) for x, y in P._batches((8, 16), (8, 16))]
+    if static:
+        step = dist.to_static(model, None, lambda loss: loss, opt)
+        return [float(step(x, y)) for x, y in batches]
+    return P._train(model, opt, batches, lambda model, x, y: model(x, y))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_pipeline_fed_locally_matches_one_process(static):
+    import test_parallelize as P
+
+    ref = P._loss_inside(False)
+    for losses in run_dist(_pipeline_fed_locally, 4, static):
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
