@@ -8,6 +8,7 @@ Model: HuggingFace LlamaForCausalLM built from a config (no download; --hidden, 
 --batch sequences split over the ranks.  One step = forward, backward, optimizer step,
 zero_grad, loss.item().
   autopar_z0..z3 : `parallelize(model, opt, mesh, {"dp_config": {"sharding_level": L}})`.
+  autopar_z0_local : level 0 with `"input_source": "local"`, each rank fed its own rows as DDP is.
   ddp            : torch DistributedDataParallel (what level 0 does).
   fsdp2          : `fully_shard` on every decoder layer and the model (what ZeRO-3 does).
   fsdp2_keep     : the same with reshard_after_forward=False (parameters stay gathered from
@@ -186,6 +187,11 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": level}})
         runners[f"autopar_z{level}"] = Runner(f"autopar_z{level}", model, opt, batches)
+    # level 0 fed as DDP is: each rank its own rows, used where they are (no hand-out from rank 0)
+    model = llama(args)
+    model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
+                                  {"dp_config": {"sharding_level": 0, "input_source": "local"}})
+    runners["autopar_z0_local"] = Runner("autopar_z0_local", model, opt, mine)
     ddp = DistributedDataParallel(llama(args))
     runners["ddp"] = Runner("ddp", ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), mine, global_loss)
     dmesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (k,), mesh_dim_names=("dp",))
@@ -223,7 +229,8 @@ def main():
         for n in names:
             C.assert_close(torch.tensor(runners[n].losses), torch.tensor(ref), f"{n} vs single-process losses")
     st = {n: C.stats_ms(v) for n, v in times.items()}
-    peers = {"autopar_z0": "ddp", "autopar_z1": "ddp", "autopar_z2": "fsdp2_keep", "autopar_z3": "fsdp2"}
+    peers = {"autopar_z0": "ddp", "autopar_z0_local": "ddp", "autopar_z1": "ddp", "autopar_z2": "fsdp2_keep",
+             "autopar_z3": "fsdp2"}
     peers = {n: peer for n, peer in peers.items() if n in runners}
     for n in runners:
         rec = {"bench": "zero_llama_step", "impl": n, "ranks": 1 if n == "plain" else k, **st[n]}

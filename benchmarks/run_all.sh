@@ -55,6 +55,8 @@ for n in $(seq "${FIRST_RUN:-1}" "$runs"); do  # FIRST_RUN=k resumes at run k
     run gpt_3m7_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_gpt.py" --dim 256 --layers 4 --vocab 1024 --heads 8 --seq 128 --batch 8 --reps 10
     run gpt_accum4_3m7_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_gpt.py" --dim 256 --layers 4 --vocab 1024 --heads 8 --seq 128 --batch 8 --reps 5 --accum 4
     run optim_2ranks    python -m autopar.launch --nproc_per_node 2 "$bench/bench_optim.py"
+    # a checkpoint of the 3.7 M GPT's model and optimizer: blocking against async_save=True
+    run async_save_2ranks python -m autopar.launch --nproc_per_node 2 "$bench/bench_async_save.py"
     run optim_small_2ranks python -m autopar.launch --nproc_per_node 2 "$bench/bench_optim.py" --dim 64 --layers 2
     # pipeline schedules, one rank per core: 1F1B x8 vs one micro-batch vs torch.distributed.pipelining
     run pipeline_2ranks python -m autopar.launch --nproc_per_node 2 "$bench/bench_pipeline.py"

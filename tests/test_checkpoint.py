@@ -115,7 +115,7 @@ def test_round_trip_2d_mesh_every_placement(tmp_path):
     meta = json.load(open(os.path.join(path, "metadata.json")))
     pieces = {name: [(p["file"], p["box"]) for p in e["pieces"]] for name, e in meta["tensors"].items()}
     f = "rank{:05d}.safetensors".format
-    # replicated pieces are written once, by the lowest rank holding them
+    # small replicated pieces are written once, by the lowest rank holding them
     assert pieces["w_rr"] == [(f(0), [[0, 4], [0, 4]])]
     assert pieces["plain"] == [(f(0), [[0, 3], [0, 3]])]
     assert pieces["scale"] == [(f(0), [])]
@@ -128,6 +128,27 @@ def test_round_trip_2d_mesh_every_placement(tmp_path):
     assert meta["values"]["extra.betas"]["value"] == {"__tuple__": [0.9, 0.99]}
     assert all(p["checksum"].startswith("crc32:") for e in meta["tensors"].values() for p in e["pieces"])
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary directory left
+
+
+def _save_data_parallel_model(path):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    sd = {"big": dist.shard_tensor(_full((65, 256)), mesh, [R]), "small": dist.shard_tensor(_full((4, 4)), mesh, [R])}
+    save_state_dict(sd, path)
+
+
+def test_a_large_piece_every_rank_holds_is_written_by_all_of_them(tmp_path):
+    """Under data parallel every rank holds the whole model: its large pieces are written in
+    row slices by all their holders (none writes the model alone), a small one by the first."""
+    path = str(tmp_path / "ckpt")
+    run_dist(_save_data_parallel_model, 2, path)
+    meta = json.load(open(os.path.join(path, "metadata.json")))
+    pieces = {name: [(p["file"], p["box"]) for p in e["pieces"]] for name, e in meta["tensors"].items()}
+    assert pieces["big"] == [("rank00000.safetensors", [[0, 33], [0, 256]]),
+                             ("rank00001.safetensors", [[33, 65], [0, 256]])]
+    assert pieces["small"] == [("rank00000.safetensors", [[0, 4], [0, 4]])]
+    sd = {"big": torch.zeros(65, 256), "small": torch.zeros(4, 4)}
+    load_state_dict(sd, path)
+    assert torch.equal(sd["big"], _full((65, 256))) and torch.equal(sd["small"], _full((4, 4)))
 
 
 # -- resharding: 4-way tensor parallel -> 2x2 mesh / one process --------------------------------------

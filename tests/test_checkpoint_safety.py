@@ -123,11 +123,11 @@ def _paused_save(path, signals, stage):
         open(go, "w").close()
         _wait_for(done)
 
-    def pieces_after_rank1_wrote(tensors, r):
+    def pieces_after_rank1_wrote(tensors, r, **kwargs):
         parent, base = os.path.split(path)
         _wait_for_glob(os.path.join(parent, f".{base}.tmp-*", "rank00001.safetensors"))
         let_other_job_save()
-        return original_pieces(tensors, r)
+        return original_pieces(tensors, r, **kwargs)
 
     def point(at):
         if at == stage == "files_written":

@@ -162,9 +162,11 @@ NO_DP = (r"dp_config needs a mesh dim named 'dp', "
 @pytest.mark.parametrize("mesh, config, match", [
     (PP_MP, {"dp_config": {}}, NO_DP),
     (DP, {"dp_config": {"sharding_level": 4}}, "dp_config must be a dict like"),
+    (DP, {"dp_config": {"input_source": "rank1"}},
+     r"dp_config input_source must be one of \['rank0', 'replicated', 'local'\], got 'rank1'"),
     (PP_MP, {"sp_config": {}}, r"unknown keys \['sp_config'\]"),
     (DP, {"dp_config": {"sharding_levle": 3}},
-     r"dp_config: unknown keys \['sharding_levle'\] \(known: \['sharding_level', 'mp_policy'\]\); "
+     r"dp_config: unknown keys \['sharding_levle'\] \(known: \['sharding_level', 'input_source', 'mp_policy'\]\); "
      r"did you mean 'sharding_level' for 'sharding_levle'\?"),
     (PP_MP, {"mp_config": {"parallelize_plan": {}, "sequence_parallel": True}},
      r"mp_config: unknown keys \['sequence_parallel'\] \(known: \['parallelize_plan'\]\)$"),

@@ -8,19 +8,22 @@ One config turns a single-device model and optimizer into a distributed pair, in
 - `mp_config` applies the plans of `plans.py` to the layers and parameters its keys name;
 - every parameter becomes a distributed Parameter on its layer's mesh, in place (the same
   Parameter objects): split over "mp" where a plan says, Replicate elsewhere;
-- `dp_config` splits the model's plain tensor inputs on their batch dim over "dp" and picks
-  the optimizer's ZeRO stage;
+- `dp_config` splits the model's plain tensor inputs on their batch dim over "dp" (from rank
+  0's batch, from each rank's own copy of it, or each rank's input as its piece: `input_source`)
+  and picks the optimizer's ZeRO stage;
 - the optimizer (holding those same Parameters) is wrapped with `shard_optimizer`.
 """
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 from torch.utils._pytree import tree_map_only
 
+from ..comm import get_rank
 from ..runtime import local_region
 from ..runtime.precision import MixedPrecisionPolicy, amp_level, autocast_forward
 from ..tensor.dtensor import DistTensor
@@ -32,7 +35,7 @@ from .layer import convert_in_place, register_model, replicate_params, weak_refs
 from .optimizer import SHARDING_STAGES, shard_optimizer
 from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
 from .prediction_check import PredictionCheck
-from .tensors import reshard, shard_tensor
+from .tensors import dtensor_from_local, reshard, shard_tensor
 
 class PlannedLayout(Protocol):
     """What `config=` takes besides a dict and "auto": a layout the planner chose (`dist.plan`'s
@@ -327,14 +330,32 @@ def _hook_stage_entries(modules: dict, meshes: dict) -> None:
             layer.register_forward_pre_hook(_move_inputs(meshes[name]), with_kwargs=True)
 
 
-def _shard_batch(mesh: ProcessMesh):
-    """A forward pre-hook splitting plain tensor inputs on dim 0 (the batch) over "dp", and over
-    "ep" too (expert-parallel ranks each route their own tokens, as data-parallel ranks)."""
+# where a data-parallel batch comes from (dp_config "input_source"), see `_shard_batch`
+INPUT_SOURCES = ("rank0", "replicated", "local")
+
+
+def _shard_batch(mesh: ProcessMesh, source: str = "rank0"):
+    """A forward pre-hook making plain tensor inputs (not scalars) split on dim 0 (the batch)
+    over "dp" (and "ep": expert-parallel ranks route their own tokens, as data-parallel ranks), from
+    where `source` says the batch is:
+    - "rank0": every rank passes the whole batch and rank 0's is the one used (its pieces are
+      sent: the single-process value even when the ranks' batches differ);
+    - "replicated": every rank passes the same whole batch and cuts its own piece (no
+      transfer; `shard_tensor(..., src_data_rank=None)`);
+    - "local": each rank passes its own piece, as a per-rank loader yields it; the global
+      batch is the pieces in "dp" order, every piece the same size (no transfer;
+      `dtensor_from_local` with the global shape given, as torch's `from_local` assumes).
+    """
+    ranks = math.prod(mesh.get_dim_size(d) for d in ("dp", "ep") if d in mesh.dim_names)
 
     def split(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, DistTensor) or t.dim() == 0:
             return t
-        return shard_tensor(t, mesh, placements_on(t, mesh, dp=Shard(0), ep=Shard(0)))
+        placements = placements_on(t, mesh, dp=Shard(0), ep=Shard(0))
+        if source == "local":
+            piece = t if get_rank() in mesh else t.new_empty(0)  # off the mesh: no piece
+            return dtensor_from_local(piece, mesh, placements, shape=(t.shape[0] * ranks, *t.shape[1:]))
+        return shard_tensor(t, mesh, placements, src_data_rank=0 if source == "rank0" else None)
 
     return lambda _layer, args, kwargs: tree_map_only(torch.Tensor, split, (args, kwargs))
 
@@ -392,9 +413,12 @@ def parallelize(
     `config` is "auto" (the planner chooses, see `_auto_config`), a `dist.plan(...)` result
     (its config on its mesh, or on `mesh`'s ranks, its recomputed layers checkpointed), or
     holds any of
-    - `"dp_config": {"sharding_level": 0|1|2|3, "mp_policy": MixedPrecisionPolicy}`: plain
-      tensor inputs are split on dim 0 over "dp" (and "ep"); the optimizer gets ZeRO stage
-      `sharding_level` over "dp" (0: none), under the mixed-precision policy if given;
+    - `"dp_config": {"sharding_level": 0|1|2|3, "input_source": "rank0"|"replicated"|"local",
+      "mp_policy": MixedPrecisionPolicy}`: plain tensor inputs are split on dim 0 over "dp" (and
+      "ep"): cut from rank 0's batch (the default, the single-process value whatever the other
+      ranks pass), from each rank's own copy of the same batch, or taken as each rank's piece (a
+      per-rank loader; no transfer in the last two, see `_shard_batch`); the optimizer gets ZeRO
+      stage `sharding_level` over "dp" (0: none), under the mixed-precision policy if given;
     - `"amp_config": {"level": "O1"|"O2", "dtype": "bfloat16"|"float16"}`: Paddle's amp: O1
       runs the forward under autocast, O2 is `MixedPrecisionPolicy(param_dtype=dtype)`
       (docs/mixed_precision.md);
@@ -464,7 +488,8 @@ def parallelize(
         model._autopar_pipeline = pipeline_settings(config["pp_config"])
     if "dp_config" in config:
         first_stage = mesh.get_mesh_with_dim("pp", 0) if pp else mesh
-        model.register_forward_pre_hook(_shard_batch(first_stage), with_kwargs=True)
+        source = config["dp_config"].get("input_source", "rank0")
+        model.register_forward_pre_hook(_shard_batch(first_stage, source), with_kwargs=True)
     local_region.install(model)  # as shard_layer: layers that turn out not to communicate run as plain torch
     register_model(model)
     if autocast is not None:
@@ -541,6 +566,9 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     if not isinstance(dp_config, dict) or dp_config.get("sharding_level", 0) not in (0, *SHARDING_STAGES):
         raise ValueError(f"dp_config must be a dict like {{'sharding_level': 0|1|2|3}}, got {dp_config!r}")
     _refuse_unknown_keys("dp_config", dp_config, DP_CONFIG_KEYS)
+    if dp_config.get("input_source", "rank0") not in INPUT_SOURCES:
+        raise ValueError(f"dp_config input_source must be one of {list(INPUT_SOURCES)}, "
+                         f"got {dp_config['input_source']!r}")
     mp_config = config.get("mp_config", {"parallelize_plan": {}})
     if not isinstance(mp_config, dict) or "parallelize_plan" not in mp_config:
         raise ValueError(f"mp_config must be a dict with a 'parallelize_plan', got {mp_config!r}")
@@ -550,7 +578,7 @@ def _checked_config(config: Optional[dict], mesh: Optional[ProcessMesh]) -> dict
     return config
 
 
-DP_CONFIG_KEYS = ("sharding_level", "mp_policy")
+DP_CONFIG_KEYS = ("sharding_level", "input_source", "mp_policy")
 AMP_CONFIG_KEYS = ("level", "dtype")
 MP_CONFIG_KEYS = ("parallelize_plan",)
 PP_CONFIG_KEYS = ("split_spec", "global_spec", "schedule_mode", "accumulate_steps", "vpp_degree")

@@ -6,10 +6,11 @@ and JSON-like values, one safetensors file per rank plus metadata.json, resharde
 
 See `save.py` (what each rank writes, the atomic swap), `claim.py` (the names a running save
 owns, so concurrent saves leave each other's alone), `load.py` (resharding reads, checks) and
-`metadata.py` (the directory layout).
+`metadata.py` (the directory layout).  `save_state_dict(..., async_save=True)` returns an
+`AsyncSave` (`wait()`, `done()`).
 """
 from .errors import CheckpointError, CheckpointNotFoundError
 from .load import load_state_dict
-from .save import save_state_dict
+from .save import AsyncSave, save_state_dict
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "load_state_dict", "save_state_dict"]
+__all__ = ["AsyncSave", "CheckpointError", "CheckpointNotFoundError", "load_state_dict", "save_state_dict"]

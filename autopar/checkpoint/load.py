@@ -43,6 +43,7 @@ from .metadata import (
     read_metadata,
     volume,
 )
+from .save import wait_for_saves
 
 
 def load_state_dict(state_dict, path) -> None:
@@ -58,8 +59,11 @@ def load_state_dict(state_dict, path) -> None:
     works.  A symlinked `path` is followed.  Raises CheckpointError on every rank, with
     nothing changed, if anything does not check out; CheckpointNotFoundError (a
     FileNotFoundError) only when no rank finds a directory with metadata at `path` - a damaged
-    checkpoint, or one only some ranks see, is never mistaken for a missing one.
+    checkpoint, or one only some ranks see, is never mistaken for a missing one.  An
+    asynchronous save still running finishes first (a load sees every save made before it;
+    that save's error is raised here if nobody has seen it).
     """
+    wait_for_saves()
     rank, world = sync.world()
     given = os.fspath(path)
     problems = Problems()

@@ -11,7 +11,8 @@ error on every rank when any rank had one):
    and sees rank 0's lock file and directory (a path on a disk of each node's own is caught
    here, before anything is written);
 3. reduce Partial tensors (the checkpoint holds global values), write this rank's pieces -
-   for each distinct box only the lowest rank holding it writes - into
+   a box several ranks hold is written once: a large one in row slices by all its holders
+   (`_share`), a small one by the lowest - into
    `rankNNNNN.safetensors`, fsync it, checksum every piece; agree (on failure the temporary
    directory is removed and `path` was never touched);
 4. rank 0 checks every file the ranks reported is there with its size, writes metadata.json,
@@ -23,26 +24,37 @@ error on every rank when any rank had one):
    before the checkpoint is in place.
 
 `path` is resolved (symlinks followed) first: saving to `latest -> step_10` replaces step_10.
+
+With `async_save=True` the call runs steps 1 and 2 and takes the pieces of step 3 (copied to host
+buffers); a thread (`AsyncSave`) writes them and does step 4, its agreements on a gloo group of
+their own so they never pair with the training's collectives.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import json
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
+from typing import Optional
 
 import numpy as np
 import torch
 
+from .. import comm
 from ..tensor.dtensor import DistTensor
-from ..placement import Partial, Replicate
+from ..placement import Partial, Replicate, Shard
+from ..spec import split_range
 from ..redistribute import redistribute_local
 from . import claim, sync
 from .errors import CheckpointError, Problems
 from .flatten import Leaf, flatten
+from .safetensors_file import write_safetensors
 from .metadata import (
     FORMAT,
     METADATA_FILE,
@@ -58,7 +70,7 @@ from .metadata import (
 )
 
 
-def save_state_dict(state_dict, path) -> None:
+def save_state_dict(state_dict, path, *, async_save: bool = False) -> Optional[AsyncSave]:
     """Save a (nested) state dict of DistTensors, plain tensors and JSON-like values to the
     directory `path`, collectively: every rank of the job must call it with the same entries.
 
@@ -68,6 +80,13 @@ def save_state_dict(state_dict, path) -> None:
     on a filesystem all ranks share; a symlink is followed (the directory it points to is
     replaced, the link kept).
 
+    `async_save=True` (torch DCP's `async_save`) returns once every rank has copied its pieces
+    to host memory (pinned on CUDA), with an `AsyncSave` handle: a background thread writes the
+    files and swaps the checkpoint in as a blocking save does, while training goes on and
+    changes the tensors (the checkpoint holds their values at the call).  `handle.wait()` waits
+    and raises the save's error; the next save (either kind) and the process's exit wait for it
+    first, and the next save raises its error if nobody has seen it.
+
     >>> import torch, tempfile, os, autopar as dist
     >>> from autopar.checkpoint import save_state_dict, load_state_dict
     >>> d = tempfile.mkdtemp()
@@ -75,91 +94,207 @@ def save_state_dict(state_dict, path) -> None:
     >>> sd = {"w": torch.zeros(4), "step": 0}
     >>> load_state_dict(sd, os.path.join(d, "ckpt")); sd
     {'w': tensor([0., 1., 2., 3.]), 'step': 3}
+    >>> w = torch.arange(4.)
+    >>> handle = save_state_dict({"w": w}, os.path.join(d, "ckpt"), async_save=True)
+    >>> w.add_(10)  # training goes on; the checkpoint keeps the values at the call
+    tensor([10., 11., 12., 13.])
+    >>> handle.wait(); load_state_dict(sd := {"w": torch.zeros(4)}, os.path.join(d, "ckpt")); sd
+    {'w': tensor([0., 1., 2., 3.])}
     """
-    rank, world = sync.world()
-    given = os.fspath(path)
-    path = os.path.realpath(given)
-    parent, base = os.path.split(path)
-    what = f"save_state_dict({given!r})"
-    untouched = f"the checkpoint at {given} is unchanged"
-    nothing = "nothing was written; " + untouched
-    mine_claim: claim.Claim | None = None
+    wait_for_saves()
+    save = _Save(path)
     try:
-        # 1. entries; rank 0 claims the temporary names ---------------------------------------
+        save.agree_on_entries(state_dict)
+        save.take_pieces(snapshot=async_save)
+    except BaseException:
+        save.release()
+        raise
+    if not async_save:
+        try:
+            save.write_and_swap(sync.agree)
+        finally:
+            save.release()
+        return None
+    return AsyncSave.start(save)
+
+
+class _Save:
+    """One save of `path`: the steps of the module's docstring, split where an asynchronous
+    save hands over to its thread (after every rank holds a copy of its pieces)."""
+
+    def __init__(self, path):
+        self.rank, self.world = sync.world()
+        self.given = os.fspath(path)
+        self.path = os.path.realpath(self.given)
+        self.parent, self.base = os.path.split(self.path)
+        self.what = f"save_state_dict({self.given!r})"
+        self.untouched = f"the checkpoint at {self.given} is unchanged"
+        self.claim: claim.Claim | None = None
+
+    def release(self) -> None:
+        if self.claim is not None:
+            self.claim.release()
+
+    def _abandon(self) -> None:
+        if self.claim is not None:
+            self.claim.abandon()
+
+    def agree_on_entries(self, state_dict) -> None:
+        """Steps 1 and 2: the entries, rank 0's claim, and that every rank sees it."""
+        rank, nothing = self.rank, "nothing was written; " + self.untouched
         problems = Problems()
         leaves: list[Leaf] = []
-        values: dict = {}
+        self.values: dict = {}
         mine = {"digest": None, "entries": 0, "token": None}
         try:
             leaves = flatten(state_dict)
             mine["digest"], mine["entries"] = _digest(leaves)
             if rank == 0:
-                values = {
+                self.values = {
                     l.name: {"path": list(l.path), "value": encode_value(l.value, l.name)}
                     for l in leaves if not l.is_tensor
                 }
-                _check_replaceable(path, given)
+                _check_replaceable(self.path, self.given)
                 mine["token"] = uuid.uuid4().hex[:12]
-                mine_claim = claim.Claim(parent, base, mine["token"])
+                self.claim = claim.Claim(self.parent, self.base, mine["token"])
         except Exception as e:
             problems.add(f"rank {rank}: {_err(e)}")
-        abandon = mine_claim.abandon if mine_claim is not None else (lambda: None)
-        first = sync.agree(problems, what, nothing, mine, on_failure=abandon)
-        token = first[0]["token"]
-        _, tmp, _ = claim.names(parent, base, token)
+        first = sync.agree(problems, self.what, nothing, mine, on_failure=self._abandon)
+        self.token = first[0]["token"]
+        _, self.tmp, _ = claim.names(self.parent, self.base, self.token)
 
-        # 2. the same entries everywhere, and every rank sees rank 0's directory -------------------
         problems = Problems()
         if len({d["digest"] for d in first}) > 1:
             if rank == 0:
                 problems.add(_differ(first))
         elif rank != 0:
-            blind = claim.unseen(parent, base, token)
+            blind = claim.unseen(self.parent, self.base, self.token)
             if blind:
                 problems.add(blind)
-        sync.agree(problems, what, nothing, on_failure=abandon)
-        tensors = [l for l in leaves if l.is_tensor]
+        sync.agree(problems, self.what, nothing, on_failure=self._abandon)
+        self.tensors = [l for l in leaves if l.is_tensor]
 
-        # 3. this rank's pieces --------------------------------------------------------------------
-        problems = Problems()
-        records, file_info = [], None
+    def take_pieces(self, snapshot: bool) -> None:
+        """Step 3, first half: the pieces this rank writes (collective for Partial tensors: the
+        same order everywhere); with `snapshot`, copies that training cannot change.  A
+        failure is told to the other ranks at the next agreement."""
+        self.problems = Problems()
+        self.pieces: list = []
         try:
-            pieces = _my_pieces(tensors, rank)  # collective for Partial tensors: same order everywhere
-            if pieces:
-                fname = rank_file(rank)
-                payload = {}
-                for name, box, data in pieces:
-                    payload[name] = data
-                    records.append({"name": name, "key": name, "box": box, "checksum": checksum(data)})
-                _write_rank_file(payload, os.path.join(tmp, fname))
-                file_info = {"name": fname, "size": os.path.getsize(os.path.join(tmp, fname))}
-            _crash_point("files_written")
+            self.pieces = _my_pieces(self.tensors, self.rank, snapshot=snapshot)
         except Exception as e:
-            problems.add(f"rank {rank} writing its pieces into {tmp}: {_err_in(e, tmp)}")
-        gathered = sync.agree(problems, what, untouched, {"file": file_info, "pieces": records}, on_failure=abandon)
+            self.problems.add(f"rank {self.rank} copying its pieces: {_err(e)}")
 
-        # 4. rank 0: every file there, metadata, the swap --------------------------------------------
+    def write_and_swap(self, agree) -> None:
+        """Step 3, second half, and step 4: write, agree, rank 0 swaps, agree (`agree`: the
+        collective every rank meets at, the training's groups or a save thread's own)."""
+        rank, tmp, problems = self.rank, self.tmp, self.problems
+        records, file_info = [], None
+        if not problems:
+            try:
+                if self.pieces:
+                    fname = rank_file(rank)
+                    payload = {}
+                    for name, box, data in self.pieces:
+                        payload[name] = data
+                        records.append({"name": name, "key": name, "box": box, "checksum": checksum(data)})
+                    _write_rank_file(payload, os.path.join(tmp, fname))
+                    file_info = {"name": fname, "size": os.path.getsize(os.path.join(tmp, fname))}
+                _crash_point("files_written")
+            except Exception as e:
+                problems.add(f"rank {rank} writing its pieces into {tmp}: {_err_in(e, tmp)}")
+        self.pieces = []  # the host copies are on disk now
+        gathered = agree(problems, self.what, self.untouched, {"file": file_info, "pieces": records},
+                         on_failure=self._abandon)
+
         problems = Problems()
+        mine_claim = self.claim
         if rank == 0:
             try:
                 _check_files(tmp, gathered)
-                write_metadata(tmp, _build_metadata(tensors, values, gathered, world))
+                write_metadata(tmp, _build_metadata(self.tensors, self.values, gathered, self.world))
                 _fsync_dir(tmp)
                 _crash_point("metadata_written")
-                with claim.swap_lock(parent, base):
-                    _swap_into_place(mine_claim, path)
+                with claim.swap_lock(self.parent, self.base):
+                    _swap_into_place(mine_claim, self.path)
             except Exception as e:
                 problems.add(f"rank 0 putting the checkpoint in place: {_err_in(e, tmp)}")
                 mine_claim.abandon()
             else:  # the new checkpoint is in place: what follows is tidying up
                 shutil.rmtree(mine_claim.tmp, ignore_errors=True)
                 shutil.rmtree(mine_claim.old, ignore_errors=True)
-                claim.remove_leftovers(parent, base, token)
+                claim.remove_leftovers(self.parent, self.base, self.token)
                 mine_claim.finish()
-        sync.agree(problems, what, untouched)
-    finally:
-        if mine_claim is not None:
-            mine_claim.release()
+        agree(problems, self.what, self.untouched)
+
+
+class AsyncSave:
+    """A save running in a background thread (`save_state_dict(..., async_save=True)`).
+
+    Its agreements go over a process group of its own, on the host, so they never pair with
+    the training's collectives running meanwhile."""
+
+    def __init__(self, save: _Save):
+        self.path = save.given
+        self._error: Optional[BaseException] = None
+        ranks = tuple(range(save.world))
+        group = comm.channel_group(ranks, "checkpoint-save", on_host=True) if save.world > 1 else None
+        agree = functools.partial(sync.agree, group=group)
+        self._thread = threading.Thread(target=self._run, args=(save, agree), name=f"autopar save {self.path}")
+
+    @classmethod
+    def start(cls, save: _Save) -> "AsyncSave":
+        handle = cls(save)
+        _IN_FLIGHT.append(handle)
+        handle._thread.start()
+        return handle
+
+    def _run(self, save: _Save, agree) -> None:
+        try:
+            save.write_and_swap(agree)
+        except BaseException as e:  # kept for wait(), the next save, or the exit
+            self._error = e
+        finally:
+            save.release()
+
+    def done(self) -> bool:
+        """Whether the save has finished (successfully or not)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Wait for the save to finish; raise its error, if it had one."""
+        self._thread.join()
+        if self in _IN_FLIGHT:
+            _IN_FLIGHT.remove(self)
+        if self._error is not None:
+            raise self._error
+
+
+_IN_FLIGHT: list[AsyncSave] = []  # asynchronous saves not yet waited for, oldest first
+
+
+def wait_for_saves() -> None:
+    """Wait for every asynchronous save still running; raise the first error nobody has seen."""
+    failed = None
+    while _IN_FLIGHT:
+        handle = _IN_FLIGHT[0]
+        try:
+            handle.wait()
+        except BaseException as e:
+            failed = failed or e
+    if failed is not None:
+        raise failed
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """The process ends: the saves in flight finish first (their threads are joined before
+    atexit runs; this reports the error of one nobody waited for)."""
+    try:
+        wait_for_saves()
+    except BaseException as e:
+        print(f"autopar: an asynchronous save_state_dict failed and was never waited for: {_err(e)}",
+              file=sys.stderr)
 
 
 def _differ(first: list) -> str:
@@ -197,24 +332,45 @@ def _check_files(tmp: str, gathered: list) -> None:
 
 
 # -- pieces --------------------------------------------------------------------------------------
-def _my_pieces(tensors: list[Leaf], rank: int) -> list[tuple[str, list, torch.Tensor]]:
-    """(name, global box, CPU data) of every piece this rank writes."""
+def _my_pieces(tensors: list[Leaf], rank: int, snapshot: bool = False) -> list[tuple[str, list, torch.Tensor]]:
+    """(name, global box, CPU data) of every piece this rank writes; with `snapshot`, each in
+    a host buffer of its own (`_host_copies`).  Pieces may share memory (tied weights, views
+    of one buffer): `write_safetensors` writes each one's bytes."""
     out = []
-    seen_storage: set = set()
     with torch.no_grad():
         for leaf in tensors:
             got = _piece(leaf.value, rank)
-            if got is None:
-                continue
-            box, data = got
-            data = data.detach().to("cpu").contiguous()
-            storage = data.untyped_storage()
-            # safetensors refuses tensors sharing memory (tied weights, views of one buffer)
-            if storage.data_ptr() in seen_storage or storage.nbytes() != data.numel() * data.element_size():
-                data = data.clone()
-            seen_storage.add(data.untyped_storage().data_ptr())
-            out.append((leaf.name, box, data))
-    return out
+            if got is not None:
+                box, data = got
+                out.append((leaf.name, box, data.detach() if snapshot else data.detach().to("cpu").contiguous()))
+    return _host_copies(out) if snapshot else out
+
+
+def _host_copies(pieces: list) -> list:
+    """Each piece copied into a host buffer of its own (pinned for a device piece, the copies
+    queued and waited for once), so training may change the tensors while a thread writes.
+    The buffers are kept for the next asynchronous save of the same pieces (it starts after
+    this one has finished): allocating, and for pinned memory registering, costs more than
+    the copy."""
+    copies, on_device, kept = [], False, {}
+    for name, box, data in pieces:
+        pinned = data.device.type == "cuda"
+        key = (name, tuple(data.shape), data.dtype, pinned)
+        buf = _STAGING.get(key)
+        if buf is None:
+            buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=pinned)
+        kept[key] = buf
+        on_device |= data.device.type != "cpu"
+        copies.append((name, box, buf.copy_(data, non_blocking=pinned)))
+    if on_device and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    _STAGING.clear()
+    _STAGING.update(kept)
+    return copies
+
+
+# the host buffers of the last asynchronous save, by (name, shape, dtype, pinned)
+_STAGING: dict = {}
 
 
 def _piece(t: torch.Tensor, rank: int):
@@ -238,15 +394,38 @@ def _piece(t: torch.Tensor, rank: int):
     box = [list(b) for b in spec.local_box(coord)]
     if volume(box) == 0:
         return None
-    writer = min(int(r) for c, r in np.ndenumerate(spec.mesh.mesh) if spec.local_box(c) == spec.local_box(coord))
-    return (box, local) if writer == rank else None
+    holders = _holders(spec, coord)
+    return _share(box, local, holders.index(rank), len(holders))
+
+
+def _holders(spec, coord) -> list[int]:
+    """The ranks holding the same (non-empty) box as `coord`: along the mesh dims that replicate
+    the tensor, since distinct shards of a dim never share a non-empty box."""
+    if all(type(p) in (Shard, Replicate) for p in spec.placements):
+        at = tuple(slice(None) if type(p) is Replicate else c for p, c in zip(spec.placements, coord))
+        return sorted(int(r) for r in np.asarray(spec.mesh.mesh)[at].reshape(-1))
+    mine = spec.local_box(coord)
+    return sorted(int(r) for c, r in np.ndenumerate(spec.mesh.mesh) if spec.local_box(c) == mine)
+
+
+SHARED_WRITE_BYTES = 1 << 16  # a piece held alike by several ranks and at least this large is written by all
+
+
+def _share(box: list, local: torch.Tensor, index: int, holders: int):
+    """The part of a piece that `holders` ranks hold alike which the `index`-th of them writes:
+    a large one's rows split among them as evenly as they go (under data parallel every rank
+    holds the whole model: no rank writes it alone), a small or 0-d one by the first."""
+    if holders == 1 or not box or local.numel() * local.element_size() < SHARED_WRITE_BYTES:
+        return (box, local) if index == 0 else None
+    start, stop = split_range(box[0][1] - box[0][0], holders, index)
+    if start == stop:
+        return None
+    return [[box[0][0] + start, box[0][0] + stop]] + box[1:], local[start:stop]
 
 
 def _write_rank_file(tensors: dict, filename: str) -> None:
     """Write one rank's pieces and make them durable (tests replace this to simulate crashes)."""
-    from safetensors.torch import save_file
-
-    save_file(tensors, filename, metadata={"format": "pt", "writer": "autopar"})
+    write_safetensors(tensors, filename, metadata={"format": "pt", "writer": "autopar"})
     _fsync_file(filename)
 
 

@@ -184,7 +184,7 @@ def group_for(ranks: tuple):
     return pg
 
 
-def _make_backend(store, ranks: tuple):
+def _make_backend(store, ranks: tuple, on_host: bool = False):
     from torch._C import _distributed_c10d as c10d
 
     from .faults import meet
@@ -193,7 +193,7 @@ def _make_backend(store, ranks: tuple):
     if SIMULATING[0]:  # `simulate`: a group that records, sends nothing
         return c10d.FakeProcessGroup._create_internal(group_rank, size)
     meet(store, ranks)
-    if tdist.get_backend() == "nccl":
+    if tdist.get_backend() == "nccl" and not on_host:
         opts = c10d.ProcessGroupNCCL.Options()
         opts._timeout = _timeout()
         return c10d.ProcessGroupNCCL(store, group_rank, size, opts)
@@ -212,11 +212,12 @@ def reset_groups() -> None:
     _GENERATION[0] += 1
 
 
-def channel_group(ranks: tuple, name: str):
+def channel_group(ranks: tuple, name: str, on_host: bool = False):
     """A process group of `ranks` (group rank i is `ranks[i]`) reserved for the transfers named
     `name`, made on first use by its members only.  Transfers posted on one group are matched
     in posting order on every backend (NCCL ignores tags), so a pipeline gives each stage edge
-    its own group and its messages can never be taken for another edge's."""
+    its own group and its messages can never be taken for another edge's.  `on_host`: a gloo
+    group for CPU tensors, under NCCL too (a checkpoint thread's agreements)."""
     key = (ranks, name)
     pg = _GROUPS.get(key)
     if pg is None:
@@ -226,5 +227,5 @@ def channel_group(ranks: tuple, name: str):
             raise ValueError(f"rank {me} is not a member of channel {name!r} over ranks {list(ranks)}")
         prefix = f"autopar/{_GENERATION[0]}/{'_'.join(map(str, ranks))}/{name}"
         store = tdist.PrefixStore(prefix, tdist.distributed_c10d._get_default_store())
-        pg = _GROUPS[key] = _make_backend(store, ranks)
+        pg = _GROUPS[key] = _make_backend(store, ranks, on_host)
     return pg

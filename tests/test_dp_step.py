@@ -1,0 +1,246 @@
+"""A data-parallel step pays only what DDP pays: the batch each rank holds is used where it is
+(dp_config input_source), and the loss stays Partial until it is read.  Numbers against one
+process, collectives and bytes from `comm_log`."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar as dist
+from distpool import run_dist
+
+BATCH, IN, OUT = 6, 16, 8
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, 32), torch.nn.GELU(), torch.nn.Linear(32, OUT))
+
+
+def _batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)) for _ in range(n)]
+
+
+def _reference():
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for x, y in _batches():
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _what_rank_feeds(source, x, y, rank):
+    """rank0: rank 0's batch is used, so the others pass anything of the shape; replicated:
+    the whole batch everywhere; local: this rank's rows."""
+    if source == "local":
+        rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+        return x[rows], y[rows]
+    if source == "rank0" and rank != 0:
+        return torch.full_like(x, 7.0), torch.full_like(y, 7.0)
+    return x, y
+
+
+def _labels(y, mesh, source):
+    """The labels placed as the model's input is, from the same source."""
+    if source == "local":
+        return dist.dtensor_from_local(y, mesh, [dist.Shard(0)], shape=(BATCH, OUT))
+    return dist.shard_tensor(y, mesh, [dist.Shard(0)], src_data_rank=0 if source == "rank0" else None)
+
+
+def _dp_steps(source):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    rank = dist.get_rank()
+    model, opt = dist.parallelize(_mlp(), None, mesh, {"dp_config": {"input_source": source}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    losses, logs = [], []
+    for x, y in _batches():
+        x, y = _what_rank_feeds(source, x, y, rank)
+        with dist.comm_log() as log:
+            out = model(x)
+            loss = F.mse_loss(out, _labels(y, mesh, source))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        logs.append([(r.op, r.bytes) for r in log])
+        losses.append(loss.item())
+    return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, logs, out.placements
+
+
+GRAD_BYTES = 4 * (IN * 32 + 32 + 32 * OUT + OUT)
+
+
+@pytest.mark.parametrize("source", ["rank0", "replicated", "local"])
+def test_dp_batch_sources_match_one_process_and_move_only_what_they_must(source):
+    ref_losses, ref_params = _reference()
+    for rank, (losses, params, logs, placements) in enumerate(run_dist(_dp_steps, 2, source)):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+        assert placements == [dist.Shard(0)]
+        for ops in logs:
+            rows = [4 * (BATCH // 2) * IN, 4 * (BATCH // 2) * OUT]  # rank 0 sends rank 1 its rows of x and y
+            moved = [("recv", 0)] * 2 if rank else [("send", n) for n in rows]
+            batch = moved if source == "rank0" else []
+            assert sorted(ops) == sorted(batch + [("all_reduce", GRAD_BYTES)]), ops
+
+
+def _dp_steps_from_loader():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    xs, ys = map(torch.cat, zip(*_batches()))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=BATCH)
+    model, opt = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    losses, logs = [], []
+    batches = iter(dist.shard_dataloader(loader, mesh, shard_dims="dp"))
+    for _ in range(len(loader)):
+        with dist.comm_log() as log:
+            x, y = next(batches)  # this rank reads only its rows
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        logs.append([(r.op, r.bytes) for r in log])
+        losses.append(loss.item())
+    return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, logs
+
+
+def test_dp_batches_from_shard_dataloader_are_used_where_they_are_read():
+    ref_losses, ref_params = _reference()
+    for losses, params, logs in run_dist(_dp_steps_from_loader, 2):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+        assert all(ops == [("all_reduce", GRAD_BYTES)] for ops in logs), logs
+
+
+def _dp_steps_reading_the_loss_every(n, loss_of):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {"input_source": "replicated"}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    losses, logs = [], []
+    for i, (x, y) in enumerate(_batches(4)):
+        with dist.comm_log() as log:
+            loss = loss_of(model(x), y)
+            placements = loss.placements
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if i % n == 0:  # a logging step
+                losses.append(loss.item())
+        logs.append([(r.op, r.bytes) for r in log])
+    return losses, logs, placements
+
+
+def _mse(out, y):
+    return F.mse_loss(out, y)
+
+
+def _reference_read_every(n, loss_of):
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for i, (x, y) in enumerate(_batches(4)):
+        loss = loss_of(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i % n == 0:
+            losses.append(loss.item())
+    return losses
+
+
+def test_a_mean_loss_stays_partial_and_is_reduced_only_when_read():
+    """Backward of a Partial(avg) loss needs no reduced value: a step that does not read the
+    loss moves only the gradients; a logging step adds one 4-byte all-reduce."""
+    ref = _reference_read_every(2, _mse)
+    for losses, logs, placements in run_dist(_dp_steps_reading_the_loss_every, 2, 2, _mse):
+        assert placements == [dist.Partial("avg")]
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+        for i, ops in enumerate(logs):
+            read = [("all_reduce", 4)] if i % 2 == 0 else []
+            assert ops == [("all_reduce", GRAD_BYTES)] + read, (i, ops)
+
+
+def _ce(out, y):
+    target = y.argmax(-1)
+    target = torch.where(torch.arange(target.shape[0]) < 2, -100, target)
+    return F.cross_entropy(out, target)
+
+
+def test_a_mean_cross_entropy_pays_one_small_all_reduce_for_the_global_count():
+    """The exact mean of a cross-entropy divides by the count of targets it did not ignore over
+    all ranks, which only the ranks' targets tell: one 8-byte all-reduce (sum, count) in the
+    forward, every step (no per-rank mean is exact when the counts differ, as here); the loss
+    is then Replicate and reading it moves nothing."""
+    ref = _reference_read_every(2, _ce)
+    for losses, logs, placements in run_dist(_dp_steps_reading_the_loss_every, 2, 2, _ce):
+        assert placements == [dist.Replicate()]
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+        for ops in logs:
+            assert ops == [("all_reduce", 8), ("all_reduce", GRAD_BYTES)], ops
+
+
+def _ce_sum_over_known_count(out, y):
+    return F.cross_entropy(out, y.argmax(-1), reduction="sum") / BATCH
+
+
+def test_a_summed_cross_entropy_over_a_known_count_moves_nothing_until_read():
+    ref = _reference_read_every(2, _ce_sum_over_known_count)
+    for losses, logs, placements in run_dist(_dp_steps_reading_the_loss_every, 2, 2, _ce_sum_over_known_count):
+        assert placements == [dist.Partial("sum")]
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+        for i, ops in enumerate(logs):
+            assert ops == [("all_reduce", GRAD_BYTES)] + ([("all_reduce", 4)] if i % 2 == 0 else []), (i, ops)
+
+
+def _static_steps(source):
+    """The same data-parallel steps captured by `to_static` and replayed on new batches."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {"input_source": source}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    step = dist.to_static(model, None, F.mse_loss, opt)
+    losses = []
+    for x, y in _batches():
+        x, y = _what_rank_feeds(source, x, y, dist.get_rank())
+        losses.append(float(step(x, _labels(y, mesh, source))))
+    return losses
+
+
+def test_dp_batch_sources_under_to_static_replay_each_new_batch():
+    ref_losses, _ = _reference()
+    for source in ("rank0", "replicated", "local"):
+        for losses in run_dist(_static_steps, 2, source):
+            np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=source)
+
+
+def _pipeline_fed_locally(static):
+    """pp x dp: each dp rank of the first stage feeds its rows; the labels follow the model
+    to the last stage."""
+    import test_parallelize as P
+
+    model = P._LossInside()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"])
+    config = {"pp_config": {"split_spec": "layers"}, "dp_config": {"input_source": "local"}}
+    model, opt = dist.parallelize(model, opt, mesh, config)
+    rows = slice(dist.get_rank() % 2 * 4, dist.get_rank() % 2 * 4 + 4)
+    batches = [(x[rows], y[rows]) for x, y in P._batches((8, 16), (8, 16))]
+    if static:
+        step = dist.to_static(model, None, lambda loss: loss, opt)
+        return [float(step(x, y)) for x, y in batches]
+    return P._train(model, opt, batches, lambda model, x, y: model(x, y))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_pipeline_fed_locally_matches_one_process(static):
+    import test_parallelize as P
+
+    ref = P._loss_inside(False)
+    for losses in run_dist(_pipeline_fed_locally, 4, static):
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
