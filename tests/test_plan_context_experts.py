@@ -97,3 +97,32 @@ def test_deepseek_v3_plans_expert_parallel_that_fits():
     assert best.layout.shape.ep > 1 and best.peak_memory <= 80e9
     assert best.bytes_per_step["all_to_all"] > 0
     assert best.mfu == pytest.approx(best.model_flops / (1024 * H100.peak_flops_bf16 * best.step_time))
+
+
+def _planned_context_parallel(data):
+    import autopar as dist
+    import hf_llama
+
+    model = hf_llama.tiny_llama(attention="sdpa")
+    plan = dist.plan(model, data[0][0], 2, device="cpu", precision="fp32",
+                     fixed={"cp": 2, "cp_mode": "ring", "mp": 1, "pp": 1, "zero": 0})
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), config=plan)
+    grads = []
+    losses = hf_llama.train(model, opt, data, grads=grads)
+    weights = {k: dist.unshard_dtensor(v).detach() for k, v in model.state_dict().items()}
+    return plan.name, plan.mesh().dim_names, (losses, weights, grads)
+
+
+def test_a_planned_context_parallel_layout_runs_as_one_process():
+    """The plan's config carries PrepareContextParallel on the model and ContextParallel on
+    every attention layer, its mesh the dim "sep": parallelize(model, opt, config=plan) trains
+    the tiny HF Llama as one process does."""
+    import hf_llama
+    from distpool import run_dist
+
+    data = hf_llama.batches(n=2, batch=2)
+    grads = []
+    ref = hf_llama.reference(data, grads=grads, attention="sdpa")
+    for name, dims, got in run_dist(_planned_context_parallel, 2, data):
+        assert name.startswith("dp1 cp2 tp1 pp1") and dims == ["pp", "dp", "sep", "mp"]
+        hf_llama.assert_matches(got, ref + (grads,))

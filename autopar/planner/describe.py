@@ -43,6 +43,21 @@ class ModelNames:
     fused: tuple = ()  # block-relative names of column linears computing 3 equal projections (q, k, v)
     tied: bool = False  # the head shares the embedding's weight
 
+    @property
+    def inputs(self) -> str:
+        """The layer the token ids go into (HF's inner model): context parallel splits them there."""
+        return self.layers.rpartition(".")[0]
+
+    @property
+    def attention(self) -> str:
+        """Block-relative name of the attention layer (the parent of its first projection)."""
+        return self.column[0].rpartition(".")[0]
+
+    @property
+    def mlp(self) -> str:
+        """Block-relative name of the MLP (the parent of its last projection): a MoE block."""
+        return self.row[-1].rpartition(".")[0]
+
 
 def _layer_list(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)
@@ -165,7 +180,9 @@ def parallelize_config(names: ModelNames, layout: Layout) -> dict:
     "mp" (the embedding split on hidden, or on vocabulary when the head shares its weight, the
     head on vocabulary; sequence parallel between
     the blocks when the layout says so, on the [batch, seq, hidden] activations the model
-    passes, no transposes), 1F1B stages over "pp" cut where the layout cuts."""
+    passes, no transposes), 1F1B stages over "pp" cut where the layout cuts; context
+    parallel over "sep" (the inputs split where the token ids go in, every block's attention
+    ring or all-to-all) and the experts of every block's MLP split over "dp"."""
     shape = layout.shape
     config: dict = {"dp_config": {"sharding_level": shape.zero}} if shape.dp > 1 else {}
     if shape.tp > 1:
@@ -185,6 +202,20 @@ def parallelize_config(names: ModelNames, layout: Layout) -> dict:
                 plan[names.final_norm] = plans.SequenceParallelEnable()
             plan[names.head] = [plans.ColWiseParallel(), plans.SequenceParallelEnd(need_transpose=False)]
         config["mp_config"] = {"parallelize_plan": plan}
+    if shape.cp > 1 or shape.ep > 1:
+        from ..api.context_plans import ContextParallel, PrepareContextParallel
+        from ..api.moe import ExpertParallel
+
+        plan = config.setdefault("mp_config", {"parallelize_plan": {}})["parallelize_plan"]
+        each = f"{names.layers}.*."
+        if shape.cp > 1:
+            backend = "p2p" if shape.cp_mode == "ring" else "all2all"
+            plan[names.inputs] = PrepareContextParallel(backend)
+            plan[each + names.attention] = ContextParallel(backend)
+        if shape.ep > 1:  # the MLP's experts, not its dense projections
+            for key in [k for k in plan if k.startswith(each + names.mlp + ".")]:
+                del plan[key]
+            plan[each + names.mlp] = ExpertParallel()
     if shape.pp > 1:
         starts, at = [], 0
         for n in chunk_layers(layout)[:-1]:

@@ -38,14 +38,14 @@ VPP_DEGREES = (1, 2, 4)  # chunks per pipeline stage tried (interleaved 1F1B bey
 CP_MIN_TOKENS = 2048
 
 
-def cp_options(spec: TransformerSpec, tp: int, ranks: int) -> list:
+def cp_options(spec: TransformerSpec, tp: int, ranks: int, pinned: Optional[int] = None) -> list:
     """(cp, mode) pairs for a sequence split over cp of `ranks` ranks: the ring needs 2 cp
     equal chunks (each rank a head and a tail chunk), all-to-all the heads and kv heads of
-    a tp rank to divide by cp."""
+    a tp rank to divide by cp.  A `pinned` cp is tried however short its blocks."""
     out = [(1, "ring")]
     for cp in _divisors(ranks)[1:]:
-        if spec.seq // cp < CP_MIN_TOKENS:
-            break
+        if spec.seq // cp < CP_MIN_TOKENS and cp != pinned:
+            continue
         if spec.seq % (2 * cp) == 0:
             out.append((cp, "ring"))
         if (spec.heads // tp) % cp == 0 and (spec.kv_heads // tp) % cp == 0 and spec.seq % cp == 0:
@@ -72,7 +72,7 @@ def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: Device
     for tp in _divisors(world):
         if tp > profile.ranks_per_node or spec.heads % tp or spec.kv_heads % tp:
             continue
-        for cp, mode in cp_options(spec, tp, world // tp):
+        for cp, mode in cp_options(spec, tp, world // tp, fixed.get("cp", fixed.get("sep"))):
             for pp in _divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
                 if pp > spec.layers or global_batch % dp:
