@@ -105,12 +105,13 @@ def test_dist_plan_returns_a_parallelize_config_and_why():
     d = plan.degrees
     assert d["dp"] * d.get("sep", 1) * d["mp"] * d["pp"] == WORLD
     assert plan.config.get("dp_config", {"sharding_level": 0}) == {"sharding_level": plan.estimate.layout.shape.zero}
-    for key, dim in (("dp_config", "dp"), ("mp_config", "mp"), ("pp_config", "pp")):
-        assert (key in plan.config) == (d[dim] > 1), (key, d)
+    for key, dims in (("dp_config", ["dp"]), ("mp_config", ["mp", "sep", "ep"]), ("pp_config", ["pp"])):
+        assert (key in plan.config) == any(d.get(dim, 1) > 1 for dim in dims), (key, d)
     assert plan.compared.layout.shape.tp == 2 and plan.compared.layout.shape.pp == 2
     assert plan.step_time_s <= plan.compared.step_time
     assert "searched" in plan.why and "HiGHS" in plan.why and "Runner-up" in plan.why
-    assert plan.mesh().shape == [d["pp"], d["dp"], d["mp"]]
+    mesh = plan.mesh()
+    assert mesh.shape == [d[name] for name in mesh.dim_names]
     out = json.loads(json.dumps(plan.to_json()))
     assert out["step_time_s"] == plan.step_time_s and out["memory_per_rank_bytes"]["total"] == plan.estimate.peak_memory
 
