@@ -355,7 +355,7 @@ def test_static_zero3_o2_bfloat16_gathers_in_the_captured_step():
 
 # -- bad input ------------------------------------------------------------------------------------
 
-def test_bad_policies_and_amp_settings_are_refused_naming_what_is_wrong():
+def _bad_policies_and_amp_settings():
     with pytest.raises(ValueError, match="MixedPrecisionPolicy.param_dtype must be a floating-point"):
         dist.MixedPrecisionPolicy(param_dtype=torch.int32)
     mesh = dist.ProcessMesh([0], dim_names=["dp"])
@@ -376,6 +376,10 @@ def test_bad_policies_and_amp_settings_are_refused_naming_what_is_wrong():
         dist.parallelize(torch.nn.Linear(4, 2), None, mesh, {"amp_config": {"level": "O2"}})
     with pytest.raises(TypeError, match="shard_scaler needs a torch.amp.GradScaler"):
         dist.shard_scaler(object())
+
+
+def test_bad_policies_and_amp_settings_are_refused_naming_what_is_wrong():
+    run_dist(_bad_policies_and_amp_settings, 1)  # (a rank of its own: the test process joins no job)
 
 
 # -- a real model: HF Llama under ZeRO-3 in bfloat16 ----------------------------------------------
