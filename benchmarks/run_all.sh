@@ -66,6 +66,9 @@ for n in $(seq "${FIRST_RUN:-1}" "$runs"); do  # FIRST_RUN=k resumes at run k
     run resnet_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_resnet.py"
     # a Mixtral MoE layer under expert parallel against the same dispatch by hand (all_to_all_single)
     run moe_2ranks     python -m autopar.launch --nproc_per_node 2 "$bench/bench_moe.py"
+    # context parallel attention: ring and Ulysses against attention on gathered K/V
+    run cp_2ranks      python -m autopar.launch --nproc_per_node 2 "$bench/bench_context_parallel.py" --seqs 4096,8192,16384
+    run cp_4ranks      python -m autopar.launch --nproc_per_node 4 "$bench/bench_context_parallel.py" --seqs 8192,16384,32768
     # the planner's layout against the hand layout of parallelize_llama and plain dp, 8 ranks on 2 cores
     run plan_8ranks    python -m autopar.launch --nproc_per_node 8 "$bench/bench_plan.py"
     # predict_step against measured steps (it launches each case itself)

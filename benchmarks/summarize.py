@@ -99,12 +99,15 @@ HEADLINE = [
     ("pipeline 1F1B, 8 micro-batches, 2 stages", ("pipeline_2ranks",), ("pipeline",), ("autopar_1f1b",), "ratio_vs_torch_1f1b", 1.0),
     ("ResNet data parallel with global BatchNorm, 2 ranks", ("resnet_2ranks",), ("resnet",), ("autopar_dp",), "ratio_vs_ddp_syncbn", 1.0),
     ("Mixtral MoE layer, expert parallel, 2 ranks", ("moe_2ranks",), ("moe_layer",), ("autopar",), "ratio_vs_hand_all_to_all", 1.0),
+    ("context parallel attention, ring / Ulysses, 2 ranks", ("cp_2ranks",), ("context_parallel_attention",), ("ring", "ulysses"), "ratio_vs_gathered", 1.0),
+    ("context parallel attention, ring / Ulysses, 4 ranks on 2 cores", ("cp_4ranks",), ("context_parallel_attention",), ("ring", "ulysses"), "ratio_vs_gathered", 1.0),
 ]
 PEER_OF = {"overhead_ratio_vs_dtensor": "DTensor's overhead", "ratio_vs_dtensor": "DTensor", "ratio_vs_ddp": "DDP",
            "ratio_vs_dtensor_dptp": "DTensor", "ratio_vs_ddp_accum_no_sync": "DDP with no_sync",
            "ratio_time_vs_fsdp2": "FSDP2", "ratio_time_vs_ddp": "DDP", "ratio_time_vs_autopar_z0": "autopar ZeRO-0",
            "ratio_vs_torch_1f1b": "torch.distributed.pipelining", "ratio_vs_ddp_syncbn": "DDP + SyncBatchNorm",
-           "ratio_vs_hand_all_to_all": "the dispatch by hand (all_to_all_single)"}
+           "ratio_vs_hand_all_to_all": "the dispatch by hand (all_to_all_single)",
+           "ratio_vs_gathered": "sdpa on gathered K/V (autopar's rule without context parallel)"}
 
 
 def commands(run_all: str) -> dict:

@@ -4,6 +4,7 @@ and the search on the shapes the issue names (Llama 3 405B at 128K tokens, DeepS
 import dataclasses
 
 import pytest
+import torch
 
 from autopar.planner.cost import H100, collective_time
 from autopar.planner.model import PRESETS, Layout, Shape, TransformerSpec, evaluate
@@ -39,8 +40,8 @@ def test_ring_sends_cp_minus_one_blocks_of_k_and_v_per_layer_and_overlaps_them()
     cp, m = 4, 2
     est = _estimate(SMALL, cp=cp, cp_mode="ring", micro_batches=m)
     kv = SMALL.seq // cp * 2 * 2 * SMALL.kv_dim  # a rank's K and V, bf16
-    # forward sends them cp - 1 times; backward sends K/V and their gradients: 3 (cp - 1) per layer
-    assert est.bytes_per_step["send"] == m * SMALL.layers * 3 * (cp - 1) * kv
+    # forward sends them cp - 1 hops; backward sends K/V again and their gradients a full turn home
+    assert est.bytes_per_step["send"] == m * SMALL.layers * (3 * cp - 2) * kv
     assert est.time["cp_comm"] == 0.0  # at 4K tokens a rank, the block's attention hides its transfer
     # 512 tokens a rank, 8-way tensor parallel: the ring crosses nodes and is slower than the attention
     short = dataclasses.replace(SMALL, seq=2048, kv_heads=8)
@@ -126,3 +127,28 @@ def test_a_planned_context_parallel_layout_runs_as_one_process():
     for name, dims, got in run_dist(_planned_context_parallel, 2, data):
         assert name.startswith("dp1 cp2 tp1 pp1") and dims == ["pp", "dp", "sep", "mp"]
         hf_llama.assert_matches(got, ref + (grads,))
+
+
+def _ring_bytes_sent(seq, heads, head_dim):
+    import torch.nn.functional as F
+
+    import autopar as dist
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    q, k, v = (dist.shard_sequence(torch.randn(1, heads, seq, head_dim), mesh, dim=2, backend="p2p").requires_grad_()
+               for _ in range(3))
+    with dist.comm_log() as log, dist.context_parallel(mesh, backend="p2p"):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    return sum(c.bytes for c in log if c.op == "send")
+
+
+def test_the_ring_the_planner_prices_sends_what_the_real_ring_sends():
+    """One layer's attention, forward and backward, on 2 real ranks: the bytes the ring sends
+    are the planner's (3 cp - 2) blocks of this rank's K and V (fp32 here)."""
+    from distpool import run_dist
+
+    seq, heads, head_dim, cp = 64, 2, 8, 2
+    spec = TransformerSpec(layers=1, hidden=heads * head_dim, heads=heads, kv_heads=heads, ffn=64, vocab=64, seq=seq)
+    shape = Shape(dp=1, tp=1, pp=1, micro_batch=1, micro_batches=1, cp=cp, precision="fp32")
+    priced = evaluate(spec, H100, Layout(shape, (1,), (0,))).bytes_per_step["send"]
+    assert run_dist(_ring_bytes_sent, 2, seq, heads, head_dim) == [priced, priced]

@@ -15,7 +15,7 @@ Conventions (Megatron-LM's, Korthikanti et al. 2022 for activations):
 - context parallel (cp) splits every sequence over cp ranks, load-balanced for the causal
   mask (each rank holds a head and a tail chunk): activations and attention work are 1/cp
   per rank.  "ring" passes K/V blocks around the cp ranks (cp - 1 sends of the rank's K and V
-  per layer forward, K/V and their gradients again in the backward), overlapped with the
+  per layer forward; in the backward K/V again and their gradients a full turn home), overlapped with the
   attention of the block in hand, so only the part of the ring slower than that attention
   is charged; "all2all" (Ulysses) turns the sequence split into a head split around
   attention: four all-to-alls of q, k, v and the output per layer forward, four in backward;
@@ -427,12 +427,13 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
     # context parallel, per layer: forward once (again when recomputed), backward twice the bytes
     if cp > 1:
         kv = tokens * a * 2 * spec.kv_dim / tp  # this rank's K and V
-        if shape.cp_mode == "ring":
+        if shape.cp_mode == "ring":  # forward: K/V cp - 1 hops; backward: K/V again, dK/dV a full turn home
             alpha, bandwidth = op_link(profile, "send", *link(profile, cp, tp))
-            ring = (cp - 1) * (alpha + kv / bandwidth)
-            exposed = max(0.0, ring - matmul_time(attention_flops, cp, profile, prec))
-            terms.add("micro_time", "cp_comm", Affine(0.0, 3 * exposed, exposed))
-            terms.add("micro_bytes", "send", Affine(0.0, 3 * (cp - 1) * kv, (cp - 1) * kv))
+            hop, attention = alpha + kv / bandwidth, matmul_time(attention_flops, cp, profile, prec)
+            forward = max(0.0, (cp - 1) * hop - attention)
+            backward = max(0.0, (2 * cp - 1) * hop - 2 * attention)
+            terms.add("micro_time", "cp_comm", Affine(0.0, forward + backward, forward))
+            terms.add("micro_bytes", "send", Affine(0.0, (3 * cp - 2) * kv, (cp - 1) * kv))
         else:
             moved = tokens * a * (2 * h + 2 * spec.kv_dim) / tp  # q, k, v and the output
             _collective(terms, "micro", "cp_comm", "all_to_all", cp, tp, Affine(0.0, 8, 4),
