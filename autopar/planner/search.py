@@ -206,6 +206,8 @@ def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
             f"no dp x cp x tp x pp layout of {world} ranks suits this model and batch: tp must divide "
             f"heads={spec.heads} and kv_heads={spec.kv_heads} within {profile.ranks_per_node} ranks per node, "
             f"pp <= layers={spec.layers}, dp must divide global_batch={global_batch}"
+            + (f", ep is 1 or dp (ExpertParallel splits the experts over the whole \"dp\") and divides "
+               f"experts={spec.experts}" if spec.experts else "")
             + (f", and {fixed}" if fixed else "")
         )
     candidates.sort(key=lambda c: c[0])
