@@ -54,6 +54,9 @@ _STATE_BYTES = {"bf16": (2, 4, 12, 2, 2), "fp32": (4, 4, 8, 4, 4)}
 _ACT_BYTES = {"bf16": 2, "fp32": 4}
 _ADAM_TRAFFIC = {"bf16": 30, "fp32": 28}  # bytes read + written per parameter by one Adam update
 CP_MODES = ("ring", "all2all")
+# (memory category, the ZeRO level from which it is sharded, bytes per parameter)
+_STATES = {precision: (("params", 3, w), ("grads", 2, g), ("optimizer", 1, o))
+           for precision, (w, g, o, _, _) in _STATE_BYTES.items()}
 
 
 @dataclass(frozen=True)
@@ -276,10 +279,10 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
     first, last = stage == 0, stage == shape.pp - 1
     role = role_terms(spec, profile, shape, first, last) if role is None else role
     inflight = held_micro_batches(shape)[stage]
-    full, ckpt, embedding = _activation_bytes(spec, shape)
+    full, ckpt = _activation_bytes(spec, shape)
     act = Affine(0.0, inflight * full, -inflight * (full - ckpt))
     if first:
-        act += Affine(inflight * embedding)
+        act += Affine(inflight * ckpt)  # the embedding's output, a layer input's size
     memory = dict(role.memory)
     memory["activations"] = memory.get("activations", Affine()) + act
     return StageTerms(memory, role.micro_time, role.end_time, role.micro_bytes, role.end_bytes)
@@ -288,20 +291,20 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
 def _moe_mlp_acts(spec: TransformerSpec) -> float:
     """Per token, the MLP's inner activations (elements) of a layer on average: a MoE layer
     keeps its top-k and shared experts' and the dispatched and combined hidden states."""
-    per_expert = (3 if spec.gated else 2) * (spec.expert_ffn or spec.ffn)
+    per_expert = spec.mlp_matrices * (spec.expert_ffn or spec.ffn)
     moe = per_expert * (spec.top_k + spec.shared_experts) + 2 * spec.top_k * spec.hidden if spec.experts else 0
-    return spec._per_layer((3 if spec.gated else 2) * spec.ffn, moe)
+    return spec._per_layer(spec.mlp_matrices * spec.ffn, moe)
 
 
 def _activation_bytes(spec: TransformerSpec, shape: Shape) -> tuple:
     """Bytes per rank per micro-batch a full layer keeps (its norms' inputs and outputs,
     split only under sequence parallel, q/k/v, the attention output and the MLP's inner
-    tensors), a recomputed layer keeps (its input), and the embedding's output."""
+    tensors) and a recomputed layer keeps (its input)."""
     h, tp, a = spec.hidden, shape.tp, _ACT_BYTES[shape.precision]
     tokens = shape.micro_batch * spec.seq / shape.cp
     sp_div = tp if shape.sequence_parallel else 1
     full = tokens * a * (4 * h / sp_div + (2 * h + 2 * spec.kv_dim + _moe_mlp_acts(spec)) / tp)
-    return full, tokens * a * h / sp_div, tokens * a * h / sp_div
+    return full, tokens * a * h / sp_div
 
 
 @dataclass(frozen=True)
@@ -344,16 +347,15 @@ def _sharded(groups: list, shape: Shape, level: int, nbytes: float) -> Affine:
 def state_bytes_floor(spec: TransformerSpec, shape: Shape) -> float:
     """Bytes of parameters, gradients and optimizer states the fullest stage holds at least
     (its share of the layers, nothing else): a shape above the memory limit cannot fit."""
-    wb, gb, ob = _STATE_BYTES[shape.precision][:3]
     groups = _param_groups(spec, shape, False, False)
-    per_layer = sum((_sharded(groups, shape, level, b) for level, b in ((3, wb), (2, gb), (1, ob))), Affine())
+    per_layer = sum((_sharded(groups, shape, level, b) for _, level, b in _STATES[shape.precision]), Affine())
     return per_layer.per_layer * spec.layers / shape.pp
 
 
 def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, first: bool, last: bool) -> StageTerms:
     """A stage's figures but the activations it holds: the same for every stage in between."""
     h, tp, dp, pp, cp, ep = spec.hidden, shape.tp, shape.dp, shape.pp, shape.cp, shape.ep
-    wb, gb, ob, reduce_b, gather_b = _STATE_BYTES[shape.precision]
+    wb, _, _, reduce_b, gather_b = _STATE_BYTES[shape.precision]
     a = _ACT_BYTES[shape.precision]
     tokens = shape.micro_batch * spec.seq / cp  # this rank's tokens of a micro-batch
     sp_div = tp if shape.sequence_parallel else 1
@@ -361,12 +363,9 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
     terms = StageTerms()
 
     groups = _param_groups(spec, shape, first, last)
-    params = sum((g.params for g in groups), Affine())
     sharded = lambda level, nbytes: _sharded(groups, shape, level, nbytes)  # noqa: E731
-
-    terms.add("memory", "params", sharded(3, wb))
-    terms.add("memory", "grads", sharded(2, gb))
-    terms.add("memory", "optimizer", sharded(1, ob))
+    for category, level, nbytes in _STATES[shape.precision]:
+        terms.add("memory", category, sharded(level, nbytes))
     if shape.zero >= 3:  # two layers gathered at a time (the one running, the next prefetched)
         gathered = sum((g.params.per_layer * (1 - 1 / g.shard) for g in groups), 0.0)
         terms.add("memory", "params", Affine(2 * gathered * wb))
@@ -424,7 +423,7 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
         for op in ops:
             _collective(terms, "micro", "tp_comm", op, tp, 1, per_op, per_op * activation, profile)
 
-    # context parallel, per layer: forward once (again when recomputed), backward twice the bytes
+    # context parallel, per layer: forward once (again when recomputed), then backward
     if cp > 1:
         kv = tokens * a * 2 * spec.kv_dim / tp  # this rank's K and V
         if shape.cp_mode == "ring":  # forward: K/V cp - 1 hops; backward: K/V again, dK/dV a full turn home

@@ -2,7 +2,7 @@
 
 It enumerates the shapes (dp x cp x tp x pp = world with tp inside a node and dividing the
 heads and kv heads, context parallel by ring or all-to-all where the sequence is long
-enough to split, expert parallel over dp x cp dividing the experts, pp at most the layers,
+enough to split, expert parallel over the whole dp dividing the experts, pp at most the layers,
 micro-batch size, ZeRO level, sequence parallel, the interleaving degree of the pipeline),
 and for each solves one small integer program with HiGHS: how many layers
 each pipeline stage gets and how many of them it recomputes, minimising the 1F1B step
@@ -13,6 +13,7 @@ time and skipped once the bound passes the runner-up.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ def cp_options(spec: TransformerSpec, tp: int, ranks: int, pinned: Optional[int]
     return out
 
 
-def ep_options(spec: TransformerSpec, dp: int, cp: int) -> list:
+def ep_options(spec: TransformerSpec, dp: int) -> list:
     """Expert-parallel degrees the config can run: the experts split over the whole mesh dim
     "dp" (`ExpertParallel` folds on "dp" where the mesh has no "ep"), where dp divides them."""
     return [1] + ([dp] if dp > 1 and spec.experts and spec.experts % dp == 0 else [])
@@ -77,16 +78,13 @@ def shapes(spec: TransformerSpec, world: int, global_batch: int, profile: Device
                 dp = world // (tp * cp * pp)
                 if pp > spec.layers or global_batch % dp:
                     continue
-                for ep in ep_options(spec, dp, cp):
-                    for b in _divisors(global_batch // dp):
-                        m = global_batch // (dp * b)
-                        vpps = [v for v in VPP_DEGREES if v == 1 or (pp > 1 and m % pp == 0 and pp * v <= spec.layers)]
-                        for zero in range(4):
-                            for sp in (False, True) if tp > 1 else (False,):
-                                for v in vpps:
-                                    shape = Shape(dp, tp, pp, b, m, zero, sp, precision, v, cp, mode, ep)
-                                    if all(getattr(shape, _FIXED[k]) == x for k, x in fixed.items()):
-                                        out.append(shape)
+                for ep, b in itertools.product(ep_options(spec, dp), _divisors(global_batch // dp)):
+                    m = global_batch // (dp * b)
+                    vpps = [v for v in VPP_DEGREES if v == 1 or (pp > 1 and m % pp == 0 and pp * v <= spec.layers)]
+                    for zero, sp, v in itertools.product(range(4), (False, True) if tp > 1 else (False,), vpps):
+                        shape = Shape(dp, tp, pp, b, m, zero, sp, precision, v, cp, mode, ep)
+                        if all(getattr(shape, _FIXED[k]) == x for k, x in fixed.items()):
+                            out.append(shape)
     return out
 
 
