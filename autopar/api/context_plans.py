@@ -24,19 +24,13 @@ from torch.utils._pytree import tree_map_only
 from ..mesh import ProcessMesh
 from ..placement import Shard
 from ..runtime.context_parallel import (SEP, SdpaOnSep, check_backend, check_sequence_length, key_padding,
-                                        load_balanced_order)
+                                        load_balanced_order, sep_size)
+from ..runtime.forward_context import forward_within
 from ..tensor.dtensor import DistTensor
 from .plans import PlanBase, placements_on
 from .tensors import reshard, shard_tensor
 
 _IGNORE = -100  # the label HF's (and torch's) cross entropy skips
-
-
-def _sep_size(mesh: ProcessMesh, what: str) -> int:
-    if SEP not in mesh.dim_names:
-        raise ValueError(f"{what}: mesh {mesh} has no dim named {SEP!r} (its dims: {mesh.dim_names}); "
-                         f"context parallel splits the sequence over 'sep'")
-    return mesh.get_dim_size(SEP)
 
 
 def shard_sequence(t: torch.Tensor, mesh: ProcessMesh, dim: int = 1, backend: str = "p2p") -> DistTensor:
@@ -53,7 +47,7 @@ def shard_sequence(t: torch.Tensor, mesh: ProcessMesh, dim: int = 1, backend: st
     """
     check_backend(backend, "shard_sequence")
     what = f"shard_sequence of a {list(t.shape)} tensor on dim {dim}"
-    cp = _sep_size(mesh, what)
+    cp = sep_size(mesh, what)
     dim = dim % t.dim()
     check_sequence_length(t.shape[dim], cp, backend == "p2p", what)
     if backend == "p2p":
@@ -109,7 +103,7 @@ class PrepareContextParallel(PlanBase):
         return shard_sequence(t, mesh, 1, self.backend)
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
-        _sep_size(mesh, f"PrepareContextParallel on '{name}'")
+        sep_size(mesh, f"PrepareContextParallel on '{name}'")
         positions, mask = _takes(layer, "position_ids"), _takes(layer, "attention_mask")
         cache = _takes(layer, "use_cache")
         padding: list = []  # the key padding in force while the layer runs
@@ -166,17 +160,8 @@ class ContextParallel(PlanBase):
         self.backend = backend
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
-        _sep_size(mesh, f"ContextParallel on '{name}'")
-        active: list = []
-
-        def enter(_layer, _args):
-            active.append(SdpaOnSep(mesh, self.backend, load_balanced=True).__enter__())
-
-        def leave(_layer, _args, _out):
-            active.pop().__exit__(None, None, None)
-
-        layer.register_forward_pre_hook(enter)
-        layer.register_forward_hook(leave, always_call=True)
+        sep_size(mesh, f"ContextParallel on '{name}'")
+        forward_within(layer, lambda: SdpaOnSep(mesh, self.backend, load_balanced=True))
 
 
 __all__ = ["ContextParallel", "PrepareContextParallel", "shard_sequence"]

@@ -54,6 +54,14 @@ def check_backend(backend: str, what: str) -> None:
                          f"got {backend!r}")
 
 
+def sep_size(mesh: ProcessMesh, what: str) -> int:
+    """The size of `mesh`'s dim "sep"; a mesh without one is refused, naming `what`."""
+    if SEP not in mesh.dim_names:
+        raise ValueError(f"{what}: mesh {mesh} has no dim named {SEP!r} (its dims: {mesh.dim_names}); "
+                         f"context parallel splits the sequence over 'sep'")
+    return mesh.get_dim_size(SEP)
+
+
 def check_sequence_length(seq_len: int, cp: int, load_balanced: bool, what: str) -> None:
     """Refuse a sequence the split cannot cut evenly, saying how much padding it needs."""
     pieces = 2 * cp if load_balanced else cp
@@ -210,6 +218,12 @@ class Ring:
         """A local piece cut into the chunks it holds (one unless load-balanced)."""
         return tuple(c.contiguous() for c in t.chunk(2 if self.balanced else 1, dim=dim))
 
+    def held_block(self, kv: torch.Tensor, k, v, keep) -> tuple:
+        """The key/value block packed in `kv` (shaped as this rank's `k`, `v`, `keep`) cut into
+        its chunks: (keys, values, key paddings or None)."""
+        kb, vb, keepb = _unpack(kv, (k, v, keep))
+        return self.chunks(kb), self.chunks(vb), None if keep is None else self.chunks(keepb, 1)
+
     def block(self, a: int, b: int, diagonal: bool, qs, ks, vs, keeps) -> tuple:
         """(q, k, v, causal, additive mask, rows seeing some key or None) of block (a, b): with
         a key padding (`keeps`, 1 where a key may be seen), the mask holds it and the diagonal."""
@@ -249,8 +263,7 @@ class _RingAttention(torch.autograd.Function):
         kv = _pack(k, v, keep)
         for step in range(ring.cp):
             moving = ring.pass_on(kv, _KV) if step < ring.cp - 1 else None
-            kb, vb, keepb = _unpack(kv, (k, v, keep))
-            ks, vs, keeps = ring.chunks(kb), ring.chunks(vb), None if keep is None else ring.chunks(keepb, 1)
+            ks, vs, keeps = ring.held_block(kv, k, v, keep)
             for a, b, diagonal in ring.pairs(step):
                 qa, kb_, vb_, causal, mask, seen = ring.block(a, b, diagonal, qs, ks, vs, keeps)
                 o, lse = block_forward(qa, kb_, vb_, causal, ring.scale, mask)
@@ -278,8 +291,7 @@ class _RingAttention(torch.autograd.Function):
         kv, grads = _pack(k, v, keep), None  # grads: the dk/dv of the block held, from the ranks before
         for step in range(ring.cp):
             moving = ring.pass_on(kv, _KV) if step < ring.cp - 1 else None
-            kb, vb, keepb = _unpack(kv, (k, v, keep))
-            ks, vs, keeps = ring.chunks(kb), ring.chunks(vb), None if keep is None else ring.chunks(keepb, 1)
+            ks, vs, keeps = ring.held_block(kv, k, v, keep)
             dks = [_acc_zeros(x) for x in ks]
             dvs = [_acc_zeros(x) for x in vs]
             for a, b, diagonal in ring.pairs(step):
@@ -492,13 +504,11 @@ def context_parallel(mesh: ProcessMesh, backend: str = "p2p", load_balanced: boo
     [Shard(2)]
     """
     check_backend(backend, "context_parallel")
-    if SEP not in mesh.dim_names:
-        raise ValueError(f"context_parallel: mesh {mesh} has no dim named {SEP!r} (its dims: {mesh.dim_names}); "
-                         f"context parallel splits the sequence over 'sep'")
+    sep_size(mesh, "context_parallel")
     with SdpaOnSep(mesh, backend, load_balanced), key_padding(key_padding_mask):
         yield
 
 
 __all__ = ["BACKENDS", "SEP", "SdpaOnSep", "block_backward", "block_backward_math", "block_forward",
            "block_forward_math", "block_pairs", "check_backend", "check_sequence_length", "context_parallel",
-           "held_chunks", "key_padding", "kv_head_repeats", "load_balanced_order", "ring_attention"]
+           "held_chunks", "key_padding", "kv_head_repeats", "load_balanced_order", "ring_attention", "sep_size"]

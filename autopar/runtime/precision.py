@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from ..spec import DistSpec, TensorMeta
 from ..tensor.dtensor import DistTensor, local_piece, new_dist
+from .forward_context import forward_within
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,15 +127,4 @@ def autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> None:
     float32): what wrapping each call in the context does, for a model handed to
     `parallelize`."""
     device = next((local_piece(p).device.type for p in model.parameters()), "cpu")
-    entered: list = []
-
-    def enter(_model, _args):
-        context = torch.autocast(device, dtype=dtype)
-        context.__enter__()
-        entered.append(context)
-
-    def leave(_model, _args, _out):
-        entered.pop().__exit__(None, None, None)
-
-    model.register_forward_pre_hook(enter)
-    model.register_forward_hook(leave, always_call=True)
+    forward_within(model, lambda: torch.autocast(device, dtype=dtype))
