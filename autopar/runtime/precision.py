@@ -126,5 +126,11 @@ def autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Run `model`'s forward under `torch.autocast` in `dtype` (Paddle's O1, parameters kept
     float32): what wrapping each call in the context does, for a model handed to
     `parallelize`."""
-    device = next((local_piece(p).device.type for p in model.parameters()), "cpu")
+    device = device_type(model)
     forward_within(model, lambda: torch.autocast(device, dtype=dtype))
+
+
+def device_type(module: torch.nn.Module) -> str:
+    """The device type `module`'s parameters (their local pieces) are on: what autocast and
+    loss scaling are set up for ("cpu" without parameters)."""
+    return next((local_piece(p).device.type for p in module.parameters()), "cpu")

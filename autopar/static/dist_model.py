@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..tensor.dtensor import DistTensor, local_piece, new_dist
+from ..runtime.precision import device_type
 from ..pipelining.microbatch import split_batch
 from .pipeline import capture as capture_pipeline
 from .pipeline import check_settings as check_pipeline
@@ -66,9 +67,9 @@ class DistModel:
         self.layer, self.loader, self.loss_fn = layer, loader, loss
         self.optimizer = strategy.shard(layer, optimizer)
         self.merge_steps, self.amp_dtype = strategy.merge_steps(), strategy.autocast_dtype()
-        self.scaler = strategy.loss_scaler(_device(layer)) if optimizer is not None else None
+        self.scaler = strategy.loss_scaler(device_type(layer)) if optimizer is not None else None
         if self.scaler is not None:  # (its scale made now: the programs read it as an input)
-            self.scaler.scale(torch.ones((), device=_device(layer)))
+            self.scaler.scale(torch.ones((), device=device_type(layer)))
         self.merge_avg = bool(strategy.gradient_merge.avg)
         self.pipeline = strategy.pipeline_settings(layer)
         if self.pipeline is not None:
@@ -188,7 +189,7 @@ class DistModel:
 
     def _forward(self, batch):
         if self.amp_dtype is not None:
-            with torch.autocast(_device(self.layer), dtype=self.amp_dtype):
+            with torch.autocast(device_type(self.layer), dtype=self.amp_dtype):
                 return self._forward_as_is(batch)
         return self._forward_as_is(batch)
 
@@ -246,10 +247,6 @@ class DistModel:
 
     def state_dict(self, *args, **kwargs):
         return self.layer.state_dict(*args, **kwargs)
-
-
-def _device(layer: torch.nn.Module) -> str:
-    return next((local_piece(p).device.type for p in layer.parameters()), "cpu")
 
 
 def _owned(g: torch.Tensor) -> torch.Tensor:
