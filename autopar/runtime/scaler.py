@@ -49,7 +49,7 @@ def _unscale_agreed(scaler, optimizer: torch.optim.Optimizer, inv_scale: torch.T
     mastered = set()
     if sharding is not None:
         sharding.prepare_grads()  # (a Partial term may overflow where the sum would not)
-        mastered = {id(zp.param) for zp in sharding.params if zp.master is not None}
+        mastered = {id(zp.param) for zp in sharding.masters}
     pieces: dict = {}  # (device, dtype) -> local pieces of the gradients
     with torch.no_grad():
         for group in optimizer.param_groups:

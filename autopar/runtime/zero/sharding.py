@@ -75,7 +75,7 @@ def shard(optimizer: torch.optim.Optimizer, shard_fn: Optional[Callable], models
     optimizer._autopar_sharding = sharding
     optimizer.register_step_pre_hook(sharding.pre_step)
     optimizer.register_step_post_hook(sharding.post_step)
-    if any(zp.master is not None for zp in sharding.params):
+    if sharding.masters:
         optimizer.register_state_dict_post_hook(sharding.save_masters)
         optimizer.register_load_state_dict_pre_hook(sharding.load_masters)
         optimizer.register_load_state_dict_post_hook(lambda opt: sharding.keep_float32_states())
@@ -111,6 +111,8 @@ class OptimizerSharding:
             self.params = [ZeroParam(p) for p in params]
         if policy is not None:
             self._apply_policy(models, convert_in_place)
+        # the parameters stepped through float32 masters (set once, above): the step's own work
+        self.masters = [zp for zp in self.params if zp.master is not None]
         self._groups: list = []  # (param group, its params list, their ZeroParams), as last seen
         start = 0
         for group in optimizer.param_groups:
@@ -281,11 +283,16 @@ class OptimizerSharding:
     def pre_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore()  # a step that raised left its swap behind: the groups hold stand-ins
         self.prepare_grads()
-        for zp in self.params:
-            if zp.master is not None:
-                zp.refresh_master()
+        for zp in self.masters:
+            zp.refresh_master()
         groups = self.groups()
         self.local_step.swap(groups)
+        if self.masters:
+            self._refuse_unswapped_masters(groups)
+
+    def _refuse_unswapped_masters(self, groups: list) -> None:
+        """A group holding float32 masters that the local step could not take would step the
+        low-precision parameters instead: refused, naming its first such parameter."""
         swapped = {id(group) for group, *_ in self.local_step.swapped}
         for group, zps in groups:
             mastered = [zp for zp in zps if zp.master is not None]
@@ -321,12 +328,11 @@ class OptimizerSharding:
 
     def post_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore()
-        masters = [zp for zp in self.params if zp.master is not None]
         with torch.no_grad():
-            for zp in masters:  # the stepped master, into the low-precision parameter
+            for zp in self.masters:  # the stepped master, into the low-precision parameter
                 zp.piece()[1].copy_(zp.master)
         self._publish()
-        for zp in masters:
+        for zp in self.masters:
             zp.master_matched()
         if self.shard_fn is not None and self.stage is None and not self.states_sharded:
             self.states_sharded = True
