@@ -12,12 +12,16 @@ cost 2.6x), so the comparison is about the schedule, not the kernels.
                      pipeline without micro-batches costs (every rank idle (p-1)/p of the step).
   torch_1f1b       : torch.distributed.pipelining.Schedule1F1B on copies of the same stage
                      modules, the same micro-batches.
+  torch_interleaved / torch_interleaved_zb: torch's ScheduleInterleaved1F1B and
+                     ScheduleInterleavedZeroBubble on the same two stages per rank as
+                     autopar_vpp (with an even `--layers`), the peers of autopar_vpp and
+                     autopar_zbh1.
   autopar_fthenb / autopar_zbh1 / autopar_vpp: the other schedules (VPP: every stage cut
                      in two, two stages per rank), for their step time and bubble.
 Every implementation is timed in the same run, repetitions interleaved (order rotated).
 Checks: every implementation's gradients equal the 1-micro-batch run's (rtol 1e-4).
-Reports per implementation: median step (max over ranks), the ratios to autopar_1mb and to
-torch_1f1b, and for autopar's schedules the measured bubble (the share of the step a rank
+Reports per implementation: median step (max over ranks), the ratios to autopar_1mb, to
+torch_1f1b and to torch's interleaved schedules, and for autopar's schedules the measured bubble (the share of the step a rank
 waited for messages, mean over ranks and repetitions) next to the textbook (p-1)/(m+p-1)
 and the order's own prediction (`orders.simulate`, backward = 2 forwards).
 """
@@ -87,10 +91,12 @@ def _autopar(name, schedule_cls, layers, rank, p, m, x, y, stages_per_rank=1):
     return Runner(name, modules, lambda: schedule.step(x, target=y), schedule)
 
 
-def _torch(layers, rank, p, m, x, y):
-    module = _stage(layers, rank, p)
-    stage = tpp.PipelineStage(module, rank, p, torch.device("cpu"))
-    schedule = tpp.Schedule1F1B(stage, m, loss_fn=F.mse_loss)
+def _torch(name, schedule_cls, layers, rank, p, m, x, y, stages_per_rank=1):
+    n = p * stages_per_rank
+    mine = [k for k in range(n) if k % p == rank]
+    modules = [_stage(layers, k, n) for k in mine]
+    stages = [tpp.PipelineStage(module, k, n, torch.device("cpu")) for k, module in zip(mine, modules)]
+    schedule = schedule_cls(stages if stages_per_rank > 1 else stages[0], m, loss_fn=F.mse_loss)
 
     def step():
         if rank == 0:
@@ -100,7 +106,7 @@ def _torch(layers, rank, p, m, x, y):
         else:
             schedule.step()
 
-    return Runner("torch_1f1b", [module], step)
+    return Runner(name, modules, step)
 
 
 def main():
@@ -121,12 +127,14 @@ def main():
     runners = [
         _autopar("autopar_1f1b", app.Schedule1F1B, layers, rank, p, m, x, y),
         _autopar("autopar_1mb", app.ScheduleFThenB, layers, rank, p, 1, x, y),
-        _torch(layers, rank, p, m, x, y),
+        _torch("torch_1f1b", tpp.Schedule1F1B, layers, rank, p, m, x, y),
         _autopar("autopar_fthenb", app.ScheduleFThenB, layers, rank, p, m, x, y),
         _autopar("autopar_zbh1", app.ScheduleZBH1, layers, rank, p, m, x, y),
     ]
     if args.layers % 2 == 0:
         runners.append(_autopar("autopar_vpp", app.ScheduleVPP, layers, rank, p, m, x, y, stages_per_rank=2))
+        runners.append(_torch("torch_interleaved", tpp.ScheduleInterleaved1F1B, layers, rank, p, m, x, y, 2))
+        runners.append(_torch("torch_interleaved_zb", tpp.ScheduleInterleavedZeroBubble, layers, rank, p, m, x, y, 2))
     whole = torch.nn.Sequential(*copy.deepcopy(layers))
     F.mse_loss(whole(x), y).backward()
     for r in runners:
@@ -150,7 +158,9 @@ def main():
                "layers_per_stage": args.layers, "microbatches": 1 if r.name == "autopar_1mb" else m,
                **C.stats_ms(times[r.name]),
                "ratio_vs_autopar_1mb": round(medians[r.name] / medians["autopar_1mb"], 3),
-               "ratio_vs_torch_1f1b": round(medians[r.name] / medians["torch_1f1b"], 3)}
+               "ratio_vs_torch_1f1b": round(medians[r.name] / medians["torch_1f1b"], 3),
+               **{f"ratio_vs_{peer}": round(medians[r.name] / medians[peer], 3)
+                  for peer in ("torch_interleaved", "torch_interleaved_zb") if peer in medians}}
         if r.schedule is not None:
             mb = rec["microbatches"]
             mean_bubble = torch.tensor([statistics.mean(r.bubbles)], dtype=torch.float64)

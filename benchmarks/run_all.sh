@@ -60,6 +60,8 @@ for n in $(seq "${FIRST_RUN:-1}" "$runs"); do  # FIRST_RUN=k resumes at run k
     run optim_small_2ranks python -m autopar.launch --nproc_per_node 2 "$bench/bench_optim.py" --dim 64 --layers 2
     # pipeline schedules, one rank per core: 1F1B x8 vs one micro-batch vs torch.distributed.pipelining
     run pipeline_2ranks python -m autopar.launch --nproc_per_node 2 "$bench/bench_pipeline.py"
+    # 4 stages (two per rank for the interleaved schedules) against torch's interleaved ones
+    run pipeline_4ranks python -m autopar.launch --nproc_per_node 4 "$bench/bench_pipeline.py"
     run scaling_1rank   python -m autopar.launch --nproc_per_node 1 "$bench/bench_scaling.py" --reps 7
     run scaling_2ranks  python -m autopar.launch --nproc_per_node 2 "$bench/bench_scaling.py"
     run scaling_4ranks  python -m autopar.launch --nproc_per_node 4 "$bench/bench_scaling.py"

@@ -97,6 +97,8 @@ HEADLINE = [
     ("HF Llama ZeRO-3, 4 ranks on 2 cores", ("zero_4ranks",), ("zero",), ("autopar_z3",), "ratio_time_vs_fsdp2", 1.1),
     ("HF Llama ZeRO-1 / ZeRO-2 against autopar's level 0, 2 ranks", ("zero_2ranks",), ("zero",), ("autopar_z1", "autopar_z2"), "ratio_time_vs_autopar_z0", 1.25),
     ("pipeline 1F1B, 8 micro-batches, 2 stages", ("pipeline_2ranks",), ("pipeline",), ("autopar_1f1b",), "ratio_vs_torch_1f1b", 1.0),
+    ("pipeline, 4 ranks on 2 cores, 2 stages each, 8 micro-batches: interleaved 1F1B", ("pipeline_4ranks",), ("pipeline",), ("autopar_vpp",), "ratio_vs_torch_interleaved", 0.9),
+    ("pipeline, 4 ranks on 2 cores: zero bubble (ZB-H1, one stage each)", ("pipeline_4ranks",), ("pipeline",), ("autopar_zbh1",), "ratio_vs_torch_interleaved_zb", 0.9),
     ("ResNet data parallel with global BatchNorm, 2 ranks", ("resnet_2ranks",), ("resnet",), ("autopar_dp",), "ratio_vs_ddp_syncbn", 1.0),
     ("Mixtral MoE layer, expert parallel, 2 ranks", ("moe_2ranks",), ("moe_layer",), ("autopar",), "ratio_vs_hand_all_to_all", 1.0),
     ("context parallel attention, ring / Ulysses, 2 ranks", ("cp_2ranks",), ("context_parallel_attention",), ("ring", "ulysses"), "ratio_vs_gathered", 1.0),
@@ -105,7 +107,9 @@ HEADLINE = [
 PEER_OF = {"overhead_ratio_vs_dtensor": "DTensor's overhead", "ratio_vs_dtensor": "DTensor", "ratio_vs_ddp": "DDP",
            "ratio_vs_dtensor_dptp": "DTensor", "ratio_vs_ddp_accum_no_sync": "DDP with no_sync",
            "ratio_time_vs_fsdp2": "FSDP2", "ratio_time_vs_ddp": "DDP", "ratio_time_vs_autopar_z0": "autopar ZeRO-0",
-           "ratio_vs_torch_1f1b": "torch.distributed.pipelining", "ratio_vs_ddp_syncbn": "DDP + SyncBatchNorm",
+           "ratio_vs_torch_1f1b": "torch.distributed.pipelining",
+           "ratio_vs_torch_interleaved": "torch's ScheduleInterleaved1F1B",
+           "ratio_vs_torch_interleaved_zb": "torch's ScheduleInterleavedZeroBubble", "ratio_vs_ddp_syncbn": "DDP + SyncBatchNorm",
            "ratio_vs_hand_all_to_all": "the dispatch by hand (all_to_all_single)",
            "ratio_vs_gathered": "sdpa on gathered K/V (autopar's rule without context parallel)"}
 
