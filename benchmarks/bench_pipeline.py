@@ -15,9 +15,10 @@ cost 2.6x), so the comparison is about the schedule, not the kernels.
   torch_interleaved / torch_interleaved_zb: torch's ScheduleInterleaved1F1B and
                      ScheduleInterleavedZeroBubble on the same two stages per rank as
                      autopar_vpp (with an even `--layers`), the peers of autopar_vpp and
-                     autopar_zbh1.
-  autopar_fthenb / autopar_zbh1 / autopar_vpp: the other schedules (VPP: every stage cut
-                     in two, two stages per rank), for their step time and bubble.
+                     autopar_zbvpp.
+  autopar_fthenb / autopar_zbh1 / autopar_vpp / autopar_zbvpp: the other schedules (VPP and
+                     ZBVPP: every stage cut in two, two stages per rank), for their step time
+                     and bubble.
 Every implementation is timed in the same run, repetitions interleaved (order rotated).
 Checks: every implementation's gradients equal the 1-micro-batch run's (rtol 1e-4).
 Reports per implementation: median step (max over ranks), the ratios to autopar_1mb, to
@@ -133,6 +134,7 @@ def main():
     ]
     if args.layers % 2 == 0:
         runners.append(_autopar("autopar_vpp", app.ScheduleVPP, layers, rank, p, m, x, y, stages_per_rank=2))
+        runners.append(_autopar("autopar_zbvpp", app.ScheduleZBVPP, layers, rank, p, m, x, y, stages_per_rank=2))
         runners.append(_torch("torch_interleaved", tpp.ScheduleInterleaved1F1B, layers, rank, p, m, x, y, 2))
         runners.append(_torch("torch_interleaved_zb", tpp.ScheduleInterleavedZeroBubble, layers, rank, p, m, x, y, 2))
     whole = torch.nn.Sequential(*copy.deepcopy(layers))
@@ -152,7 +154,8 @@ def main():
                  "autopar_1mb": orders.simulate(orders.fthenb(p, 1), p),
                  "autopar_fthenb": orders.simulate(orders.fthenb(p, m), p),
                  "autopar_zbh1": orders.simulate(orders.zbh1(p, m), p, costs={"F": 1, "I": 1, "W": 1}),
-                 "autopar_vpp": orders.simulate(orders.interleaved(p, 2, m), 2 * p, costs={"F": 0.5, "B": 1})}
+                 "autopar_vpp": orders.simulate(orders.interleaved(p, 2, m), 2 * p, costs={"F": 0.5, "B": 1}),
+                 "autopar_zbvpp": orders.simulate(orders.zbvpp(p, 2, m), 2 * p, costs={"F": 0.5, "I": 0.5, "W": 0.5})}
     for r in runners:
         rec = {"bench": "pipeline", "impl": r.name, "ranks": p, "features": f, "batch": args.batch,
                "layers_per_stage": args.layers, "microbatches": 1 if r.name == "autopar_1mb" else m,

@@ -98,7 +98,7 @@ HEADLINE = [
     ("HF Llama ZeRO-1 / ZeRO-2 against autopar's level 0, 2 ranks", ("zero_2ranks",), ("zero",), ("autopar_z1", "autopar_z2"), "ratio_time_vs_autopar_z0", 1.25),
     ("pipeline 1F1B, 8 micro-batches, 2 stages", ("pipeline_2ranks",), ("pipeline",), ("autopar_1f1b",), "ratio_vs_torch_1f1b", 1.0),
     ("pipeline, 4 ranks on 2 cores, 2 stages each, 8 micro-batches: interleaved 1F1B", ("pipeline_4ranks",), ("pipeline",), ("autopar_vpp",), "ratio_vs_torch_interleaved", 0.9),
-    ("pipeline, 4 ranks on 2 cores: zero bubble (ZB-H1, one stage each)", ("pipeline_4ranks",), ("pipeline",), ("autopar_zbh1",), "ratio_vs_torch_interleaved_zb", 0.9),
+    ("pipeline, 4 ranks on 2 cores, 2 stages each, 8 micro-batches: interleaved zero bubble", ("pipeline_4ranks",), ("pipeline",), ("autopar_zbvpp",), "ratio_vs_torch_interleaved_zb", 0.9),
     ("ResNet data parallel with global BatchNorm, 2 ranks", ("resnet_2ranks",), ("resnet",), ("autopar_dp",), "ratio_vs_ddp_syncbn", 1.0),
     ("Mixtral MoE layer, expert parallel, 2 ranks", ("moe_2ranks",), ("moe_layer",), ("autopar",), "ratio_vs_hand_all_to_all", 1.0),
     ("context parallel attention, ring / Ulysses, 2 ranks", ("cp_2ranks",), ("context_parallel_attention",), ("ring", "ulysses"), "ratio_vs_gathered", 1.0),

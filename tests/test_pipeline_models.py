@@ -166,10 +166,10 @@ def _parallel_static(pp_config, strategy):
     return losses, params, dist_model.dist_main_program()
 
 
-@pytest.mark.parametrize("schedule", ["VPP", "1F1B from pp_config"])
+@pytest.mark.parametrize("schedule", ["VPP", "ZBVPP", "1F1B from pp_config"])
 def test_parallelize_pipeline_to_static(schedule):
-    if schedule == "VPP":  # four stages on the two pp slices: stage k on slice k % 2
-        args = ({"split_spec": "layers", "vpp_degree": 2}, _pipeline_strategy("VPP", m=4, vpp=2))
+    if "VPP" in schedule:  # four stages on the two pp slices: stage k on slice k % 2
+        args = ({"split_spec": "layers", "vpp_degree": 2}, _pipeline_strategy(schedule, m=4, vpp=2))
     else:
         args = ({"split_spec": "layers", "schedule_mode": "1F1B", "accumulate_steps": 4}, None)
     ref_losses, ref_params = _reference(Layers)
@@ -177,14 +177,14 @@ def test_parallelize_pipeline_to_static(schedule):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for name, p in params.items():
             torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        assert program.startswith("pipeline VPP, 4 micro-batches, this rank: F0s" if schedule == "VPP"
+        assert program.startswith(f"pipeline {schedule}, 4 micro-batches, this rank: F0s" if "VPP" in schedule
                                   else "pipeline 1F1B, 4 micro-batches")
 
 
 def _by_pp_config_and_by_strategy(mode):
     """One to_static step of the schedule `mode` names on 2 stages, read from pp_config and
     from Strategy.pipeline: (loss, this rank's program) each way."""
-    settings = {"schedule_mode": mode, "accumulate_steps": 4, "vpp_degree": 2 if mode == "VPP" else 1}
+    settings = {"schedule_mode": mode, "accumulate_steps": 4, "vpp_degree": 2 if "VPP" in mode else 1}
     routes = (({"split_spec": "layers", **settings}, None),
               ({"split_spec": "layers", "vpp_degree": settings["vpp_degree"]},
                dist.Strategy({"pipeline": {"enable": True, **settings}})))
@@ -214,7 +214,7 @@ def _bad_settings(strategy_config):
 
 @pytest.mark.parametrize("config, match", [
     ({"pipeline": {"enable": True, "schedule_mode": "GPipe"}}, "schedule_mode must be one of"),
-    ({"pipeline": {"enable": True, "schedule_mode": "VPP", "accumulate_steps": 2}}, "VPP runs vpp_degree > 1"),
+    ({"pipeline": {"enable": True, "schedule_mode": "VPP", "accumulate_steps": 2}}, "VPP and ZBVPP run vpp_degree > 1"),
     ({"pipeline": {"enable": True, "schedule_mode": "1F1B", "accumulate_steps": 1}},
      "1F1B needs at least 2 micro-batches for its 2 stages"),
     ({"pipeline": {"enable": True, "schedule_mode": "VPP", "accumulate_steps": 3, "vpp_degree": 2}},

@@ -1,7 +1,7 @@
 """Pipeline orders are pure: every rank's order, checked without processes."""
 import pytest
 
-from autopar.pipelining.orders import Action, fthenb, format_orders, interleaved, one_f_one_b, simulate, zbh1
+from autopar.pipelining.orders import Action, fthenb, format_orders, interleaved, one_f_one_b, peak_held, simulate, zbh1, zbvpp
 
 SIZES = [(1, 1), (2, 2), (2, 8), (4, 4), (4, 8), (3, 7)]
 
@@ -23,16 +23,32 @@ def test_every_action_once_on_its_stage_in_micro_batch_order(build, p, m):
     simulate(orders, p)  # no rank waits forever
 
 
-@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 8)])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 8), (3, 9)])
 @pytest.mark.parametrize("v", [1, 2, 3])
-def test_interleaved_places_stage_k_on_rank_k_mod_p(p, v, m):
-    orders = interleaved(p, v, m)
+@pytest.mark.parametrize("build, kinds", [(interleaved, "FB"), (zbvpp, "FIW")])
+def test_virtual_stages_place_stage_k_on_rank_k_mod_p(build, kinds, p, v, m):
+    """Interleaved 1F1B and its zero-bubble form: every action once, on its rank, each kind
+    of a stage in micro-batch order, and no rank waits forever; ZBVPP with one stage per
+    rank is ZB-H1."""
+    orders = build(p, v, m)
     for r, row in enumerate(orders):
-        assert sorted(row) == sorted(Action(k, s, i) for k in "FB" for s in range(r, p * v, p) for i in range(m))
+        assert sorted(row) == sorted(Action(k, s, i) for k in kinds for s in range(r, p * v, p) for i in range(m))
         for s in range(r, p * v, p):
-            for k in "FB":
+            for k in kinds:
                 assert [a.mb for a in row if a.kind == k and a.stage == s] == list(range(m))
     simulate(orders, p * v)
+    if build is zbvpp and v == 1:
+        assert orders == zbh1(p, m)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 8), (4, 2, 8), (4, 2, 16), (4, 3, 8)])
+def test_zero_bubble_over_virtual_stages_against_interleaved_1f1b(p, v, m):
+    """With I = W = F (B = 2F): about a third of interleaved 1F1B's bubble, and no rank holds
+    more activations than interleaved 1F1B's first rank."""
+    zb = simulate(zbvpp(p, v, m), p * v, costs={"F": 1, "I": 1, "W": 1})
+    vpp = simulate(interleaved(p, v, m), p * v, costs={"F": 1, "B": 2})
+    assert zb.bubble < 0.4 * vpp.bubble
+    assert max(peak_held(zbvpp(p, v, m))) <= peak_held(interleaved(p, v, m))[0]
 
 
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16)])

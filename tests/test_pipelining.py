@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import autopar as dist
-from autopar.pipelining import PipelineStage, Schedule1F1B, ScheduleFThenB, ScheduleVPP, ScheduleZBH1
+from autopar.pipelining import PipelineStage, Schedule1F1B, ScheduleFThenB, ScheduleVPP, ScheduleZBH1, ScheduleZBVPP
+from autopar.pipelining.orders import zbvpp
 from distpool import run_dist
 
 D, ROWS, M = 8, 16, 8
@@ -79,12 +80,13 @@ def _run(kind, steps=2, lr=0.1):
     """Every rank: its stage(s) of the 8-block model, `steps` SGD steps of M micro-batches."""
     model = _model()
     rank = dist.get_rank()
-    n = 8 if kind == "VPP" else 4
+    virtual = {"VPP": ScheduleVPP, "ZBVPP": ScheduleZBVPP}.get(kind)
+    n = 8 if virtual else 4
     per = len(model) // n
     mine = [k for k in range(n) if k % 4 == rank]
     modules = {k: Tracked(model[k * per:(k + 1) * per]) for k in mine}
     stages = [PipelineStage(modules[k], k, n) for k in mine]
-    schedule = ScheduleVPP(stages, M, F.mse_loss) if kind == "VPP" else SCHEDULES[kind](stages[0], M, F.mse_loss)
+    schedule = virtual(stages, M, F.mse_loss) if virtual else SCHEDULES[kind](stages[0], M, F.mse_loss)
     params = _names(model, modules.values())
     out = []
     for step in range(steps):
@@ -102,7 +104,7 @@ def _run(kind, steps=2, lr=0.1):
     return out, peaks, schedule.format_order(), schedule.format_times()
 
 
-@pytest.mark.parametrize("kind", ["FThenB", "1F1B", "VPP", "ZBH1"])
+@pytest.mark.parametrize("kind", ["FThenB", "1F1B", "VPP", "ZBH1", "ZBVPP"])
 def test_schedule_equals_the_whole_batch_step(kind):
     ref = _reference()
     results = run_dist(_run, 4, kind)
@@ -120,7 +122,7 @@ def test_schedule_equals_the_whole_batch_step(kind):
         for step, got in enumerate(steps):
             sends = [b for op, b, _ in got["comm"] if op == "send"]
             metas = [b for b in sends if b == 8192]
-            edges = (1 if rank in (0, 3) else 2) if kind != "VPP" else (3 if rank in (0, 3) else 4)
+            edges = (1 if rank in (0, 3) else 2) if "VPP" not in kind else (3 if rank in (0, 3) else 4)
             assert len(metas) == (edges if step == 0 else 0), (rank, step, metas)
             assert len(sends) - len(metas) == edges * M
             assert all(b == (ROWS // M) * D * 4 for b in sends if b != 8192)
@@ -132,6 +134,16 @@ def test_schedule_equals_the_whole_batch_step(kind):
         assert peaks == {0: M, 1: M, 2: M, 3: M}
     elif kind == "ZBH1":
         assert max(peaks.values()) <= 4
+    elif kind == "ZBVPP":  # a stage frees a micro-batch's activations at its W: as the order holds them
+        held = {}
+        for row in zbvpp(4, 2, M):
+            for stage in {a.stage for a in row}:
+                live, held[stage] = 0, 0
+                for a in row:
+                    if a.stage == stage:
+                        live += {"F": 1, "W": -1}.get(a.kind, 0)
+                        held[stage] = max(held[stage], live)
+        assert peaks == held
 
 
 # -- tied weights: the first and the last stage share one matrix ------------------------------

@@ -430,7 +430,7 @@ def parallelize(
     - `"pp_config": {"split_spec": prefix or {name: SplitPoint}, "global_spec": name}`:
       pipeline stages on the slices of the mesh along "pp" (see `module_meshes`); compute
       the loss from the model's output (on the last stage).  Its schedule keys
-      `"schedule_mode"` ("FThenB", "1F1B", "VPP", "ZBH1"), `"accumulate_steps"`
+      `"schedule_mode"` ("FThenB", "1F1B", "VPP", "ZBH1", "ZBVPP"), `"accumulate_steps"`
       (micro-batches per step) and `"vpp_degree"` (stages per "pp" slice) are what
       `dist.pipelining.build_schedule(model, loss)` (dynamic) and `dist.to_static` (static)
       run the model with (docs/pipeline.md).
@@ -596,7 +596,7 @@ def _refuse_unknown_keys(where: str, given: dict, known: tuple) -> None:
 
 
 # the pipeline schedules by name, in pp_config and Strategy.pipeline alike (pipelining.orders.schedule_orders)
-SCHEDULE_MODES = ("FThenB", "1F1B", "VPP", "ZBH1")
+SCHEDULE_MODES = ("FThenB", "1F1B", "VPP", "ZBH1", "ZBVPP")
 
 
 def check_schedule(where: str, mode: Any, accumulate_steps: Any, vpp_degree: Any) -> None:

@@ -73,7 +73,7 @@ class ModelSchedule:
         if schedule_mode not in DYNAMIC_MODES:
             raise ValueError(
                 f"build_schedule: schedule_mode {schedule_mode!r} is not one of {list(DYNAMIC_MODES)} in the "
-                f"dynamic mode (VPP and ZBH1 need the stages as modules: autopar.pipelining.PipelineStage, or "
+                f"dynamic mode (VPP, ZBH1 and ZBVPP need the stages as modules: autopar.pipelining.PipelineStage, or "
                 f"to_static with Strategy.pipeline)"
             )
         meshes, stage = stage_position(model, "build_schedule")

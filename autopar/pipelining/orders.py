@@ -56,6 +56,16 @@ def one_f_one_b(num_ranks: int, m: int) -> Orders:
     return orders
 
 
+def _interleaved_step(kind: str, r: int, k: int, p: int, v: int) -> Action:
+    """Rank r's k-th forward (`kind` F) or backward (B or I) in the interleaved order of p ranks
+    with v stages each: micro-batches in groups of p per stage, the stages forward r, r+p, ...
+    and backward in reverse."""
+    chunk = (k // p) % v
+    if kind != "F":
+        chunk = v - 1 - chunk
+    return Action(kind, chunk * p + r, (k // (p * v)) * p + k % p)
+
+
 def interleaved(num_ranks: int, v: int, m: int) -> Orders:
     """Interleaved 1F1B (virtual pipeline, Megatron's order): each rank holds `v` stages
     (r, r+p, ...) and runs micro-batches in groups of p per stage, which cuts the bubble v times.
@@ -67,17 +77,11 @@ def interleaved(num_ranks: int, v: int, m: int) -> Orders:
     p, total = num_ranks, m * v
     orders = []
     for r in range(p):
-        def fwd(k: int) -> Action:
-            return Action("F", ((k // p) % v) * p + r, (k // (p * v)) * p + k % p)
-
-        def bwd(k: int) -> Action:
-            return Action("B", (v - 1 - (k // p) % v) * p + r, (k // (p * v)) * p + k % p)
-
         warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
-        row = [fwd(k) for k in range(warmup)]
+        row = [_interleaved_step("F", r, k, p, v) for k in range(warmup)]
         for k in range(total - warmup):
-            row += [fwd(warmup + k), bwd(k)]
-        row += [bwd(k) for k in range(total - warmup, total)]
+            row += [_interleaved_step("F", r, warmup + k, p, v), _interleaved_step("B", r, k, p, v)]
+        row += [_interleaved_step("B", r, k, p, v) for k in range(total - warmup, total)]
         orders.append(row)
     return orders
 
@@ -85,45 +89,61 @@ def interleaved(num_ranks: int, v: int, m: int) -> Orders:
 def zbh1(num_ranks: int, m: int) -> Orders:
     """ZB-H1 (zero bubble, Qi et al. 2023): 1F1B with each backward split into I (input
     gradient, on the critical path) and W (weight gradient), the W's placed into the slots
-    1F1B leaves idle.  Built by a list scheduler over unit-time F, I and W: a stage runs a
-    forward when p-s micro-batches are not ahead of its I's and fewer than p hold
-    activations (the peak of 1F1B's first stage), else the oldest ready I, else a W.  With
-    equal F, I and W times the bubble is (p-1) units instead of 1F1B's 3(p-1).
+    1F1B leaves idle; `zbvpp` with one stage per rank.  With equal F, I and W times the bubble
+    is (p-1) units instead of 1F1B's 3(p-1).
 
     >>> " ".join(a.label(False) for a in zbh1(2, 3)[0])
     'F0 F1 I0 W0 F2 I1 W1 I2 W2'
     """
-    p = num_ranks
-    f_done: list[dict] = [{} for _ in range(p)]  # mb -> time its F finished
-    i_done: list[dict] = [{} for _ in range(p)]
+    return zbvpp(num_ranks, 1, m)
+
+
+def zbvpp(num_ranks: int, v: int, m: int) -> Orders:
+    """Zero bubble over a virtual pipeline: interleaved 1F1B's forwards and input gradients
+    (in its stage and micro-batch sequence) with the weight gradients placed into the idle
+    slots.  Built by a list scheduler over unit-time F, I and W: a rank runs its next forward
+    when fewer than p-1-r + (v-1)p are ahead of its I's and fewer than the first rank's peak
+    hold activations, else its next I once ready, else its oldest W.  Every rank then holds at
+    most 1F1B's first stage's activations (v = 1) or fewer than interleaved 1F1B's first rank
+    (v > 1), and the bubble is about a third of interleaved 1F1B's (`simulate`).  Needs `m` to be a multiple of p.
+
+    >>> print(format_orders(zbvpp(2, 2, 2)))
+    rank 0: F0s0 F1s0 F0s2 F1s2 I0s2 W0s2 I1s2 I0s0 I1s0 W1s2 W0s0 W1s0
+    rank 1: F0s1 F1s1 F0s3 I0s3 F1s3 I1s3 I0s1 I1s1 W0s3 W1s3 W0s1 W1s1
+    """
+    p, n, total = num_ranks, num_ranks * v, m * v
+    ahead = [min(p - r - 1 + (v - 1) * p, total) for r in range(p)]
+    held_cap = ahead[0] + 1
+    finished: dict = {}  # action -> the time it finished
     nf, ni, nw, free = [0] * p, [0] * p, [0] * p, [0] * p
+    waiting_w: list[list] = [[] for _ in range(p)]  # I's whose W has not run, oldest first
     orders: Orders = [[] for _ in range(p)]
     t = 0
-    while any(n < m for n in nw):
-        for s in range(p):
-            if free[s] > t:
+    while any(x < total for x in nw):
+        def ready(kind: str, stage: int, mb: int) -> bool:
+            return finished.get(Action(kind, stage, mb), t + 1) <= t
+
+        for r in range(p):
+            if free[r] > t:
                 continue
-            forward_ready = (
-                nf[s] < m and nf[s] - ni[s] < p - s and nf[s] - nw[s] < p
-                and (s == 0 or f_done[s - 1].get(nf[s], t + 1) <= t)
-            )
-            input_ready = ni[s] < nf[s] and f_done[s][ni[s]] <= t and (
-                s == p - 1 or i_done[s + 1].get(ni[s], t + 1) <= t
-            )
-            if forward_ready:
-                f_done[s][nf[s]] = t + 1
-                orders[s].append(Action("F", s, nf[s]))
-                nf[s] += 1
-            elif input_ready:
-                i_done[s][ni[s]] = t + 1
-                orders[s].append(Action("I", s, ni[s]))
-                ni[s] += 1
-            elif nw[s] < ni[s]:
-                orders[s].append(Action("W", s, nw[s]))
-                nw[s] += 1
-            else:
+            a = None
+            if nf[r] < total and nf[r] - ni[r] <= ahead[r] and nf[r] - nw[r] < held_cap:
+                f = _interleaved_step("F", r, nf[r], p, v)
+                if f.stage == 0 or ready("F", f.stage - 1, f.mb):
+                    a, nf[r] = f, nf[r] + 1
+            if a is None and ni[r] < total:
+                i = _interleaved_step("I", r, ni[r], p, v)
+                if ready("F", i.stage, i.mb) and (i.stage == n - 1 or ready("I", i.stage + 1, i.mb)):
+                    a, ni[r] = i, ni[r] + 1
+                    waiting_w[r].append(i)
+            if a is None and waiting_w[r]:
+                i = waiting_w[r].pop(0)
+                a, nw[r] = Action("W", i.stage, i.mb), nw[r] + 1
+            if a is None:
                 continue
-            free[s] = t + 1
+            finished[a] = t + 1
+            orders[r].append(a)
+            free[r] = t + 1
         t += 1
     return orders
 
@@ -133,10 +153,12 @@ ONE_STAGE_PER_RANK = {"FThenB": fthenb, "1F1B": one_f_one_b, "ZBH1": zbh1}
 
 def schedule_orders(mode: str, num_ranks: int, m: int, vpp: int = 1) -> Orders:
     """The orders of the schedule `mode` names (pp_config's and Strategy.pipeline's
-    schedule_mode, `api.parallelize.SCHEDULE_MODES`): VPP over `vpp` stages per rank, the
-    others over one."""
+    schedule_mode, `api.parallelize.SCHEDULE_MODES`): VPP and ZBVPP over `vpp` stages per rank,
+    the others over one."""
     if mode == "VPP":
         return interleaved(num_ranks, vpp, m)
+    if mode == "ZBVPP":
+        return zbvpp(num_ranks, vpp, m)
     return ONE_STAGE_PER_RANK[mode](num_ranks, m)
 
 

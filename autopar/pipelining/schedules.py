@@ -16,7 +16,7 @@ from ..tensor.dtensor import DistTensor
 from ..api.tensors import reshard
 from ..placement import Replicate
 from .microbatch import split_batch
-from .orders import Orders, fthenb, format_orders, interleaved, one_f_one_b, zbh1
+from .orders import Orders, fthenb, format_orders, interleaved, one_f_one_b, zbh1, zbvpp
 from .executor import StageExecutor
 from .runtime import OrderRunner, StepTimes, format_times, open_channels
 from .shared import TiedParameters
@@ -167,9 +167,12 @@ class ScheduleVPP(PipelineSchedule):
     rank 0: F0s0 F0s1 B0s1 B0s0
     """
 
+    order: Callable = staticmethod(interleaved)
+
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable):
+        name = type(self).__name__
         if isinstance(stages, PipelineStage) or not stages:
-            raise TypeError(f"ScheduleVPP needs the list of this rank's PipelineStages, got {stages!r}")
+            raise TypeError(f"{name} needs the list of this rank's PipelineStages, got {stages!r}")
         ranks, n = stages[0].ranks, stages[0].num_stages
         p = len(ranks)
         me = comm.get_rank()
@@ -177,15 +180,32 @@ class ScheduleVPP(PipelineSchedule):
         got = sorted(s.stage_index for s in stages)
         if any(s.ranks != ranks or s.num_stages != n for s in stages) or got != want:
             raise ValueError(
-                f"ScheduleVPP on rank {me}: it needs this rank's stages {want} of {n} (stage i on rank i % {p} of "
+                f"{name} on rank {me}: it needs this rank's stages {want} of {n} (stage i on rank i % {p} of "
                 f"{list(ranks)}), got stages {got}"
             )
         v = n // p
         if isinstance(n_microbatches, int) and n_microbatches % p:
-            raise ValueError(f"ScheduleVPP needs a multiple of the {p} pipeline ranks as n_microbatches, "
+            raise ValueError(f"{name} needs a multiple of the {p} pipeline ranks as n_microbatches, "
                              f"got {n_microbatches}")
+        order = type(self).order
         super().__init__(sorted(stages, key=lambda s: s.stage_index), n_microbatches, loss_fn,
-                         lambda ranks_, m: interleaved(ranks_, v, m), min_microbatches=p)
+                         lambda ranks_, m: order(ranks_, v, m), min_microbatches=p)
 
 
-__all__ = ["PipelineSchedule", "Schedule1F1B", "ScheduleFThenB", "ScheduleVPP", "ScheduleZBH1"]
+class ScheduleZBVPP(ScheduleVPP):
+    """Zero bubble over a virtual pipeline (torch's ScheduleInterleavedZeroBubble, Paddle's
+    ZBVPP): interleaved 1F1B with each backward split into the input gradient, sent back at
+    once, and the weight gradient, run where the rank would wait; about a third of interleaved
+    1F1B's bubble, and no rank holds more activations than interleaved 1F1B's first.
+
+    >>> import torch
+    >>> from autopar.pipelining import PipelineStage
+    >>> stages = [PipelineStage(torch.nn.Linear(4, 4), k, 2) for k in range(2)]
+    >>> print(ScheduleZBVPP(stages, 1, torch.nn.functional.mse_loss).format_order())
+    rank 0: F0s0 F0s1 I0s1 I0s0 W0s1 W0s0
+    """
+
+    order = staticmethod(zbvpp)
+
+
+__all__ = ["PipelineSchedule", "Schedule1F1B", "ScheduleFThenB", "ScheduleVPP", "ScheduleZBH1", "ScheduleZBVPP"]

@@ -25,21 +25,24 @@ from ..pipelining.transfer import Inbox, Outbox, describe
 from .program import Recorder, _fold_aliases
 from .stage_split import SplitError, StagedProgram, split_stages
 
+VIRTUAL_MODES = ("VPP", "ZBVPP")  # the schedules of several stages per rank
+
+
 def check_settings(layer: torch.nn.Module, mode: str, m: int, vpp: int) -> tuple[int, int, frozenset]:
     """(pipeline ranks p, this rank's position, the ranks of its stage mesh) for a schedule the
     model can run; raises
     ValueError (on every rank alike: it depends on the annotations only) otherwise."""
     check_schedule("Strategy.pipeline.", mode, m, vpp)
-    if (mode == "VPP") != (vpp > 1):
-        raise ValueError(f"Strategy.pipeline: schedule_mode {mode!r} with vpp_degree {vpp}: VPP runs vpp_degree > 1 "
-                         f"stages per rank, the other schedules one")
+    if (mode in VIRTUAL_MODES) != (vpp > 1):
+        raise ValueError(f"Strategy.pipeline: schedule_mode {mode!r} with vpp_degree {vpp}: VPP and ZBVPP run "
+                         f"vpp_degree > 1 stages per rank, the other schedules one")
     meshes, position = stage_position(layer, "Strategy.pipeline")
     p = len(meshes)
     if mode != "FThenB" and m < p:
         raise ValueError(f"Strategy.pipeline: {mode} needs at least {p} micro-batches for its {p} stages, got "
                          f"accumulate_steps={m}")
-    if mode == "VPP" and m % p:
-        raise ValueError(f"Strategy.pipeline: VPP needs a multiple of the {p} stage meshes as accumulate_steps, got {m}")
+    if mode in VIRTUAL_MODES and m % p:
+        raise ValueError(f"Strategy.pipeline: {mode} needs a multiple of the {p} stage meshes as accumulate_steps, got {m}")
     return p, position, frozenset(meshes[position].process_ids)
 
 
@@ -204,7 +207,7 @@ def capture(forward: Callable, batch: tuple, inputs: list, holders: list, settin
     problem, staged = None, None
     try:
         staged = split_stages(entries, backward, recorder.n_inputs, recorder.n_slots, outs, meta, me,
-                              stage_ranks, zero_bubble=mode == "ZBH1")
+                              stage_ranks, zero_bubble=mode in ("ZBH1", "ZBVPP"))
         if staged.chunks != vpp:
             raise SplitError(f"rank {me}'s step holds {staged.chunks} stage(s) of the pipeline, but "
                              f"Strategy.pipeline asks for {vpp} per rank (vpp_degree)")

@@ -15,7 +15,7 @@ Four sections, each off until `enable` is set (Paddle's names):
   starts from the loss times the scale (a program input), and the step runs through a
   `shard_scaler` (dynamic scaling: halved on an inf, doubled every `incr_every_n_steps`
   clean steps);
-- `pipeline` (`schedule_mode` "FThenB", "1F1B", "VPP" or "ZBH1", `accumulate_steps`,
+- `pipeline` (`schedule_mode` "FThenB", "1F1B", "VPP", "ZBH1" or "ZBVPP", `accumulate_steps`,
   `vpp_degree`): a model whose layers live on pipeline stages' meshes runs each train step as
   `accumulate_steps` micro-batches in that schedule's order (the captured step is cut into
   stages at its cross-mesh transfers; see `static/pipeline.py` and docs/pipeline.md).
