@@ -16,6 +16,7 @@ import torch
 import autopar as dist
 import hf_llama
 from autopar.placement import Shard
+from autopar.runtime import grad_reduce
 from distpool import run_dist
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -108,10 +109,12 @@ def _mesh():
     return dist.ProcessMesh([0, 1], dim_names=["dp"])
 
 
-def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None, autocast=None, batches=None):
+def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None, autocast=None, batches=None,
+           backward_ends=None):
     """The parallel loop: per step the loss, the collectives of forward + backward + step and
     the loss scale it ran with; `autocast`: the dtype the user's torch.autocast runs in;
-    `batches`: other than the first `steps` of `_data`."""
+    `batches`: other than the first `steps` of `_data`; a list `backward_ends` gets, per
+    step, how many of its collectives ran before the optimizer step."""
     losses, logs, scales = [], [], []
     for step, (x, y) in enumerate(batches or _data(steps)):
         x, y = (dist.shard_tensor(t, mesh, [Shard(0)]) for t in (x, y))
@@ -119,6 +122,8 @@ def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None, autocast=Non
             with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
                 loss = _loss(model(x), y)
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            if backward_ends is not None:
+                backward_ends.append(len(log))
             if step == inf_at:
                 p = next(model.parameters())
                 dist.unshard_dtensor(p.grad)  # (a read: every pending gradient reduced first)
@@ -220,6 +225,51 @@ def test_zero12_o2_bf16_matches_one_process_with_sharded_float32_masters(level, 
                 sent = [b for o, b in step if o == op]
                 sent32 = [b for o, b in step32 if o == op]
                 assert len(sent) == len(sent32) > 0 and sum(sent) * ratio == sum(sent32)
+
+
+# -- levels 0-2: float32 reduction of bfloat16 gradients, overlapped with backward ---------------
+
+_STAGES = {0: None, 1: dist.ShardingStage1, 2: dist.ShardingStage2}
+
+
+def _o2_overlapped(level, policy):
+    """The net under ZeRO-`level` and `policy`, with bucket caps small enough for several
+    buckets (backward reduces them as it goes): losses, weights, and per step the
+    collectives of forward + backward and those of the optimizer step."""
+    caps = grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES
+    grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = 600, 2000
+    try:
+        mesh, model, opt = _sharded(_STAGES[level], policy)
+        ends = []
+        losses, logs, _ = _train(model, opt, mesh, backward_ends=ends)
+        return losses, _weights(model), [(log[:n], log[n:]) for log, n in zip(logs, ends)]
+    finally:
+        grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = caps
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_o2_float32_reduction_runs_in_backward_buckets(level):
+    """bfloat16 parameters, float32 reduction: backward casts each bucket's ready gradients
+    to float32 and reduces them while it goes on (after the first step, which verifies the
+    region op by op and leaves its gradients to the optimizer; ZeRO-2 reduces at the end of
+    every backward), landing them in bfloat16; the optimizer step reduces nothing.  The
+    single process's numbers; float32 bytes, those of a run without a policy."""
+    policy = dist.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    ref = _reference(policy, BF16)
+    reduce = "all_reduce" if level == 0 else "reduce_scatter"
+    numel = sum(p.numel() for p in _Net().parameters())
+    fp32 = run_dist(_o2_overlapped, 2, level, None)
+    for rank, (losses, weights, phases) in enumerate(run_dist(_o2_overlapped, 2, level, policy)):
+        _check(losses, weights, ref[0], ref[2])
+        for step, ((backward, stepped), (backward32, stepped32)) in enumerate(zip(phases, fp32[rank][2])):
+            reductions = [(op, b) for op, b in backward + stepped if op == reduce]
+            assert reductions == [(op, b) for op, b in backward32 + stepped32 if op == reduce], step
+            if step > 0 or level == 2:
+                assert reduce not in [op for op, _ in stepped], (step, stepped)
+            if step > 0:  # (the first forward checks its region with an 8-byte all-reduce)
+                assert len(reductions) > 1, reductions  # several buckets: reduced while backward went on
+                # float32: 4 bytes an element (an all-reduce of 2 ranks sends all, a reduce-scatter half)
+                assert sum(b for _, b in reductions) == 4 * numel // (1 if level == 0 else 2)
 
 
 # -- float16 with a loss scale: every rank skips the step one rank's inf gradient spoils --------
