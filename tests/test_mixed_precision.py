@@ -272,6 +272,76 @@ def test_o2_float32_reduction_runs_in_backward_buckets(level):
                 assert sum(b for _, b in reductions) == 4 * numel // (1 if level == 0 else 2)
 
 
+# -- dp x mp: a Megatron plan with data parallel under a policy ---------------------------------
+
+def _dp_mp(policy, level):
+    """The net on a 2 x 2 mesh, its first block by columns and its second by rows over "mp",
+    ZeRO-`level` over "dp", SGD (its update is linear in the gradients): losses, per step the
+    bytes of forward + backward + step by (op, group), the dtypes of parameters and
+    gradients, and the float32 masters, whole."""
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    model = _net()
+    plan = {"blocks.0": dist.ColWiseParallel(), "blocks.1": dist.RowWiseParallel()}
+    config = {"dp_config": {"sharding_level": level, "mp_policy": policy}, "mp_config": {"parallelize_plan": plan}}
+    model, opt = dist.parallelize(model, torch.optim.SGD(model.parameters(), lr=LR), mesh, config)
+    me = dist.get_rank()
+    groups = {mesh.group_of(me, (0,)): "dp", mesh.group_of(me, (1,)): "mp"}
+    losses, logs, grads = [], [], set()
+    for x, y in _data():
+        with dist.comm_log() as log:
+            loss = _loss(model(x).float(), y)  # (plain inputs: parallelize splits them over "dp")
+            loss.backward()
+            grads |= {str(p.grad.dtype) for p in model.parameters()}
+            opt.step()
+        opt.zero_grad()
+        sent: dict = {}
+        for r in log:
+            key = (r.op, groups.get(tuple(r.ranks), str(list(r.ranks))))
+            sent[key] = sent.get(key, 0) + r.bytes
+        logs.append(sent)
+        losses.append(float(loss.detach()))
+    names = [name for name, _ in model.named_parameters()]
+    masters = {names[i]: dist.unshard_dtensor(m) for i, m in opt.state_dict().get("master_weights", {}).items()}
+    return losses, logs, _dtypes(model), sorted(grads), masters
+
+
+# bfloat16 keeps 8 significant bits: each rounding is off by at most u = 2**-8 of the value.
+# The mp run rounds each rank's partial sum of the row-parallel block to bfloat16 and then
+# their sum, where one process rounds the whole sum once: about 2u more error relative to the
+# terms' size, which propagates (about linearly) into the loss and every gradient; the
+# gradient of the first block goes back through that sum once more.  So 4u, norm-wise per
+# tensor: element by element the two orders differ without bound where terms cancel (a
+# gradient element near zero).  A reduction missing a rank or a term is off by O(1).
+BF16_SUM_ORDER = 4 * 2.0 ** -8
+
+
+def test_dp_x_mp_under_a_policy_matches_one_process_to_bfloat16_rounding():
+    """ZeRO-1 over "dp" with Megatron's column/row blocks over "mp", bfloat16 parameters and
+    compute, float32 reduction and masters, against one process under the same policy: the
+    losses and each master's update within BF16_SUM_ORDER; the float32 parts exact: the
+    masters' dtype, the dp gradient reductions' bytes (those of a run without a policy); the
+    bfloat16 ones at half the bytes: the mp all-reduce of activations, the dp all-gather of
+    the updated shards."""
+    policy = dist.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    ref = _reference(policy, BF16, optimizer=torch.optim.SGD)
+    start = _net().state_dict()
+    fp32 = run_dist(_dp_mp, 4, None, 1)
+    for rank, (losses, logs, dtypes, grads, masters) in enumerate(run_dist(_dp_mp, 4, policy, 1)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=BF16_SUM_ORDER, atol=0)
+        assert dtypes == grads == ["torch.bfloat16"]  # (torch keeps .grad in its parameter's dtype)
+        assert sorted(masters) == sorted(start)
+        for name, master in masters.items():
+            assert master.dtype == FP32, name
+            update, want = master - start[name], ref[1][name] - start[name]
+            assert (update - want).norm() <= BF16_SUM_ORDER * want.norm(), (name, (update - want).norm() / want.norm())
+        for step, (sent, sent32) in enumerate(zip(logs, fp32[rank][1])):
+            assert sent.keys() == sent32.keys(), (step, sent, sent32)
+            halved = {("all_reduce", "mp"), ("all_gather", "dp")}
+            assert halved <= sent.keys() and ("reduce_scatter", "dp") in sent, sent
+            for key, nbytes in sent.items():
+                assert nbytes * (2 if key in halved else 1) == sent32[key], (step, key, nbytes, sent32[key])
+
+
 # -- float16 with a loss scale: every rank skips the step one rank's inf gradient spoils --------
 
 def _fp16_scaled(level, policy, steps, inf_at):
