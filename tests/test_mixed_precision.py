@@ -277,8 +277,8 @@ def test_o2_float32_reduction_runs_in_backward_buckets(level):
 def _dp_mp(policy, level):
     """The net on a 2 x 2 mesh, its first block by columns and its second by rows over "mp",
     ZeRO-`level` over "dp", SGD (its update is linear in the gradients): losses, per step the
-    bytes of forward + backward + step by (op, group), the dtypes of parameters and
-    gradients, and the float32 masters, whole."""
+    bytes of forward + backward + step by (op, group), {name: (parameter dtype, gradient
+    dtype)}, and the float32 masters, whole (under ZeRO-3 the sharded parameters themselves)."""
     mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
     model = _net()
     plan = {"blocks.0": dist.ColWiseParallel(), "blocks.1": dist.RowWiseParallel()}
@@ -286,12 +286,12 @@ def _dp_mp(policy, level):
     model, opt = dist.parallelize(model, torch.optim.SGD(model.parameters(), lr=LR), mesh, config)
     me = dist.get_rank()
     groups = {mesh.group_of(me, (0,)): "dp", mesh.group_of(me, (1,)): "mp"}
-    losses, logs, grads = [], [], set()
+    losses, logs, dtypes = [], [], {}
     for x, y in _data():
         with dist.comm_log() as log:
             loss = _loss(model(x).float(), y)  # (plain inputs: parallelize splits them over "dp")
             loss.backward()
-            grads |= {str(p.grad.dtype) for p in model.parameters()}
+            dtypes = {name: (p.dtype, p.grad.dtype) for name, p in model.named_parameters()}
             opt.step()
         opt.zero_grad()
         sent: dict = {}
@@ -301,8 +301,9 @@ def _dp_mp(policy, level):
         logs.append(sent)
         losses.append(float(loss.detach()))
     names = [name for name, _ in model.named_parameters()]
-    masters = {names[i]: dist.unshard_dtensor(m) for i, m in opt.state_dict().get("master_weights", {}).items()}
-    return losses, logs, _dtypes(model), sorted(grads), masters
+    masters = {name: dist.unshard_dtensor(p.detach()) for name, p in model.named_parameters() if p.dtype == FP32}
+    masters.update({names[i]: dist.unshard_dtensor(m) for i, m in opt.state_dict().get("master_weights", {}).items()})
+    return losses, logs, dtypes, masters
 
 
 # bfloat16 keeps 8 significant bits: each rounding is off by at most u = 2**-8 of the value.
@@ -315,20 +316,26 @@ def _dp_mp(policy, level):
 BF16_SUM_ORDER = 4 * 2.0 ** -8
 
 
-def test_dp_x_mp_under_a_policy_matches_one_process_to_bfloat16_rounding():
-    """ZeRO-1 over "dp" with Megatron's column/row blocks over "mp", bfloat16 parameters and
-    compute, float32 reduction and masters, against one process under the same policy: the
-    losses and each master's update within BF16_SUM_ORDER; the float32 parts exact: the
-    masters' dtype, the dp gradient reductions' bytes (those of a run without a policy); the
-    bfloat16 ones at half the bytes: the mp all-reduce of activations, the dp all-gather of
-    the updated shards."""
+@pytest.mark.parametrize("level", [0, 1, 3])
+def test_dp_x_mp_under_a_policy_matches_one_process_to_bfloat16_rounding(level):
+    """ZeRO-`level` over "dp" with Megatron's column/row blocks over "mp", bfloat16 compute,
+    float32 reduction and masters, against one process under the same policy: the losses and
+    each master's update within BF16_SUM_ORDER; the float32 parts exact: the masters' dtype,
+    the gradients' (float32 where the parameter is the float32 master: ZeRO-3's shards; in the
+    bfloat16 parameter's dtype elsewhere), the dp gradient reductions' bytes (those of a run
+    without a policy); the bfloat16 ones at half the bytes: the mp all-reduce of activations,
+    the dp all-gather of parameters (ZeRO-1's updated shards, ZeRO-3's before use)."""
     policy = dist.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
     ref = _reference(policy, BF16, optimizer=torch.optim.SGD)
     start = _net().state_dict()
-    fp32 = run_dist(_dp_mp, 4, None, 1)
-    for rank, (losses, logs, dtypes, grads, masters) in enumerate(run_dist(_dp_mp, 4, policy, 1)):
+    fp32 = run_dist(_dp_mp, 4, None, level)
+    halved = {("all_reduce", "mp")} | ({("all_gather", "dp")} if level else set())
+    for rank, (losses, logs, dtypes, masters) in enumerate(run_dist(_dp_mp, 4, policy, level)):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=BF16_SUM_ORDER, atol=0)
-        assert dtypes == grads == ["torch.bfloat16"]  # (torch keeps .grad in its parameter's dtype)
+        # (torch keeps .grad in its parameter's dtype; blocks.0.bias, its one dim split over "mp"
+        # already, is too small for ZeRO-3 to cut: held in bfloat16 with a master, as at level 0)
+        for name, (param, grad) in dtypes.items():
+            assert param == grad == (FP32 if level == 3 and name != "blocks.0.bias" else BF16), (name, param, grad)
         assert sorted(masters) == sorted(start)
         for name, master in masters.items():
             assert master.dtype == FP32, name
@@ -336,8 +343,7 @@ def test_dp_x_mp_under_a_policy_matches_one_process_to_bfloat16_rounding():
             assert (update - want).norm() <= BF16_SUM_ORDER * want.norm(), (name, (update - want).norm() / want.norm())
         for step, (sent, sent32) in enumerate(zip(logs, fp32[rank][1])):
             assert sent.keys() == sent32.keys(), (step, sent, sent32)
-            halved = {("all_reduce", "mp"), ("all_gather", "dp")}
-            assert halved <= sent.keys() and ("reduce_scatter", "dp") in sent, sent
+            assert halved <= sent.keys() and {("all_reduce", "dp"), ("reduce_scatter", "dp")} & sent.keys(), sent
             for key, nbytes in sent.items():
                 assert nbytes * (2 if key in halved else 1) == sent32[key], (step, key, nbytes, sent32[key])
 

@@ -19,7 +19,10 @@ finish the collectives they shared) and:
   another thread wakes (tried on torch 2.13: the waiter returned only when the peer's sockets
   closed), `wait_for` waits in slices of a quarter second: a wait that outlasts a slice looks
   whether a rank of its group is gone, and raises if so.  A collective that completes within a
-  slice pays nothing.
+  slice pays nothing.  Point-to-point transfers wait unsliced: gloo ends a send or receive
+  whose timed wait expires for good (the work completes with the timeout, and the transfer's
+  next wait never returns), so a pipeline's transfer to a rank that left still waits for the
+  closed socket or AUTOPAR_TIMEOUT.
 
 A gloo collective waiting for a rank that left therefore fails within about a second (3 s more
 after a clean exit), through `faults.fail`, which names the rank from its "left" mark

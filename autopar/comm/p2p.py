@@ -21,7 +21,6 @@ import torch.distributed as tdist
 
 from .backend import SIMULATING, CommError, channel_group, get_rank
 from .collectives import _nbytes, _real, _sendable, send_recv
-from .exits import wait_for
 from .log import blocked_since, record
 from .fake import received
 from .observers import capture_running
@@ -40,7 +39,7 @@ class P2PWork:
         if work is not None:
             start = time.perf_counter()
             try:
-                wait_for(work, (self.peer,))
+                work.wait()
             except RuntimeError as e:
                 direction = "to" if self.op == "send" else "from"
                 raise CommError(
@@ -91,7 +90,7 @@ class SendWindow:
         t0 = time.perf_counter()
         for work, dst, _tensor in self.pending:
             try:
-                wait_for(work, (dst,))
+                work.wait()
             except RuntimeError as e:
                 raise CommError(f"send to rank {dst} failed on rank {get_rank()}: {e}") from e
         self.pending.clear()
@@ -135,7 +134,7 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
         start = time.perf_counter()
         try:
             for work in tdist.batch_isend_irecv(ops):
-                wait_for(work, [s for _, s in recvs])
+                work.wait()
         except RuntimeError as e:
             raise CommError(f"receive from ranks {[s for _, s in recvs]} failed on rank {me}: {e}") from e
         blocked_since(start)
