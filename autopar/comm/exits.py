@@ -19,7 +19,7 @@ finish the collectives they shared) and:
   another thread wakes (tried on torch 2.13: the waiter returned only when the peer's sockets
   closed), `wait_for` waits in slices of a quarter second: a wait that outlasts a slice looks
   whether a rank of its group is gone, and raises if so.  A collective that completes within a
-  slice pays nothing.  Point-to-point transfers wait unsliced: gloo ends a send or receive
+  slice pays 0.2 us (a finished wait: 0.63 us against 0.43 us, on this machine's CPU).  Point-to-point transfers wait unsliced: gloo ends a send or receive
   whose timed wait expires for good (the work completes with the timeout, and the transfer's
   next wait never returns), so a pipeline's transfer to a rank that left still waits for the
   closed socket or AUTOPAR_TIMEOUT.
@@ -107,6 +107,8 @@ def _watch(store, seen: int, me: int) -> None:
 def _gone(rank: int, how: str) -> None:
     if how == "exited":  # a clean exit: the collectives it took part in may still be finishing here
         time.sleep(min(CLEAN_EXIT_GRACE, backend.timeout_seconds()))
+        if _STATE["leaving"]:  # (this rank is leaving meanwhile: its exit handler tears the groups down)
+            return
     _GONE[rank] = backend._GENERATION[0]
     backend.abort_device_groups_with(rank)
 
