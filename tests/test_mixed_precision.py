@@ -16,6 +16,7 @@ import torch
 import autopar as dist
 import hf_llama
 from autopar.placement import Shard
+from autopar.runtime import grad_reduce
 from distpool import run_dist
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -108,10 +109,12 @@ def _mesh():
     return dist.ProcessMesh([0, 1], dim_names=["dp"])
 
 
-def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None, autocast=None, batches=None):
+def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None, autocast=None, batches=None,
+           backward_ends=None):
     """The parallel loop: per step the loss, the collectives of forward + backward + step and
     the loss scale it ran with; `autocast`: the dtype the user's torch.autocast runs in;
-    `batches`: other than the first `steps` of `_data`."""
+    `batches`: other than the first `steps` of `_data`; a list `backward_ends` gets, per
+    step, how many of its collectives ran before the optimizer step."""
     losses, logs, scales = [], [], []
     for step, (x, y) in enumerate(batches or _data(steps)):
         x, y = (dist.shard_tensor(t, mesh, [Shard(0)]) for t in (x, y))
@@ -119,6 +122,8 @@ def _train(model, opt, mesh, steps=STEPS, scaler=None, inf_at=None, autocast=Non
             with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
                 loss = _loss(model(x), y)
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            if backward_ends is not None:
+                backward_ends.append(len(log))
             if step == inf_at:
                 p = next(model.parameters())
                 dist.unshard_dtensor(p.grad)  # (a read: every pending gradient reduced first)
@@ -220,6 +225,127 @@ def test_zero12_o2_bf16_matches_one_process_with_sharded_float32_masters(level, 
                 sent = [b for o, b in step if o == op]
                 sent32 = [b for o, b in step32 if o == op]
                 assert len(sent) == len(sent32) > 0 and sum(sent) * ratio == sum(sent32)
+
+
+# -- levels 0-2: float32 reduction of bfloat16 gradients, overlapped with backward ---------------
+
+_STAGES = {0: None, 1: dist.ShardingStage1, 2: dist.ShardingStage2}
+
+
+def _o2_overlapped(level, policy):
+    """The net under ZeRO-`level` and `policy`, with bucket caps small enough for several
+    buckets (backward reduces them as it goes): losses, weights, and per step the
+    collectives of forward + backward and those of the optimizer step."""
+    caps = grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES
+    grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = 600, 2000
+    try:
+        mesh, model, opt = _sharded(_STAGES[level], policy)
+        ends = []
+        losses, logs, _ = _train(model, opt, mesh, backward_ends=ends)
+        return losses, _weights(model), [(log[:n], log[n:]) for log, n in zip(logs, ends)]
+    finally:
+        grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = caps
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_o2_float32_reduction_runs_in_backward_buckets(level):
+    """bfloat16 parameters, float32 reduction: backward casts each bucket's ready gradients
+    to float32 and reduces them while it goes on (after the first step, which verifies the
+    region op by op and leaves its gradients to the optimizer; ZeRO-2 reduces at the end of
+    every backward), landing them in bfloat16; the optimizer step reduces nothing.  The
+    single process's numbers; float32 bytes, those of a run without a policy."""
+    policy = dist.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    ref = _reference(policy, BF16)
+    reduce = "all_reduce" if level == 0 else "reduce_scatter"
+    numel = sum(p.numel() for p in _Net().parameters())
+    fp32 = run_dist(_o2_overlapped, 2, level, None)
+    for rank, (losses, weights, phases) in enumerate(run_dist(_o2_overlapped, 2, level, policy)):
+        _check(losses, weights, ref[0], ref[2])
+        for step, ((backward, stepped), (backward32, stepped32)) in enumerate(zip(phases, fp32[rank][2])):
+            reductions = [(op, b) for op, b in backward + stepped if op == reduce]
+            assert reductions == [(op, b) for op, b in backward32 + stepped32 if op == reduce], step
+            if step > 0 or level == 2:
+                assert reduce not in [op for op, _ in stepped], (step, stepped)
+            if step > 0:  # (the first forward checks its region with an 8-byte all-reduce)
+                assert len(reductions) > 1, reductions  # several buckets: reduced while backward went on
+                # float32: 4 bytes an element (an all-reduce of 2 ranks sends all, a reduce-scatter half)
+                assert sum(b for _, b in reductions) == 4 * numel // (1 if level == 0 else 2)
+
+
+# -- dp x mp: a Megatron plan with data parallel under a policy ---------------------------------
+
+def _dp_mp(policy, level):
+    """The net on a 2 x 2 mesh, its first block by columns and its second by rows over "mp",
+    ZeRO-`level` over "dp", SGD (its update is linear in the gradients): losses, per step the
+    bytes of forward + backward + step by (op, group), {name: (parameter dtype, gradient
+    dtype)}, and the float32 masters, whole (under ZeRO-3 the sharded parameters themselves)."""
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    model = _net()
+    plan = {"blocks.0": dist.ColWiseParallel(), "blocks.1": dist.RowWiseParallel()}
+    config = {"dp_config": {"sharding_level": level, "mp_policy": policy}, "mp_config": {"parallelize_plan": plan}}
+    model, opt = dist.parallelize(model, torch.optim.SGD(model.parameters(), lr=LR), mesh, config)
+    me = dist.get_rank()
+    groups = {mesh.group_of(me, (0,)): "dp", mesh.group_of(me, (1,)): "mp"}
+    losses, logs, dtypes = [], [], {}
+    for x, y in _data():
+        with dist.comm_log() as log:
+            loss = _loss(model(x).float(), y)  # (plain inputs: parallelize splits them over "dp")
+            loss.backward()
+            dtypes = {name: (p.dtype, p.grad.dtype) for name, p in model.named_parameters()}
+            opt.step()
+        opt.zero_grad()
+        sent: dict = {}
+        for r in log:
+            key = (r.op, groups.get(tuple(r.ranks), str(list(r.ranks))))
+            sent[key] = sent.get(key, 0) + r.bytes
+        logs.append(sent)
+        losses.append(float(loss.detach()))
+    names = [name for name, _ in model.named_parameters()]
+    masters = {name: dist.unshard_dtensor(p.detach()) for name, p in model.named_parameters() if p.dtype == FP32}
+    masters.update({names[i]: dist.unshard_dtensor(m) for i, m in opt.state_dict().get("master_weights", {}).items()})
+    return losses, logs, dtypes, masters
+
+
+# bfloat16 keeps 8 significant bits: each rounding is off by at most u = 2**-8 of the value.
+# The mp run rounds each rank's partial sum of the row-parallel block to bfloat16 and then
+# their sum, where one process rounds the whole sum once: about 2u more error relative to the
+# terms' size, which propagates (about linearly) into the loss and every gradient; the
+# gradient of the first block goes back through that sum once more.  So 4u, norm-wise per
+# tensor: element by element the two orders differ without bound where terms cancel (a
+# gradient element near zero).  A reduction missing a rank or a term is off by O(1).
+BF16_SUM_ORDER = 4 * 2.0 ** -8
+
+
+@pytest.mark.parametrize("level", [0, 1, 3])
+def test_dp_x_mp_under_a_policy_matches_one_process_to_bfloat16_rounding(level):
+    """ZeRO-`level` over "dp" with Megatron's column/row blocks over "mp", bfloat16 compute,
+    float32 reduction and masters, against one process under the same policy: the losses and
+    each master's update within BF16_SUM_ORDER; the float32 parts exact: the masters' dtype,
+    the gradients' (float32 where the parameter is the float32 master: ZeRO-3's shards; in the
+    bfloat16 parameter's dtype elsewhere), the dp gradient reductions' bytes (those of a run
+    without a policy); the bfloat16 ones at half the bytes: the mp all-reduce of activations,
+    the dp all-gather of parameters (ZeRO-1's updated shards, ZeRO-3's before use)."""
+    policy = dist.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    ref = _reference(policy, BF16, optimizer=torch.optim.SGD)
+    start = _net().state_dict()
+    fp32 = run_dist(_dp_mp, 4, None, level)
+    halved = {("all_reduce", "mp")} | ({("all_gather", "dp")} if level else set())
+    for rank, (losses, logs, dtypes, masters) in enumerate(run_dist(_dp_mp, 4, policy, level)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=BF16_SUM_ORDER, atol=0)
+        # (torch keeps .grad in its parameter's dtype; blocks.0.bias, its one dim split over "mp"
+        # already, is too small for ZeRO-3 to cut: held in bfloat16 with a master, as at level 0)
+        for name, (param, grad) in dtypes.items():
+            assert param == grad == (FP32 if level == 3 and name != "blocks.0.bias" else BF16), (name, param, grad)
+        assert sorted(masters) == sorted(start)
+        for name, master in masters.items():
+            assert master.dtype == FP32, name
+            update, want = master - start[name], ref[1][name] - start[name]
+            assert (update - want).norm() <= BF16_SUM_ORDER * want.norm(), (name, (update - want).norm() / want.norm())
+        for step, (sent, sent32) in enumerate(zip(logs, fp32[rank][1])):
+            assert sent.keys() == sent32.keys(), (step, sent, sent32)
+            assert halved <= sent.keys() and {("all_reduce", "dp"), ("reduce_scatter", "dp")} & sent.keys(), sent
+            for key, nbytes in sent.items():
+                assert nbytes * (2 if key in halved else 1) == sent32[key], (step, key, nbytes, sent32[key])
 
 
 # -- float16 with a loss scale: every rank skips the step one rank's inf gradient spoils --------

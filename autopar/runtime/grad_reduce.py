@@ -21,6 +21,9 @@ places do it:
   collective where each region would send its own), so a dynamic step sends the buckets
   its captured program (`to_static`, which reduces at the pre-step) sends.
   Every rank runs the same backward, so the buckets start in the same order everywhere.
+  A mixed-precision policy's `reduce_dtype` (float32 gradients of bfloat16 parameters) is
+  the bucket's dtype: the ready gradients are cast into it and the reduced ones cast back
+  where they land, so the policy keeps the overlap.
   Gradient accumulation (a backward while the parameters still hold gradients) switches a
   bucket to deferred reduction for good, unless it was registered to reduce every backward
   (ZeRO-2, whose point is that no full gradient stays): the gradients it already reduced
@@ -202,8 +205,9 @@ class _Collective:
 
 
 # -- reduction in backward -------------------------------------------------------------------
-# parameter -> (the spec its gradient is reduced to, reduce every backward); keyed weakly, by
-# identity: an entry goes with its parameter (a Parameter's __eq__ is elementwise)
+# parameter -> (the spec its gradient is reduced to, reduce every backward, the dtype it is
+# reduced in or None for its own); keyed weakly, by identity: an entry goes with its
+# parameter (a Parameter's __eq__ is elementwise)
 _IN_BACKWARD: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _GENERATION = [0]  # bumped by every registration: regions rebuild their bucket plans
 
@@ -213,29 +217,31 @@ def generation() -> int:
     return _GENERATION[0]
 
 
-def reduce_in_backward(targets: list, every_backward: bool = False) -> None:
+def reduce_in_backward(targets: list, every_backward: bool = False, reduce_dtype: Optional[torch.dtype] = None) -> None:
     """Let local regions reduce these (parameter, spec) pairs' gradients to the spec during
     backward: the parameters `shard_optimizer` steps, with the placements their gradients are
     stepped at (the parameter's own without ZeRO, this rank's shard with ZeRO-1/2), so
     reducing them early changes nothing but the timing.  `every_backward`: keep reducing under
-    gradient accumulation (the reduced gradients add up) instead of deferring to the step."""
+    gradient accumulation (the reduced gradients add up) instead of deferring to the step.
+    `reduce_dtype`: the dtype the collectives run in (a mixed-precision policy's)."""
     for p, spec in targets:
         if type(p) is DistTensor:
-            _IN_BACKWARD[p] = (spec, every_backward)
+            _IN_BACKWARD[p] = (spec, every_backward, reduce_dtype)
     _GENERATION[0] += 1
 
 
 def registered(p: torch.Tensor) -> Optional[tuple]:
-    """(the spec p's gradient is reduced to in backward, whether every backward), or None when
-    p was not given to `reduce_in_backward`."""
+    """(the spec p's gradient is reduced to in backward, whether every backward, the reduce
+    dtype or None), or None when p was not given to `reduce_in_backward`."""
     return _IN_BACKWARD.get(p)
 
 
 class _Bucket:
-    __slots__ = ("members", "how", "mesh", "every_backward", "nbytes", "whole")
+    __slots__ = ("members", "how", "mesh", "every_backward", "nbytes", "whole", "dtype")
 
-    def __init__(self, how: tuple, mesh, every_backward: bool):
+    def __init__(self, how: tuple, mesh, every_backward: bool, dtype: Optional[torch.dtype] = None):
         self.members, self.how, self.mesh, self.every_backward, self.nbytes = [], how, mesh, every_backward, 0
+        self.dtype = dtype  # what the gradients are reduced in (a backward bucket's)
         self.whole: Optional[_Collective] = None
 
     def collective(self, members: list, placed: dict, grads: list) -> _Collective:
@@ -263,25 +269,25 @@ class BucketPlan:
     def build(params: list, grad_specs: list) -> Optional["BucketPlan"]:
         """None when no parameter's gradient is reduced in backward."""
         rank = get_rank()
-        reducible = []  # (position, spec reduced to, collective, every backward), last parameter first
+        reducible = []  # (position, spec reduced to, collective, every backward, dtype), last parameter first
         for i in reversed(range(len(params))):
             p, gs = params[i], grad_specs[i]
             entry = registered(p)
             if entry is None or not p.requires_grad or rank not in p._spec.mesh:
                 continue
-            target, every_backward = entry
+            target, every_backward, reduce_dtype = entry
             _, how, spec = grad_plan(gs, target)
             if how is not None and how[1]:
-                reducible.append((i, spec, how, every_backward))
-        nbytes = {i: params[i]._local.numel() * params[i]._local.element_size() for i, _, _, _ in reducible}
+                reducible.append((i, spec, how, every_backward, reduce_dtype or gs.meta.dtype))
+        nbytes = {i: params[i]._local.numel() * dtype.itemsize for i, _, _, _, dtype in reducible}
         # a region whose gradients fit one DDP bucket is one bucket: no small first bucket per
         # region (a model of many small regions would send two collectives per region)
         first_cap = FIRST_BUCKET_BYTES if sum(nbytes.values()) > BUCKET_BYTES else BUCKET_BYTES
         filling: dict = {}  # (mesh, collective, dtype, every backward) -> the bucket being filled
         buckets, placed = [], {}
-        for i, spec, how, every in reducible:
-            b = _bucket_for(filling, buckets, (spec.mesh, how, grad_specs[i].meta.dtype, every), nbytes[i],
-                            lambda: _Bucket(how, spec.mesh, every), first_cap)
+        for i, spec, how, every, dtype in reducible:
+            b = _bucket_for(filling, buckets, (spec.mesh, how, dtype, every), nbytes[i],
+                            lambda: _Bucket(how, spec.mesh, every, dtype), first_cap)
             b.members.append(i)
             placed[i] = spec
         if not buckets or (len(buckets) == 1 and not buckets[0].every_backward):
@@ -342,7 +348,7 @@ class BackwardReduction:
     def _start(self, b: _Bucket) -> None:
         mine = [i for i in b.members if i in self.grads]
         if mine:
-            grads = [self.grads.pop(i) for i in mine]  # (packed: not kept)
+            grads = [self.grads.pop(i).to(b.dtype) for i in mine]  # (packed: not kept)
             collective = b.collective(mine, self.plan.placed, grads)
             self.pending[id(b)] = (mine, collective, collective.start(grads))
 
@@ -362,6 +368,7 @@ class BackwardReduction:
                 continue
             mine, collective, pending = entry
             for i, g in zip(mine, collective.result(pending.wait())):
-                out[i] = new_dist(g, self.plan.placed[i])
+                placed = self.plan.placed[i]
+                out[i] = new_dist(g.to(placed.meta.dtype), placed)  # (cast back from the reduce dtype)
         self._reset()  # a second backward through the same graph (retain_graph) starts afresh
         return out

@@ -121,9 +121,8 @@ class OptimizerSharding:
             start = end
         # gradients go to where they are stepped: reduce them during backward (stage 3: its layers do)
         targets = [(zp, zp.step_spec()) for zp in self.params if type(zp.param) is DistTensor]
-        reduce_in_backward([(zp.param, s) for zp, s in targets
-                            if s is not None and not zero3.gathers(zp.param) and not self._reduced_apart(zp.param)],
-                           every_backward=self.stage == 2)
+        reduce_in_backward([(zp.param, s) for zp, s in targets if s is not None and not zero3.gathers(zp.param)],
+                           every_backward=self.stage == 2, reduce_dtype=self._reduce_dtype())
         self.local_step = LocalStep(optimizer, dispatch_foreach)
         self.place_states()
         reduce_pending_on_read(self)  # (held weakly: it goes with the optimizer)
@@ -165,10 +164,9 @@ class OptimizerSharding:
                 zp.unsharded, zp.sharded = spec_in(zp.unsharded, dtype), spec_in(zp.sharded, dtype)
             zp.master_matched()
 
-    def _reduced_apart(self, p: torch.Tensor) -> bool:
-        """p's gradient is reduced in another dtype than its own: at the step, not in backward."""
-        reduce_dtype = self.policy.reduction_dtype if self.policy is not None else None
-        return reduce_dtype is not None and p.dtype != reduce_dtype
+    def _reduce_dtype(self) -> Optional[torch.dtype]:
+        """The dtype gradients are reduced in (the policy's; None: their own)."""
+        return self.policy.reduction_dtype if self.policy is not None else None
 
     def _cut(self, p: torch.Tensor) -> tuple:
         """(p's placements, the sharding mesh dim's index, p's placements sharded over it or
@@ -324,7 +322,7 @@ class OptimizerSharding:
                 plan = grad_plan(g._spec, spec)
                 if plan[0]:
                     pending.append((p, plan))
-        reduce_grads(pending, self.policy.reduction_dtype if self.policy is not None else None)
+        reduce_grads(pending, self._reduce_dtype())
 
     def post_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore()
