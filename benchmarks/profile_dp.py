@@ -46,7 +46,8 @@ class PhasedStep:
 
     def __init__(self, model, opt, data, vocab, read_loss):
         self.model, self.opt, self.data, self.vocab, self.read_loss = model, opt, data, vocab, read_loss
-        self.marks = {p: [] for p in PHASES}
+        self.wall = {p: [] for p in PHASES}  # wall seconds
+        self.cpu = {p: [] for p in PHASES}  # this thread's CPU seconds (no time blocked in a wait)
         self.n = 0
         self._t: dict = {}
         opt.register_step_pre_hook(lambda *_: self._stamp("pre_done"))  # after the library's pre-step
@@ -57,39 +58,47 @@ class PhasedStep:
             prepare = sharding.prepare_grads
 
             def timed_prepare():
-                t0 = time.perf_counter()
+                t0 = _clock()
                 prepare()
-                self._t["reduce"] = self._t.get("reduce", 0.0) + time.perf_counter() - t0
+                t1 = _clock()
+                before = self._t.get("reduce", (0.0, 0.0))
+                self._t["reduce"] = (before[0] + t1[0] - t0[0], before[1] + t1[1] - t0[1])
 
             sharding.prepare_grads = timed_prepare
 
     def _stamp(self, what):
-        self._t[what] = time.perf_counter()
+        self._t[what] = _clock()
 
     def step(self, record=True):
         x, y = self.data[self.n % len(self.data)]
         self.n += 1
         self._t = {}
-        t0 = time.perf_counter()
+        t = [_clock()]
         logits = self.model(x)
-        t1 = time.perf_counter()
+        t.append(_clock())
         loss = F.cross_entropy(logits.reshape(-1, self.vocab), y.reshape(-1))
-        t2 = time.perf_counter()
+        t.append(_clock())
         loss.backward()
-        t3 = time.perf_counter()
+        t.append(_clock())
         self.opt.step()
-        t4 = time.perf_counter()
+        t.append(_clock())
         self.opt.zero_grad()
-        t5 = time.perf_counter()
+        t.append(_clock())
         self.read_loss(loss)
-        t6 = time.perf_counter()
+        t.append(_clock())
         if not record:
             return
-        reduce = self._t.get("reduce", 0.0)
+        reduce = self._t.get("reduce", (0.0, 0.0))
         pre, done = self._t["pre_done"], self._t["step_done"]
-        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, reduce, pre - t3 - reduce, done - pre,
-                                           t4 - done, t5 - t4, t6 - t5)):
-            self.marks[phase].append(seconds)
+        for k, marks in enumerate((self.wall, self.cpu)):
+            for phase, seconds in zip(PHASES, (t[1][k] - t[0][k], t[2][k] - t[1][k], t[3][k] - t[2][k], reduce[k],
+                                               pre[k] - t[3][k] - reduce[k], done[k] - pre[k], t[4][k] - done[k],
+                                               t[5][k] - t[4][k], t[6][k] - t[5][k])):
+                marks[phase].append(seconds)
+
+
+def _clock() -> tuple:
+    return time.perf_counter(), time.thread_time()
 
 
 def runners(args, rank, world):
@@ -135,6 +144,19 @@ def top(prof: cProfile.Profile, steps: int, by: str, n: int) -> list[str]:
     return lines
 
 
+def phase_table(steps: dict, what: str) -> list[str]:
+    """Per phase, each impl's median ms (of `wall` or `cpu`) and the difference of the first two."""
+    lines = [f"  {what + ':':16s}" + "".join(f"{n:>12s}" for n in steps) + f"{'difference':>12s}"]
+    med = {n: {ph: statistics.median(getattr(r, what)[ph]) * 1e3 for ph in PHASES} for n, r in steps.items()}
+    totals = {n: statistics.median(map(sum, zip(*getattr(r, what).values()))) * 1e3 for n, r in steps.items()}
+    a, b = list(steps)
+    for ph in PHASES:
+        lines.append(f"  {ph:16s}" + "".join(f"{med[n][ph]:12.3f}" for n in steps) + f"{med[a][ph] - med[b][ph]:12.3f}")
+    lines.append(f"  {'step (median)':16s}" + "".join(f"{totals[n]:12.3f}" for n in steps)
+                 + f"{totals[a] - totals[b]:12.3f}")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser()
     G.add_model_args(p)
@@ -142,6 +164,7 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--top", type=int, default=22)
     p.add_argument("--out", default=None)
+    p.add_argument("--dump", default=None, help="also write each impl's raw cProfile stats to DUMP.<impl>.prof")
     args = p.parse_args()
     rank, world = C.setup()
     steps = runners(args, rank, world)
@@ -171,16 +194,12 @@ def main():
              f"{env['date']}",
              f"model: dim {args.dim}, layers {args.layers}, heads {args.heads}, vocab {args.vocab}, seq {args.seq}, "
              f"batch {args.batch}", "",
-             "median ms per step by phase (unprofiled steps):",
-             f"  {'phase':16s}" + "".join(f"{n:>12s}" for n in steps) + f"{'difference':>12s}"]
-    med = {n: {ph: statistics.median(r.marks[ph]) * 1e3 for ph in PHASES} for n, r in steps.items()}
-    totals = {n: statistics.median(map(sum, zip(*r.marks.values()))) * 1e3 for n, r in steps.items()}
-    a, b = list(steps)
-    for ph in PHASES:
-        lines.append(f"  {ph:16s}" + "".join(f"{med[n][ph]:12.3f}" for n in steps) + f"{med[a][ph] - med[b][ph]:12.3f}")
-    lines.append(f"  {'step (median)':16s}" + "".join(f"{totals[n]:12.3f}" for n in steps)
-                 + f"{totals[a] - totals[b]:12.3f}")
+             "median ms per step by phase (unprofiled steps): wall time, then this thread's CPU time (waits left out)"]
+    for what in ("wall", "cpu"):
+        lines += phase_table(steps, what)
     for n, prof in profiles.items():
+        if args.dump:
+            prof.dump_stats(f"{args.dump}.{n}.prof")
         for by in ("cumulative", "self"):
             lines += ["", f"{n}: top {args.top} by {by} time (cProfile, ms per step)"] + top(prof, args.steps, by, args.top)
     text = "\n".join(lines) + "\n"
