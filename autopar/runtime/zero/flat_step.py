@@ -23,7 +23,7 @@ in 64K chunks, 6.5 in 128K and larger ones, 8.3 per parameter on the 3.7 M GPT).
 
 A group qualifies when every parameter is distributed and stepped whole from a contiguous
 local piece of its own (no ZeRO-1/2 shard, no float32 master, no piece aliasing another
-tensor), all of one dtype and device, and its states are tensors: placed like the piece, or
+tensor), all of one dtype and device and not all empty (a rank outside the mesh), and its states are tensors: placed like the piece, or
 scalars equal across the group (the step count).  A step on which that no longer holds (a
 parameter without a gradient, a piece or state replaced) runs per parameter.
 """
@@ -83,8 +83,10 @@ class FlatGroup:
                 return None
             pieces.append(p._local)
         dtype, device = pieces[0].dtype, pieces[0].device
-        if any(t.dtype != dtype or t.device != device for t in pieces) or not all(
-            _owns_storage(t) or t.untyped_storage().data_ptr() in ours for t in pieces
+        if (
+            not sum(t.numel() for t in pieces)
+            or any(t.dtype != dtype or t.device != device for t in pieces)
+            or not all(_owns_storage(t) or t.untyped_storage().data_ptr() in ours for t in pieces)
         ):
             return None
         states = [state.get(zp.param) for zp in members]
