@@ -201,7 +201,8 @@ def main():
         if args.dump:
             prof.dump_stats(f"{args.dump}.{n}.prof")
         for by in ("cumulative", "self"):
-            lines += ["", f"{n}: top {args.top} by {by} time (cProfile, ms per step)"] + top(prof, args.steps, by, args.top)
+            lines += ["", f"{n}: top {args.top} by {by} time (cProfile, ms per step)"]
+            lines += top(prof, args.steps, by, args.top)
     text = "\n".join(lines) + "\n"
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"profile_dp.{env['autopar_commit']}.txt")

@@ -23,9 +23,10 @@ in 64K chunks, 6.5 in 128K and larger ones, 8.3 per parameter on the 3.7 M GPT).
 
 A group qualifies when every parameter is distributed and stepped whole from a contiguous
 local piece of its own (no ZeRO-1/2 shard, no float32 master, no piece aliasing another
-tensor), all of one dtype and device and not all empty (a rank outside the mesh), and its states are tensors: placed like the piece, or
-scalars equal across the group (the step count).  A step on which that no longer holds (a
-parameter without a gradient, a piece or state replaced) runs per parameter.
+tensor), all of one dtype and device and not all empty (a rank outside the mesh), and its
+states are tensors: placed like the piece, or scalars equal across the group (the step
+count).  A step on which that no longer holds (a parameter without a gradient, a piece or
+state replaced) runs per parameter.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ class FlatGroup:
         self.chunks = [buffer[a:b] for a, b in self.bounds]
         first = states[0]
         self.chunk_states = [
-            {k: (state_buffers[k][a:b] if k in tensor_keys else first[k].clone()) for k in first} for a, b in self.bounds
+            {k: (state_buffers[k][a:b] if k in tensor_keys else first[k].clone()) for k in first}
+            for a, b in self.bounds
         ]
         self.scalars = {k: [st[k] for st in states] for k in scalar_keys}
         self.versions = self._versions()
