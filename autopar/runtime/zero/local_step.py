@@ -16,6 +16,8 @@ only for steps through the dispatch), so torch picks its implementation from the
 tensors as on one device: its for-loop on CPU is faster than foreach for large tensors,
 foreach on GPUs.  A group that does not qualify (a Partial gradient left, a state placed
 differently, an optimizer that reduces over a tensor) steps through the dispatch as before.
+After a group's first local step its pieces and states move into flat buffers, and later
+steps run on chunks of them (`flat_step.py`) while the group holds as flattened.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 
 from ...tensor.dtensor import DistTensor, local_piece
 from ...spec import DistSpec
+from .flat_step import FlatGroup
 
 ELEMENTWISE = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
@@ -90,8 +93,39 @@ class LocalStep:
     def __init__(self, optimizer: torch.optim.Optimizer, dispatch_foreach: tuple = ()):
         self.optimizer = optimizer
         self.dispatch_foreach = dispatch_foreach  # groups whose foreach is on for dispatched steps only
-        # (group, its params, their ZeroParams, pieces, stand-ins, _Pair or states before the step, foreach forced)
+        # (group, its params, their ZeroParams, pieces, stand-ins, _Pair or states before the step, foreach forced);
+        # a flat step's: (group, its params, their ZeroParams, None, chunks, its FlatGroup, foreach forced)
         self.swapped: list = []
+        self.flat: dict = {}  # id(param group) -> its FlatGroup
+        self.tried: set = set()  # groups flattened once already (or found not to qualify)
+        self.ours: set = set()  # the storages of the flat parameter buffers (their views may move again)
+
+    def forget(self) -> None:
+        """States were replaced (a state dict loaded): flatten the groups again after their next step."""
+        self.flat, self.tried = {}, set()
+
+    def _swap_flat(self, group: dict, zero_params: list) -> bool:
+        """Step `group` on its flat chunks, when it holds as flattened."""
+        flat = self.flat.get(id(group))
+        if flat is None:
+            return False
+        chunks = flat.stand_ins(zero_params, self.optimizer.state)
+        if chunks is None:
+            del self.flat[id(group)]
+            return False
+        for chunk, st in zip(chunks, flat.chunk_states):
+            self.optimizer.state[chunk] = st
+        self._put(group, zero_params, None, chunks, flat)
+        return True
+
+    def _put(self, group: dict, zero_params: list, pieces, stand_ins: list, states) -> None:
+        """The group's parameters replaced by `stand_ins` for the step (foreach as the user left it)."""
+        params = group["params"]
+        group["params"] = stand_ins
+        forced = any(g is group for g in self.dispatch_foreach)
+        if forced:
+            group["foreach"] = None
+        self.swapped.append((group, params, zero_params, pieces, stand_ins, states, forced))
 
     def swap(self, groups: list) -> None:
         """Step the local pieces of `groups`, (param group, its ZeroParams) pairs, where they
@@ -100,6 +134,8 @@ class LocalStep:
             return
         state = self.optimizer.state
         for group, zero_params in groups:
+            if self._swap_flat(group, zero_params):
+                continue
             pairs = [zp.pair for zp in zero_params]  # (a pair holds for one step: restore keeps it)
             for zp in zero_params:
                 zp.pair = None
@@ -127,19 +163,25 @@ class LocalStep:
                         state[local] = st.local
                     elif st is not _NO_STATE:
                         state[local] = {k: local_piece(v) for k, v in st.items()}
-                params = group["params"]
-                group["params"] = stand_ins
-                forced = any(g is group for g in self.dispatch_foreach)
-                if forced:
-                    group["foreach"] = None
-                self.swapped.append((group, params, zero_params, pieces, stand_ins, states, forced))
+                self._put(group, zero_params, pieces, stand_ins, states)
 
-    def restore(self) -> None:
+    def restore(self, stepped: bool = True) -> None:
+        """Put the parameters back after the step (`stepped`: it ran; else it raised or never
+        ran, and a flat group, whose chunks' step counts are then unknown, steps per parameter
+        from now on)."""
         state = self.optimizer.state
         for group, params, zero_params, pieces, stand_ins, states, forced in self.swapped:
             group["params"] = params
             if forced:
                 group["foreach"] = True
+            if pieces is None:  # a flat step
+                for chunk in stand_ins:
+                    state.pop(chunk, None)
+                if stepped:
+                    states.after_step()
+                else:
+                    self.flat.pop(id(group), None)
+                continue
             for zp, piece, local, old in zip(zero_params, pieces, stand_ins, states):
                 p = zp.param
                 if local is p:
@@ -157,6 +199,12 @@ class LocalStep:
                     zp.pair = _Pair(piece, old, new)
                 else:
                     state[p] = {k: _as_state(v, piece, old.get(k)) for k, v in new.items()}
+            if stepped and id(group) not in self.tried:
+                self.tried.add(id(group))
+                flat = FlatGroup.build(zero_params, state, self.ours)
+                if flat is not None:
+                    self.flat[id(group)] = flat
+                    self.ours.add(flat.buffer.untyped_storage().data_ptr())
         self.swapped = []
 
 

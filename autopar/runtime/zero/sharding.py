@@ -275,11 +275,12 @@ class OptimizerSharding:
                     state[key] = value
 
     def place_states(self) -> None:
+        self.local_step.forget()
         place_states(self.optimizer, ((zp.param, zp.step_spec()) for _, zps in self.groups() for zp in zps))
 
     # -- the step ---------------------------------------------------------------------------
     def pre_step(self, optimizer, args, kwargs) -> None:
-        self.local_step.restore()  # a step that raised left its swap behind: the groups hold stand-ins
+        self.local_step.restore(stepped=False)  # a step that raised left its swap behind: the groups hold stand-ins
         self.prepare_grads()
         for zp in self.masters:
             zp.refresh_master()
@@ -295,7 +296,7 @@ class OptimizerSharding:
         for group, zps in groups:
             mastered = [zp for zp in zps if zp.master is not None]
             if id(group) not in swapped and mastered:
-                self.local_step.restore()
+                self.local_step.restore(stepped=False)
                 p, spec = mastered[0].param, mastered[0].step_spec()
                 grad = p.grad.placements if type(p.grad) is DistTensor else ("none" if p.grad is None else "plain")
                 raise RuntimeError(
