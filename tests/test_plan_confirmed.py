@@ -1,0 +1,178 @@
+"""The planner's layouts confirmed by `dist.simulate` on the meta device: one rank per pipeline
+role (the first stage with the embedding, a middle one, the last with the norm and the head)
+runs the real HF model under the plan's own `parallelize` config, one micro-batch forward and
+backward and an optimizer step, and what it sends (comm_log) and holds (`Simulation.memory`)
+is set beside the planner's accounting of that rank (`role_terms` / `stage_terms`).
+
+Shrunk where the per-rank figures do not change: each stage holds one decoder layer (the
+planner's figures are affine in the layer count, its per-layer terms read at n = 1), the
+pipeline is left out of the config (each role's model holds only its stage's parts, and a
+middle or last stage takes the activation the stage before sends, placed as sent), and the
+run is fp32 (the plan's layout priced again in fp32; the bf16 plan's bytes are half the
+activations' and the weights')."""
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import autopar as dist
+from autopar.planner.cost import H100
+from autopar.planner.model import PRESETS, Affine, role_terms
+from plain_process import evaluated
+
+LLAMA_405B_128K = dataclasses.replace(PRESETS["llama3-405b"], seq=131072)
+# the layout `dist.plan(LLAMA_405B_128K, world_size=16384, global_batch=128, device="h100")`
+# chooses (docs/plan.md; its search takes 5-10 s, the degrees pinned here take none)
+PLANNED_405B = {"dp": 2, "cp": 64, "cp_mode": "ring", "mp": 8, "pp": 16, "vpp": 2, "zero": 1}
+ROLES = {"first": 0, "middle": 1, "last": 15}  # pipeline stage of each role
+WORLD = 16384
+
+
+def _unmasked_sdpa(config) -> None:
+    """HF's own sdpa attention under another name: its mask builder, which HF runs only for the
+    registered names, reads the all-ones 2D mask's values to see that no mask is needed (a
+    meta tensor has none); unregistered, it builds none, and the attention runs causal without
+    a mask, as it does once the builder has seen the ones."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("sdpa_unmasked", sdpa_attention_forward)
+    config._attn_implementation = "sdpa_unmasked"
+
+
+@functools.lru_cache(maxsize=None)
+def _plan():
+    return dist.plan(LLAMA_405B_128K, world_size=WORLD, global_batch=128, device="h100", fixed=PLANNED_405B)
+
+
+def llama_role(role: str, layers: int = 1) -> dict:
+    """One rank of `role` of the planned 405B job at 128K tokens, simulated on meta with one
+    decoder layer (or `layers`): its memory after backward and after the step, and its collectives as
+    [op, group size, bytes, shape]."""
+    import numpy as np
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec, plan = LLAMA_405B_128K, _plan()
+    stage = ROLES[role]
+    mesh = plan.mesh()
+    ids = np.array(mesh.process_ids).reshape(mesh.shape)[stage]
+    sub = dist.ProcessMesh(ids.tolist(), dim_names=mesh.dim_names[1:])  # the stage's dp x sep x mp
+    rank = int(ids.flat[0])
+    cfg = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn, num_hidden_layers=layers,
+                      num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                      max_position_embeddings=spec.seq)
+    _unmasked_sdpa(cfg)
+    entries = dict(plan.config["mp_config"]["parallelize_plan"])
+    config = {**{k: v for k, v in plan.config.items() if k != "pp_config"}, "mp_config": {"parallelize_plan": entries}}
+    dp = plan.degrees["dp"]
+    with dist.simulate(WORLD, rank) as sim:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        if role != "last":  # the final norm and the head live on the last stage
+            model.lm_head, model.model.norm = None, torch.nn.Identity()
+            del entries["lm_head"], entries["model.norm"]
+        if role != "first":  # the embedding on the first
+            model.model.embed_tokens = None
+            del entries["model.embed_tokens"]
+        model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), sub, config)
+        batch = [dist.Shard(0), dist.Replicate(), dist.Replicate()]  # a micro-batch of one sequence per dp rank
+        tokens = dist.dtensor_from_local(torch.zeros(1, spec.seq, dtype=torch.long, device="meta"), sub, batch,
+                                         shape=(dp, spec.seq))
+        # what a later stage receives: the activation split as the stage before sends it
+        sent = [dist.Shard(0), dist.Shard(1), dist.Shard(1)]
+        cut = (1, spec.seq // plan.degrees["sep"] // plan.degrees["mp"], spec.hidden)
+        received = dist.dtensor_from_local(torch.zeros(cut, device="meta"), sub, sent,
+                                           shape=(dp, spec.seq, spec.hidden)).requires_grad_()
+        with dist.comm_log() as log:
+            if role == "last":
+                model(inputs_embeds=received, labels=tokens).loss.backward()
+            else:
+                inputs = {"input_ids": tokens} if role == "first" else {"inputs_embeds": received}
+                out = model.model(**inputs).last_hidden_state
+                # the gradient the next stage sends back, split as the output
+                out.backward(dist.dtensor_from_local(torch.zeros_like(out._local), sub, out.placements,
+                                                     shape=out.shape))
+            after_backward = dataclasses.astuple(sim.memory(model, opt))
+            opt.step()
+        after_step = dataclasses.astuple(sim.memory(model, opt))
+    return {"rank": rank, "after_backward": after_backward, "after_step": after_step,
+            "log": [[r.op, len(r.ranks), r.bytes, list(r.shape)] for r in log]}
+
+
+def _priced(plan, role: str):
+    """The planner's terms for a rank of `role` under the plan's layout in fp32, without the
+    pipeline's sends (the simulated stage sends none: its neighbours are left out)."""
+    shape = dataclasses.replace(plan.estimate.layout.shape, precision="fp32", pp=1)
+    return role_terms(plan.spec, H100, shape, role == "first", role == "last")
+
+
+def _sent(log: list, op: str, group: int) -> int:
+    return sum(b for o, k, b, _ in log if o == op and k == group)
+
+
+@pytest.fixture(scope="module")
+def llama_roles() -> dict:
+    """{role: llama_role(role)}, simulated in one plain process (transformers imported once)."""
+    return evaluated("{r: t.llama_role(r) for r in t.ROLES}", "test_plan_confirmed")
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_a_rank_of_each_role_of_the_planned_405b_job_at_128k_holds_and_sends_what_the_planner_priced(
+        role, llama_roles):
+    """Llama 3 405B at 128K tokens on 16384 H100s, as planned (dp2 x sep64 ring x mp8 x pp16,
+    ZeRO-1, sequence parallel): one rank of `role` on meta against the planner's figures."""
+    got = llama_roles[role]
+    plan = _plan()
+    terms, at = _priced(plan, role), (1, 0)  # one layer, none recomputed
+    dp, cp, tp = plan.degrees["dp"], plan.degrees["sep"], plan.degrees["mp"]
+    assert got["rank"] == ROLES[role] * dp * cp * tp  # the stage's first rank
+    params, grads, states, peak = got["after_backward"]
+    # the states: exact (the final norm is whole on every mp rank; the planner splits the
+    # head's share of it, 14336 parameters; AdamW adds a 4-byte step per tensor)
+    assert params == pytest.approx(terms.memory["params"].at(*at), rel=1e-4)
+    assert grads == params  # fp32 gradients of the pieces, whole under ZeRO-1
+    assert got["after_step"][2] == pytest.approx(terms.memory["optimizer"].at(*at), rel=1e-4)  # over dp
+    log = got["log"]
+    # tensor parallel (sequence parallel): per layer the attention's and the MLP's inputs gathered
+    # and their outputs reduce-scattered, forward and backward; the final norm and the head one more
+    for op in ("all_gather", "reduce_scatter"):
+        priced = terms.micro_bytes[op].at(*at) * (tp - 1) / tp  # a rank sends (n - 1) / n of the whole
+        assert _sent(log, op, tp) == pytest.approx(priced), (role, op)
+    # the embedding's hidden split turned into a sequence split: an all-to-all each way
+    priced = terms.micro_bytes.get("all_to_all", Affine()).at(*at) * (tp - 1) / tp
+    assert _sent(log, "all_to_all", tp) == pytest.approx(priced), role
+    # the ring: this rank's K and V sent cp - 1 hops forward, again in backward, and their
+    # gradients a full turn home
+    kv = LLAMA_405B_128K.seq // cp * 4 * 2 * LLAMA_405B_128K.kv_dim // tp
+    assert _sent(log, "send", 2) == terms.micro_bytes["send"].at(*at) == (3 * cp - 2) * kv
+    # ZeRO-1 at the step: gradients reduce-scattered over dp, the shard all-reduced over sep,
+    # the updated pieces all-gathered over dp
+    assert _sent(log, "reduce_scatter", dp) == pytest.approx(terms.end_bytes["reduce_scatter"].at(*at) * (dp - 1) / dp)
+    assert _sent(log, "all_gather", dp) == pytest.approx(terms.end_bytes["all_gather"].at(*at) * (dp - 1) / dp)
+    over_sep = sum(b for _, k, b, _ in log if k == cp)  # the norms' small shards go as reduce-scatter + gather
+    assert over_sep == pytest.approx(terms.end_bytes["all_reduce"].at(*at) * 2 * (cp - 1) / cp)
+    # nothing else but a few bytes: the loss, the vocabulary-parallel cross entropy's row
+    # maxima and sums, 128 rotary frequencies
+    counted = {("all_gather", tp), ("reduce_scatter", tp), ("all_to_all", tp), ("send", 2), ("recv", 2),
+               ("reduce_scatter", dp), ("all_gather", dp)}
+    rest = sum(b for o, k, b, _ in log if (o, k) not in counted and k != cp)
+    assert rest < 64e3, rest
+    # activations: what autograd saved at most, against the planner's one layer (and on the
+    # last stage the head's): within 1% (the rest is the token ids, the rotary tables, the
+    # attention's log-sum-exp); on the last stage the planner adds 8 bytes a logit for the
+    # backward's transients (the softmax's gradient, half-precision logits), which no saved
+    # tensor shows: a rank saves the fp32 log-probabilities alone
+    priced = terms.memory["activations"].at(*at)
+    if role == "last":
+        priced -= LLAMA_405B_128K.seq // cp * LLAMA_405B_128K.vocab // tp * 8
+    assert peak == pytest.approx(priced, rel=0.01), (role, peak, priced)
+
+
+def test_the_planned_attention_layers_keep_sequence_parallel_beside_context_parallel():
+    """Under sequence parallel the attention layer's entry gathers its input's sequence over
+    "mp" for the column projections; context parallel's entry goes beside it, not in its place
+    (in its place the projections' inputs were gathered over "sep" instead: 16.9 GB a layer)."""
+    entry = _plan().config["mp_config"]["parallelize_plan"]["model.layers.*.self_attn"]
+    assert [type(e).__name__ for e in entry] == ["SequenceParallelDisable", "ContextParallel"]
+    assert entry[1].backend == "p2p"
