@@ -2,7 +2,7 @@
 role (the first stage with the embedding, a middle one, the last with the norm and the head)
 runs the real HF model under the plan's own `parallelize` config, one micro-batch forward and
 backward and an optimizer step, and what it sends (comm_log) and holds (`Simulation.memory`)
-is set beside the planner's accounting of that rank (`role_terms` / `stage_terms`).
+is set beside the planner's accounting of that rank (`role_terms`).
 
 Shrunk where the per-rank figures do not change: each stage holds one decoder layer (the
 planner's figures are affine in the layer count, its per-layer terms read at n = 1), the
@@ -46,9 +46,9 @@ def _plan():
     return dist.plan(LLAMA_405B_128K, world_size=WORLD, global_batch=128, device="h100", fixed=PLANNED_405B)
 
 
-def llama_role(role: str, layers: int = 1) -> dict:
+def llama_role(role: str) -> dict:
     """One rank of `role` of the planned 405B job at 128K tokens, simulated on meta with one
-    decoder layer (or `layers`): its memory after backward and after the step, and its collectives as
+    decoder layer: its memory after backward and after the step, and its collectives as
     [op, group size, bytes, shape]."""
     import numpy as np
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -59,7 +59,7 @@ def llama_role(role: str, layers: int = 1) -> dict:
     ids = np.array(mesh.process_ids).reshape(mesh.shape)[stage]
     sub = dist.ProcessMesh(ids.tolist(), dim_names=mesh.dim_names[1:])  # the stage's dp x sep x mp
     rank = int(ids.flat[0])
-    cfg = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn, num_hidden_layers=1,
                       num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                       max_position_embeddings=spec.seq)
     _unmasked_sdpa(cfg)
