@@ -18,7 +18,7 @@ import torch
 
 import autopar as dist
 from autopar.planner.cost import H100
-from autopar.planner.model import PRESETS, Affine, role_terms
+from autopar.planner.model import PRESETS, Affine, TransformerSpec, role_terms
 from plain_process import evaluated
 
 LLAMA_405B_128K = dataclasses.replace(PRESETS["llama3-405b"], seq=131072)
@@ -178,3 +178,79 @@ def test_the_planned_attention_layers_keep_sequence_parallel_beside_context_para
 def test_the_pinned_405b_layout_is_the_one_the_search_chooses():
     found = dist.plan(LLAMA_405B_128K, world_size=WORLD, global_batch=128, device="h100")
     assert found.name == _plan().name and found.estimate.layout == _plan().estimate.layout
+
+
+# DeepSeek-V3's layout with expert parallel: pipeline pinned to 16 stages without tensor or
+# context parallel (the plain search prefers dp16 x mp4 x pp32 with every expert on every
+# rank); the search splits the 256 experts over all 64 dp ranks of a stage, 4 a rank
+DEEPSEEK_EP = {"mp": 1, "pp": 16, "zero": 1, "cp": 1, "vpp": 1}
+# DeepSeek-V3's routing (256 experts, top-8 in 4 of 8 groups, one shared expert) with small
+# matrices: what a token sends is its hidden state, k times, and that scales with the hidden size
+SMALL_DEEPSEEK = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                      n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=0,
+                      q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+
+
+def _deepseek_plan():
+    return dist.plan(PRESETS["deepseek-v3"], world_size=1024, global_batch=4096, device="h100", fixed=DEEPSEEK_EP)
+
+
+def deepseek_rank() -> dict:
+    """The first rank of the DeepSeek-V3 plan's second stage, simulated with CPU tensors (the
+    routing's split sizes are values, which meta tensors have not) on a DeepSeek-V3 of small
+    matrices and one MoE layer: its experts' pieces, and its collectives as [op, group size,
+    bytes, shape] over one micro-batch (a 4K sequence) forward and backward and the step."""
+    import numpy as np
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    plan = _deepseek_plan()
+    mesh = plan.mesh()
+    ids = np.array(mesh.process_ids).reshape(mesh.shape)[1]
+    sub = dist.ProcessMesh(ids.reshape(-1).tolist(), dim_names=["dp"])  # the stage's dp ranks (mp 1)
+    seq, dp = PRESETS["deepseek-v3"].seq, plan.degrees["dp"]
+    config = {k: v for k, v in plan.config.items() if k != "pp_config"}
+    with dist.simulate(1024, int(ids.flat[0])):
+        torch.manual_seed(0)
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(max_position_embeddings=seq, attn_implementation="sdpa",
+                                                       **SMALL_DEEPSEEK))
+        model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), sub, config)
+        tokens = dist.dtensor_from_local(torch.randint(0, 128, (1, seq)), sub, [dist.Shard(0)], shape=(dp, seq))
+        with dist.comm_log() as log:
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            opt.step()
+    return {"degrees": plan.degrees,
+            "experts": {n: list(p._local.shape) for n, p in model.named_parameters() if ".experts." in n},
+            "params": sum(p._local.numel() for p in model.parameters()),
+            "log": [[r.op, len(r.ranks), r.bytes, list(r.shape)] for r in log]}
+
+
+def test_a_rank_of_the_planned_deepseek_v3_expert_parallel_job_sends_each_token_twice_each_way():
+    got = evaluated("t.deepseek_rank()", "test_plan_confirmed")
+    dp, ep = got["degrees"]["dp"], got["degrees"]["ep"]
+    assert ep == dp == 64
+    cfg = SMALL_DEEPSEEK
+    h, experts, k = cfg["hidden_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    spec = TransformerSpec(layers=1, hidden=h, heads=4, kv_heads=4, ffn=cfg["intermediate_size"], vocab=128,
+                           seq=PRESETS["deepseek-v3"].seq, experts=experts, top_k=k,
+                           expert_ffn=cfg["moe_intermediate_size"], shared_experts=1)
+    shape = dataclasses.replace(_deepseek_plan().estimate.layout.shape, precision="fp32", pp=1)
+    terms = role_terms(spec, H100, shape, False, False)
+    # the experts' pieces: experts / ep of each grouped weight, the planner's share
+    pieces = got["experts"]
+    assert all(s[0] == experts // ep for s in pieces.values()), pieces
+    assert sum(torch.Size(s).numel() for s in pieces.values()) == spec.layer_expert_params() / ep
+    # each token's hidden state to its top-k experts' ranks and back, forward and backward:
+    # four all-to-alls of the rank's tokens x k rows (the rows for its own experts stay)
+    log = got["log"]
+    moved = [(b, s) for o, n, b, s in log if o == "all_to_all" and len(s) == 2 and s[1] == h]
+    assert len(moved) == 4 and all(s[0] == spec.seq * k for _, s in moved), moved
+    assert sum(s[0] * h * 4 for _, s in moved) == terms.micro_bytes["all_to_all"].at(1, 0)
+    assert all(0 < b < s[0] * h * 4 for b, s in moved)
+    # besides them only the per-expert counts, and ZeRO-1 over dp of the other parameters: an
+    # expert's gradient lives on its one rank (dp / ep = 1), nothing gathers or reduces it
+    assert [s for o, n, b, s in log if o == "all_to_all" and (b, s) not in moved] == [[experts]]
+    expert_elements = sum(torch.Size(s).numel() for s in pieces.values())
+    reduced = sum(torch.Size(s).numel() for o, n, b, s in log if o in ("reduce_scatter", "all_reduce") and n == dp
+                  and torch.Size(s).numel() > 2)  # (the loss and its token count aside)
+    assert reduced == got["params"] - expert_elements
