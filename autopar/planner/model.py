@@ -10,7 +10,7 @@ count (`Affine`); `stage_terms` computes those coefficients once, `evaluate` rea
 the layout's (n, r), and the planner's integer program (search.py) optimises over them:
 the two cannot disagree.
 
-Conventions (Megatron-LM's, Korthikanti et al. 2022 for activations):
+Conventions (Megatron-LM's; activations as autopar saves them, `_activation_bytes`):
 - ranks are ordered tp fastest, then cp, then dp, then pp (a tp group shares a node);
 - context parallel (cp) splits every sequence over cp ranks, load-balanced for the causal
   mask (each rank holds a head and a tail chunk): activations and attention work are 1/cp
