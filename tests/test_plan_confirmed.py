@@ -18,7 +18,8 @@ import torch
 
 import autopar as dist
 from autopar.planner.cost import H100
-from autopar.planner.model import PRESETS, Affine, TransformerSpec, role_terms
+from autopar.planner.describe import apply_recompute
+from autopar.planner.model import PRESETS, Affine, Layout, TransformerSpec, role_terms, stage_terms
 from plain_process import evaluated
 
 LLAMA_405B_128K = dataclasses.replace(PRESETS["llama3-405b"], seq=131072)
@@ -46,9 +47,9 @@ def _plan():
     return dist.plan(LLAMA_405B_128K, world_size=WORLD, global_batch=128, device="h100", fixed=PLANNED_405B)
 
 
-def llama_role(role: str) -> dict:
+def llama_role(role: str, recompute: bool = False) -> dict:
     """One rank of `role` of the planned 405B job at 128K tokens, simulated on meta with one
-    decoder layer: its memory after backward and after the step, and its collectives as
+    decoder layer (`recompute`: checkpointed as the plan recomputes layers): its memory after backward and after the step, and its collectives as
     [op, group size, bytes, shape]."""
     import numpy as np
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -76,6 +77,9 @@ def llama_role(role: str) -> dict:
             model.model.embed_tokens = None
             del entries["model.embed_tokens"]
         model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), sub, config)
+        if recompute:  # the planner's own checkpointing of a layer it recomputes
+            one = plan.estimate.layout.shape
+            apply_recompute(model, plan.names, Layout(dataclasses.replace(one, pp=1, vpp=1), (1,), (1,)))
         batch = [dist.Shard(0), dist.Replicate(), dist.Replicate()]  # a micro-batch of one sequence per dp rank
         tokens = dist.dtensor_from_local(torch.zeros(1, spec.seq, dtype=torch.long, device="meta"), sub, batch,
                                          shape=(dp, spec.seq))
@@ -115,7 +119,8 @@ def _sent(log: list, op: str, group: int) -> int:
 @pytest.fixture(scope="module")
 def llama_roles() -> dict:
     """{role: llama_role(role)}, simulated in one plain process (transformers imported once)."""
-    return evaluated("{r: t.llama_role(r) for r in t.ROLES}", "test_plan_confirmed")
+    return evaluated("{**{r: t.llama_role(r) for r in t.ROLES}, 'recomputed': t.llama_role('middle', True)}",
+                     "test_plan_confirmed")
 
 
 @pytest.mark.parametrize("role", list(ROLES))
@@ -164,6 +169,28 @@ def test_a_rank_of_each_role_of_the_planned_405b_job_at_128k_holds_and_sends_wha
     if role == "last":
         priced -= LLAMA_405B_128K.seq // cp * LLAMA_405B_128K.vocab // tp * 8
     assert peak == pytest.approx(priced, rel=0.01), (role, peak, priced)
+
+
+def test_a_layer_the_405b_plan_recomputes_holds_its_input_and_runs_its_forward_again_as_priced(llama_roles):
+    """The plan recomputes one layer on stages 1-8: a middle rank with its layer checkpointed
+    holds the layer's input for backward, as the planner prices a recomputed layer of a
+    micro-batch in flight; its forward's gathers, reduce-scatters and ring sends run twice.
+    (The recomputation's own saved tensors, in backward, are kept by checkpointing's hooks,
+    which `simulate`'s tracking does not see: the planner's working layer stands for them.)"""
+    plan = _plan()
+    assert any(plan.estimate.layout.recompute)
+    tp = plan.degrees["mp"]
+    got, plain = llama_roles["recomputed"], llama_roles["middle"]
+    terms = _priced(plan, "middle")
+    one_held = dataclasses.replace(plan.estimate.layout.shape, precision="fp32", pp=3, vpp=1, micro_batches=1)
+    stage = stage_terms(plan.spec, H100, one_held, 1)  # a middle stage holding one micro-batch
+    held = stage.memory["activations"].at(1, 1) - terms.memory["activations"].at(1, 1)  # less the working layer
+    assert got["after_backward"][3] == pytest.approx(held, rel=0.01)
+    for op, group in (("all_gather", tp), ("reduce_scatter", tp), ("send", 2)):
+        share = (tp - 1) / tp if group == tp else 1
+        assert _sent(got["log"], op, group) == pytest.approx(terms.micro_bytes[op].at(1, 1) * share), op
+        assert _sent(got["log"], op, group) > _sent(plain["log"], op, group)
+    assert got["after_backward"][:3] == plain["after_backward"][:3]
 
 
 def test_the_planned_attention_layers_keep_sequence_parallel_beside_context_parallel():

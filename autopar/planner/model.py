@@ -434,8 +434,10 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
         # the embedding split by hidden (untied) turns into a sequence split: an all-to-all each way
         hidden_split = first and shape.sequence_parallel and not spec.tied
         ends = (1 if first and not hidden_split else 0) + (1 if last else 0)
-        per_op = Affine(ends, 4, 2)
         for op in ops:
+            # a recomputed forward gathers both inputs again but reduces only the attention's
+            # output: checkpointing stops once the saved tensors are back, before the MLP's
+            per_op = Affine(ends, 4, 2 if op == "all_gather" else 1)
             _collective(terms, "micro", "tp_comm", op, tp, 1, per_op, per_op * activation, profile)
         if hidden_split:
             _collective(terms, "micro", "tp_comm", "all_to_all", tp, 1, Affine(2), Affine(2 * activation / tp),
