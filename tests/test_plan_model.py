@@ -41,16 +41,18 @@ def test_tensor_and_pipeline_parallel_split_the_weights():
     est = evaluate(SMALL, H100, _layout(tp=2, pp=2))
     h, kv, f, v = 1024, 512, 4096, 32000
     layer = (2 * h * h + 2 * h * kv + 3 * h * f) / 2 + 2 * h  # matrices split over tp, norms whole
-    first, last = 2 * layer + v * h / 2, 2 * layer + (v * h + h) / 2
+    first, last = 2 * layer + v * h / 2, 2 * layer + v * h / 2 + h  # the final norm whole too
     assert est.memory["params"] == pytest.approx(2 * max(first, last))
     assert est.memory["optimizer"] == pytest.approx(12 * max(first, last))
 
 
 def test_activations_per_layer_with_and_without_recompute():
     b, s, h, kv, f, v = 2, 2048, 1024, 512, 4096, 32000
-    per_layer = 2 * b * s * (4 * h + 2 * h + 2 * kv + 3 * f)  # bf16: norms in/out, q k v, attention out, MLP
+    # bf16: the norms' inputs and normalized inputs, the attention's and the MLP's inputs, q k v,
+    # the attention output and its contiguous copy, the MLP's gate, its activation, up, their product
+    per_layer = 2 * b * s * (4 * h + 2 * h + 3 * h + 2 * kv + 4 * f)
     layer_input = 2 * b * s * h
-    logits = b * s * v * (2 + 8)
+    logits = b * s * v * (2 + 8) + 2 * b * s * 3 * h  # and the head's input, the final norm's two
     embedding_out = 2 * b * s * h
     est = evaluate(SMALL, H100, _layout(micro_batch=b, micro_batches=4))
     assert est.memory["activations"] == pytest.approx(4 * per_layer + per_layer + logits + embedding_out)
@@ -63,8 +65,9 @@ def test_sequence_parallel_splits_the_norm_activations_too():
     no_sp = evaluate(SMALL, H100, _layout(tp=4, pp=2, micro_batches=8)).memory_per_stage[1]
     sp = evaluate(SMALL, H100, _layout(tp=4, pp=2, micro_batches=8, sequence_parallel=True)).memory_per_stage[1]
     saved_per_layer = 2 * b * s * 4 * h * (1 - 1 / 4)
+    final_norm = 2 * b * s * 2 * h * (1 - 1 / 4)
     # stage 1 of 2 keeps one micro-batch in flight + the working layer; the head's input is whole
-    assert no_sp - sp == pytest.approx(2 * saved_per_layer + saved_per_layer)
+    assert no_sp - sp == pytest.approx(2 * saved_per_layer + saved_per_layer + final_norm)
 
 
 def test_1f1b_bubble():
@@ -95,7 +98,7 @@ def test_single_rank_step_time_is_flops_at_the_device_rate():
     est = evaluate(spec, H100, _layout(spec, micro_batch=b, micro_batches=m))
     tokens = b * s
     layer_fwd_flops = 2 * tokens * (2 * h * h + 2 * h * kv + 3 * h * f) + 2 * tokens * s * h
-    layer_fwd = matmul_time(layer_fwd_flops, 8, H100) + 2 * tokens * (10 * h + 2 * (h + kv) + 3 * f) / H100.hbm_bandwidth
+    layer_fwd = matmul_time(layer_fwd_flops, 8, H100) + 2 * tokens * (10 * h + 2 * (h + kv) + 4 * f) / H100.hbm_bandwidth
     head = matmul_time(6 * tokens * h * v, 3, H100) + 3 * tokens * v * 10 / H100.hbm_bandwidth
     embedding = 3 * tokens * h * 2 / H100.hbm_bandwidth
     adam = SMALL.params() * 30 / H100.hbm_bandwidth
@@ -128,9 +131,12 @@ def test_collective_bytes_and_time_per_step():
     b, s, h, m = 1, 2048, 1024, 2
     act = 2 * b * s * h
     est = evaluate(SMALL, H100, _layout(dp=2, tp=4, micro_batches=m, zero=1, sequence_parallel=True))
-    # per layer: 4 gathers and 4 reduce-scatters (forward and backward), + the embedding's and head's
-    assert est.bytes_per_step["reduce_scatter"] == pytest.approx(m * (4 * 4 + 2) * act + 2 * _shard_params(4))
-    assert est.time["tp_comm"] == pytest.approx(2 * m * (4 * 4 + 2) * collective_time("all_gather", act, 4, H100))
+    # per layer: 4 gathers and 4 reduce-scatters (forward and backward), + the head's; the
+    # embedding's hidden split to the sequence split an all-to-all each way
+    assert est.bytes_per_step["reduce_scatter"] == pytest.approx(m * (4 * 4 + 1) * act + 2 * _shard_params(4))
+    assert est.bytes_per_step["all_to_all"] == pytest.approx(m * 2 * act / 4)
+    assert est.time["tp_comm"] == pytest.approx(2 * m * (4 * 4 + 1) * collective_time("all_gather", act, 4, H100)
+                                                + 2 * m * collective_time("all_to_all", act / 4, 4, H100))
     est = evaluate(SMALL, H100, _layout(dp=2, tp=4, micro_batches=m))
     assert est.bytes_per_step["all_reduce"] == pytest.approx(m * (4 * 4 + 2) * act + 2 * _shard_params(4))
     assert est.time["dp_comm"] == pytest.approx(collective_time("all_reduce", 2 * _shard_params(4), 2, H100, 4))
@@ -138,7 +144,7 @@ def test_collective_bytes_and_time_per_step():
 
 def _shard_params(tp):
     return SMALL.layers * (SMALL.layer_split_params() / tp + SMALL.layer_replicated_params()) + (
-        SMALL.embedding_params() + SMALL.head_params()) / tp
+        SMALL.embedding_params() + SMALL.head_params() - SMALL.hidden) / tp + SMALL.hidden  # the final norm whole
 
 
 def test_hand_config_for_llama3_70b_on_1024_h100_fits_with_plausible_mfu():

@@ -33,11 +33,14 @@ from .tensors import reshard, shard_tensor
 _IGNORE = -100  # the label HF's (and torch's) cross entropy skips
 
 
-def shard_sequence(t: torch.Tensor, mesh: ProcessMesh, dim: int = 1, backend: str = "p2p") -> DistTensor:
+def shard_sequence(t: torch.Tensor, mesh: ProcessMesh, dim: int = 1, backend: str = "p2p", *,
+                   src_data_rank: int | None = 0) -> DistTensor:
     """`t` split on its sequence dim `dim` over the mesh dim "sep", laid out as `backend`'s
     attention takes it: "p2p" (ring) in the load-balanced order (2 x cp chunks, rank r
     holding chunks r and 2*cp-1-r: the global tensor holds the sequence in that order),
-    "all2all" (Ulysses) in the natural order.  Other mesh dims keep `t`'s placements.
+    "all2all" (Ulysses) in the natural order.  Other mesh dims keep `t`'s placements.  A
+    plain `t` is the mesh's first rank's, sent to the others (`shard_tensor`'s
+    `src_data_rank`; None: every rank holds the same `t` and cuts its own piece).
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["sep"])
@@ -53,7 +56,9 @@ def shard_sequence(t: torch.Tensor, mesh: ProcessMesh, dim: int = 1, backend: st
     if backend == "p2p":
         t = t.index_select(dim, load_balanced_order(t.shape[dim], cp).to(t.device))
     placements = placements_on(t, mesh, **{SEP: Shard(dim)})
-    return reshard(t, mesh, placements) if isinstance(t, DistTensor) else shard_tensor(t, mesh, placements)
+    if isinstance(t, DistTensor):
+        return reshard(t, mesh, placements)
+    return shard_tensor(t, mesh, placements, src_data_rank=src_data_rank)
 
 
 def _split_over_sep(t: torch.Tensor) -> bool:
@@ -114,8 +119,9 @@ class PrepareContextParallel(PlanBase):
                 kwargs["use_cache"] = False  # a key cache would gather the split keys back (and is of no use)
             first = next((t for t in list(args) + list(kwargs.values()) if _split_over_sep(t)), None)
             if first is not None and positions and kwargs.get("position_ids") is None:
+                # every rank knows the positions: each cuts its own (none sent from the first rank)
                 kwargs["position_ids"] = shard_sequence(torch.arange(first.shape[1], device=first.device).unsqueeze(0),
-                                                        mesh, 1, self.backend)
+                                                        mesh, 1, self.backend, src_data_rank=None)
             given = kwargs.get("attention_mask")
             keep = given if self.backend == "p2p" and isinstance(given, DistTensor) and given.dim() == 2 else None
             if first is not None and mask and (given is None or keep is not None):

@@ -72,7 +72,7 @@ class Plan:
         >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=64))
         >>> p = dist.plan(model, torch.zeros(1, 64, dtype=torch.long), 1, device="cpu", precision="fp32",
-        ...               memory_per_rank=1.9e6)  # 2.2 MB without recompute
+        ...               memory_per_rank=2.1e6)  # 2.5 MB without recompute
         >>> p.apply_recompute(model)
         ['model.layers.0', 'model.layers.1']
         """

@@ -211,7 +211,11 @@ def parallelize_config(names: ModelNames, layout: Layout) -> dict:
         if shape.cp > 1:
             backend = "p2p" if shape.cp_mode == "ring" else "all2all"
             plan[names.inputs] = PrepareContextParallel(backend)
-            plan[each + names.attention] = ContextParallel(backend)
+            # beside sequence parallel's entry on the attention layer (which gathers its input's
+            # sequence over "mp" for the column projections), not in its place
+            attention = plan.get(each + names.attention)
+            plan[each + names.attention] = ContextParallel(backend) if attention is None else [
+                attention, ContextParallel(backend)]
         if shape.ep > 1:  # the MLP's experts, not its dense projections
             for key in [k for k in plan if k.startswith(each + names.mlp + ".")]:
                 del plan[key]

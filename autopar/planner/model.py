@@ -10,7 +10,7 @@ count (`Affine`); `stage_terms` computes those coefficients once, `evaluate` rea
 the layout's (n, r), and the planner's integer program (search.py) optimises over them:
 the two cannot disagree.
 
-Conventions (Megatron-LM's, Korthikanti et al. 2022 for activations):
+Conventions (Megatron-LM's; activations as autopar saves them, `_activation_bytes`):
 - ranks are ordered tp fastest, then cp, then dp, then pp (a tp group shares a node);
 - context parallel (cp) splits every sequence over cp ranks, load-balanced for the causal
   mask (each rank holds a head and a tail chunk): activations and attention work are 1/cp
@@ -104,6 +104,12 @@ class TransformerSpec:
     @property
     def mlp_matrices(self) -> int:
         return 3 if self.gated else 2
+
+    @property
+    def mlp_saved(self) -> int:
+        """Tensors of the MLP's inner size a layer keeps for backward: the gate's output, its
+        activation, up's output and their product (gated); fc1's output and its activation."""
+        return 4 if self.gated else 2
 
     @property
     def moe_layers(self) -> int:
@@ -291,19 +297,23 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
 def _moe_mlp_acts(spec: TransformerSpec) -> float:
     """Per token, the MLP's inner activations (elements) of a layer on average: a MoE layer
     keeps its top-k and shared experts' and the dispatched and combined hidden states."""
-    per_expert = spec.mlp_matrices * (spec.expert_ffn or spec.ffn)
+    per_expert = spec.mlp_saved * (spec.expert_ffn or spec.ffn)
     moe = per_expert * (spec.top_k + spec.shared_experts) + 2 * spec.top_k * spec.hidden if spec.experts else 0
-    return spec._per_layer(spec.mlp_matrices * spec.ffn, moe)
+    return spec._per_layer(spec.mlp_saved * spec.ffn, moe)
 
 
 def _activation_bytes(spec: TransformerSpec, shape: Shape) -> tuple:
-    """Bytes per rank per micro-batch a full layer keeps (its norms' inputs and outputs,
-    split only under sequence parallel, q/k/v, the attention output and the MLP's inner
-    tensors) and a recomputed layer keeps (its input)."""
+    """Bytes per rank per micro-batch a full layer keeps and a recomputed layer keeps (its
+    input).  A full layer keeps what autograd saves as autopar runs it (measured under
+    `simulate`, tests/test_plan_confirmed.py): each norm's input and normalized input, split
+    only under sequence parallel; the attention's and the MLP's inputs whole, as the column
+    projections save them (sequence parallel gathers them; Megatron would keep its split
+    and gather it again in backward); q, k, v, the attention output and the output
+    projection's contiguous input, split by tp; the MLP's inner tensors (`mlp_saved`)."""
     h, tp, a = spec.hidden, shape.tp, _ACT_BYTES[shape.precision]
     tokens = shape.micro_batch * spec.seq / shape.cp
     sp_div = tp if shape.sequence_parallel else 1
-    full = tokens * a * (4 * h / sp_div + (2 * h + 2 * spec.kv_dim + _moe_mlp_acts(spec)) / tp)
+    full = tokens * a * (4 * h / sp_div + 2 * h + (3 * h + 2 * spec.kv_dim + _moe_mlp_acts(spec)) / tp)
     return full, tokens * a * h / sp_div
 
 
@@ -326,7 +336,9 @@ def _param_groups(spec: TransformerSpec, shape: Shape, first: bool, last: bool) 
     sep / ep ranks that hold those experts (ZeRO over what is left of "dp")."""
     h, tp, dp, cp, ep = spec.hidden, shape.tp, shape.dp, shape.cp, shape.ep
     layer_p = (spec.layer_split_params() - spec.layer_expert_params()) / tp + spec.layer_replicated_params()
-    fixed_p = (spec.embedding_params() / tp if first else 0.0) + (spec.head_params() / tp if last else 0.0)
+    norm = (2 if spec.bias else 1) * h  # the final norm, whole on every tp rank
+    fixed_p = (spec.embedding_params() / tp if first else 0.0) + \
+        ((spec.head_params() - norm) / tp + norm if last else 0.0)
     if spec.tied and last and not first:
         fixed_p += spec.vocab * h / tp  # the last stage keeps its own copy of the shared weight
     groups = [_Params(Affine(fixed_p, layer_p), dp, tp * cp, cp, tp)]
@@ -371,11 +383,12 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
         terms.add("memory", "params", Affine(2 * gathered * wb))
 
     # activations beyond the micro-batches held (`stage_terms`): one layer's working set in
-    # the backward, and the last stage's logits, fp32 softmax and its gradient
+    # the backward, and on the last stage the head's input (whole, as its columns save it),
+    # the final norm's input and normalized input, the logits, fp32 softmax and its gradient
     mlp_acts = _moe_mlp_acts(spec)
     act = Affine(_activation_bytes(spec, shape)[0])
     if last:
-        act += Affine(tokens * spec.vocab / tp * (a + 4 + 4))
+        act += Affine(tokens * a * (h + 2 * h / sp_div) + tokens * spec.vocab / tp * (a + 4 + 4))
     terms.add("memory", "activations", act)
     terms.add("memory", "reserved", Affine(profile.reserved_bytes))
 
@@ -418,10 +431,17 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
     activation = tokens * a * h
     if tp > 1:
         ops = ("all_gather", "reduce_scatter") if shape.sequence_parallel else ("all_reduce",)
-        ends = (1 if first else 0) + (1 if last else 0)
-        per_op = Affine(ends, 4, 2)
+        # the embedding split by hidden (untied) turns into a sequence split: an all-to-all each way
+        hidden_split = first and shape.sequence_parallel and not spec.tied
+        ends = (1 if first and not hidden_split else 0) + (1 if last else 0)
         for op in ops:
+            # a recomputed forward gathers both inputs again but reduces only the attention's
+            # output: checkpointing stops once the saved tensors are back, before the MLP's
+            per_op = Affine(ends, 4, 2 if op == "all_gather" else 1)
             _collective(terms, "micro", "tp_comm", op, tp, 1, per_op, per_op * activation, profile)
+        if hidden_split:
+            _collective(terms, "micro", "tp_comm", "all_to_all", tp, 1, Affine(2), Affine(2 * activation / tp),
+                        profile)
 
     # context parallel, per layer: forward once (again when recomputed), then backward
     if cp > 1:
