@@ -4,19 +4,15 @@ fails unless every loss and the final weights match the single-process run).
 
 Each guide script is launched once as users launch it (`python -m autopar.launch`); its other
 variants, and the main job's (launched by test_launch.py's summary test), run on a pooled
-world through the launcher's own rank code (`autopar.launch._worker.run`: the script as
-`__main__`, its argv and sys.path[0]), which spares a fresh interpreter importing torch per
-rank (seconds each on two cores)."""
-import contextlib
-import io
+world through the launcher's own rank code (tests/pooled_launch.py), which spares a fresh
+interpreter importing torch per rank (seconds each on two cores)."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from autopar.launch import _worker
-from distpool import run_dist
+from pooled_launch import run_launched
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--hidden", "64", "--ffn", "128", "--seq", "8"]
@@ -59,20 +55,4 @@ def test_example_matches_single_process(script, nproc, args, how):
         assert proc.returncode == 0, out[-6000:]
         assert MATCHED in out
         return
-    ranks = run_dist(_run_as_a_launched_rank, nproc, os.path.join(ROOT, "examples", script), ["--check", *args])
-    for rank, (status, out) in enumerate(ranks):
-        assert status == 0, f"rank {rank} exited {status}:\n{out[-6000:]}"
-    assert MATCHED in ranks[0][1]
-
-
-def _run_as_a_launched_rank(script: str, args: list) -> tuple:
-    """(exit status, stdout and stderr) of `script` run as a launched rank runs it; this rank's
-    sys.path and argv as they were afterwards (the pool's next test needs them)."""
-    path, argv = list(sys.path), list(sys.argv)
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            status = _worker.run(script, args, module=False)
-    finally:
-        sys.path[:], sys.argv = path, argv
-    return status, out.getvalue()
+    assert MATCHED in run_launched(os.path.join(ROOT, "examples", script), nproc, ["--check", *args])[0]
