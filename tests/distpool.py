@@ -27,8 +27,8 @@ Environment knobs (read when a pool starts / per call):
   AUTOPAR_TEST_TASK_TIMEOUT  overall deadline of one run_dist call, seconds (120)
   AUTOPAR_TEST_GRACE         after the first failing rank, how long to wait for the others (5)
   AUTOPAR_TEST_MAX_POOLS     keep at most this many pools alive, LRU; 0 = no limit (0)
-  AUTOPAR_TEST_START_METHOD  "forkserver" (default: torch is imported once, ranks fork from
-                             it) or "spawn"
+  AUTOPAR_TEST_START_METHOD  "forkserver" (default: torch, autopar and transformers are
+                             imported once, ranks fork from it) or "spawn"
   AUTOPAR_TEST_LIVE_OUTPUT   1: workers write straight to the inherited stdout/stderr
                              (live with -s) instead of log files; output is then not part of
                              the error message
@@ -410,10 +410,12 @@ def _context():
         method = os.environ.get("AUTOPAR_TEST_START_METHOD", "forkserver").strip() or "forkserver"
         ctx = multiprocessing.get_context(method)
         if method == "forkserver":
-            # torch is imported once in the fork server; ranks fork from it (a fresh
-            # interpreter importing torch per rank costs ~1.3 s of CPU each).
-            ctx.set_forkserver_preload(["torch", "torch.distributed", "_pytest.assertion.rewrite", "_warm_torch"])
-            with _single_thread_env():
+            # torch, autopar and what _warm_torch loads are imported once in the fork server;
+            # ranks fork from it (a fresh interpreter importing torch per rank costs ~1.3 s of
+            # CPU each, transformers seconds more).
+            ctx.set_forkserver_preload(["torch", "torch.distributed", "_pytest.assertion.rewrite", "_warm_torch",
+                                        "autopar"])
+            with _single_thread_env(), _this_sys_path():
                 from multiprocessing import forkserver
 
                 forkserver.ensure_running()
@@ -453,6 +455,23 @@ class _single_thread_env:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class _this_sys_path:
+    """While starting the fork server: PYTHONPATH = this process's sys.path, so that it finds
+    the preloaded modules (tests/_warm_torch, autopar) where this process does.  Python 3.11's
+    fork server is sent sys.path but does not apply it: without this, _warm_torch was never
+    found (an ImportError the fork server ignores) and every rank paid for it."""
+
+    def __enter__(self):
+        self.saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = self.saved
 
 
 def _free_port() -> int:

@@ -1,11 +1,12 @@
-"""docs/pipeline.md's first example runs on 4 ranks and prints the single-process losses."""
+"""docs/pipeline.md's first example runs on 4 ranks (as the launcher runs it, on a pooled
+world: tests/pooled_launch.py) and prints the single-process losses."""
 import os
 import re
-import subprocess
-import sys
 
 import torch
 import torch.nn.functional as F
+
+from pooled_launch import run_launched
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,11 +35,7 @@ def _single_process_losses():
 def test_the_pipeline_page_example_runs_and_matches_one_process(tmp_path):
     script = tmp_path / "pipeline_example.py"
     script.write_text(_example())
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "autopar.launch", "--nproc_per_node", "4", str(script)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = "".join(run_launched(str(script), 4, []))
     got = [float(v) for v in re.findall(r"step \d: loss ([0-9.]+)", out)]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(_single_process_losses()), rtol=1e-5, atol=1e-6)
     assert "rank 3: F0 B0 F1 B1 F2 B2" in out and "idle ms (bubble)" in out

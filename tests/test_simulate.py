@@ -8,7 +8,7 @@ import torch
 import autopar as dist
 from distpool import run_dist
 from hf_llama import batches, mp_plan, optimizer, tiny_llama
-from plain_process import evaluated, run_plain
+from plain_process import evaluated, run_forked
 
 KINDS = ("dp0", "zero1", "zero2", "zero3", "dpmp", "pp")
 
@@ -83,7 +83,7 @@ def test_the_docstring_example_runs_in_a_plain_process():
     code = ("import doctest, autopar.tools.simulate as m\n"
             "r = doctest.testmod(m, optionflags=doctest.ELLIPSIS)\n"
             "assert r.attempted > 0 and not r.failed, r\n")
-    run_plain(code)
+    run_forked(code)
 
 
 def _explained_mlp():
