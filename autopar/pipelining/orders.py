@@ -119,10 +119,12 @@ def zbvpp(num_ranks: int, v: int, m: int) -> Orders:
     waiting_w: list[list] = [[] for _ in range(p)]  # I's whose W has not run, oldest first
     orders: Orders = [[] for _ in range(p)]
     t = 0
-    while any(x < total for x in nw):
-        def ready(kind: str, stage: int, mb: int) -> bool:
-            return finished.get(Action(kind, stage, mb), t + 1) <= t
 
+    def ready(kind: str, stage: int, mb: int) -> bool:
+        """The action finished by now (time `t`)."""
+        return finished.get(Action(kind, stage, mb), t + 1) <= t
+
+    while any(x < total for x in nw):
         for r in range(p):
             if free[r] > t:
                 continue
