@@ -114,3 +114,26 @@ def test_explain_runs_under_simulate():
     simulated = evaluated("t.each_rank(2, t._explained_mlp)[1]", "test_simulate")
     real = run_dist(_explained_mlp, 2)[1]
     assert simulated == json.loads(json.dumps(real))
+
+
+def test_a_parameter_storage_at_a_released_activations_address_leaves_the_activation_counted():
+    """An activation's storage, released, may leave its address (the peak's key) to a storage
+    allocated later, such as the optimizer's flat buffer; excluding the parameters' storages at
+    the end must not take that activation for a parameter."""
+    import weakref
+
+    from autopar.tools.simulate import SavedActivations
+    from autopar.tensor.dispatch import storage_key
+
+    param = torch.zeros(16)
+    released = torch.ones(16)
+    gone = weakref.ref(released.untyped_storage())
+    del released
+    assert gone() is None
+    saved = SavedActivations()
+    key = storage_key(param)  # the address the released activation had, as the allocator may hand it out again
+    saved.events += [(key, 64, 1, gone), (key, 64, -1, gone)]
+    assert saved.peak(exclude=[param.untyped_storage()]) == 64
+    held = weakref.ref(param.untyped_storage())
+    saved.events += [(key, 64, 1, held), (key, 64, -1, held)]
+    assert saved.peak(exclude=[param.untyped_storage()]) == 64  # the parameter's own save is left out

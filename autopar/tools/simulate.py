@@ -49,7 +49,7 @@ class SavedActivations:
     Only observes: local regions and checkpointing behave as without it."""
 
     def __init__(self):
-        self.events: list = []  # (storage key, bytes, +1 saved / -1 released), in order
+        self.events: list = []  # (storage key, bytes, +1 saved / -1 released, the storage weakly), in order
         self._hooks = None
 
     def __enter__(self) -> "SavedActivations":
@@ -58,9 +58,9 @@ class SavedActivations:
         def pack(t):
             local = getattr(t, "_local", t)
             saved = _Saved(t, local.untyped_storage())
-            key, nbytes = storage_key(local), saved.storage.nbytes()
-            events.append((key, nbytes, 1))
-            weakref.finalize(saved, events.append, (key, nbytes, -1))
+            key, nbytes, storage = storage_key(local), saved.storage.nbytes(), weakref.ref(saved.storage)
+            events.append((key, nbytes, 1, storage))
+            weakref.finalize(saved, events.append, (key, nbytes, -1, storage))
             return saved
 
         setattr(pack, OBSERVES_ONLY, True)  # local regions take these hooks for absent
@@ -71,14 +71,17 @@ class SavedActivations:
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
 
-    def peak(self, exclude=frozenset()) -> int:
-        """The most bytes saved at once, leaving out the storages keyed in `exclude` (the
-        parameters', counted as parameters)."""
+    def peak(self, exclude=()) -> int:
+        """The most bytes saved at once, leaving out the storages in `exclude` (the
+        parameters', counted as parameters).  They are told apart by the storage itself, not
+        its key: a key is an address, which a storage allocated after an activation's release
+        (an optimizer's flat buffer, a gathered parameter) may take again."""
+        excluded = {id(s) for s in exclude}
         count: dict = {}
         first: dict = {}
         held = peak = 0
-        for key, nbytes, step in self.events:
-            if key in exclude:
+        for key, nbytes, step, storage in self.events:
+            if id(storage()) in excluded:
                 continue
             n = count.get(key, 0)
             if step > 0 and n == 0:
@@ -105,13 +108,13 @@ class _Saved:
         return self.tensor
 
 
-def _storage_bytes(tensors) -> tuple[dict, int]:
-    """{storage key: bytes} of the local pieces of `tensors`, and their sum (each storage once)."""
+def _storages(tensors) -> tuple[list, int]:
+    """The storages of the local pieces of `tensors` (each once), and their bytes."""
     held = {}
     for t in tensors:
         local = getattr(t, "_local", t)
-        held[storage_key(local)] = local.untyped_storage().nbytes()
-    return held, sum(held.values())
+        held[storage_key(local)] = local.untyped_storage()
+    return list(held.values()), sum(s.nbytes() for s in held.values())
 
 
 def memory(model: torch.nn.Module, optimizer=None, activations: "SavedActivations | None" = None) -> MemoryReport:
@@ -119,15 +122,15 @@ def memory(model: torch.nn.Module, optimizer=None, activations: "SavedActivation
     gradients), with the activation peak `activations` saw (0 without).  Buffers, and the
     full parameters ZeRO-3 gathers around a layer's use, count neither as parameters nor
     as activations."""
-    params, param_bytes = _storage_bytes(model.parameters())
+    params, param_bytes = _storages(model.parameters())
     gathered = [g for g in map(zero3.gathered_piece, model.parameters()) if g is not None]
-    held = {**params, **_storage_bytes(model.buffers())[0], **_storage_bytes(gathered)[0]}
-    _, grad_bytes = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    held = params + _storages(model.buffers())[0] + _storages(gathered)[0]
+    _, grad_bytes = _storages(p.grad for p in model.parameters() if p.grad is not None)
     states = [] if optimizer is None else [
         v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
     ]
     return MemoryReport(
-        parameters=param_bytes, gradients=grad_bytes, optimizer_states=_storage_bytes(states)[1],
+        parameters=param_bytes, gradients=grad_bytes, optimizer_states=_storages(states)[1],
         activations_peak=0 if activations is None else activations.peak(exclude=held),
     )
 
