@@ -40,9 +40,11 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import all_reduce_start, get_rank, reduce_scatter_start
+from ..comm.observers import capture_running
+from ..tensor.grad_landing import LANDING, Landing
 from ..tensor.dispatch import keep_reduced
 from ..tensor.dtensor import DistTensor, new_dist
-from .precision import cast_dist
+from .precision import cast_dist, spec_in
 from .zero.flat_shards import FlatShards
 from ..placement import Partial, ReduceType, Replicate, Shard
 from ..redistribute import redistribute_local
@@ -114,21 +116,26 @@ def reduce_grads(pending: list, reduce_dtype: Optional[torch.dtype] = None) -> N
     pending = pending[::-1]
     grads = [cast_dist(p.grad, reduce_dtype) for p, _ in pending]
     plans = [plan if g is p.grad else grad_plan(g._spec, plan[2]) for g, (p, plan) in zip(grads, pending)]
-    reduced = GradReduction(grads, plans).finish()
-    for (p, _), g in zip(pending, reduced):
-        g = cast_dist(g, p.grad.dtype)
+    reduction = GradReduction(grads, plans)
+    _learn_landings([p for p, _ in pending], grads, reduction)
+    for (p, _), (local, spec) in zip(pending, reduction.finish_pieces()):
+        if local.dtype != p.grad.dtype:  # (reduced in the policy's dtype)
+            local, spec = local.to(p.grad.dtype), spec_in(spec, p.grad.dtype)
         # in place: a caller holding the gradients (clip_grad_norm_'s list) sees them reduced
-        keep_reduced(p.grad, g._local, g._spec)
+        keep_reduced(p.grad, local, spec)
 
 
 class GradReduction:
     """Gradients on their way to `grad_plan`'s placements: one collective per bucket of those
     that need only that one (started at once, in order: every rank builds the same buckets),
     a reshard for the rest; `finish()` waits and returns them placed.  A gradient is not kept
-    once its bucket has been packed."""
+    once its bucket has been packed.  An all-reduce bucket whose gradients already tile one
+    flat buffer in its order (they landed there in backward, see `Landing`) is reduced in that
+    buffer: nothing is packed or unpacked, and the gradients keep their pieces."""
 
     def __init__(self, grads: list, plans: list):
         self.out: list = list(grads)
+        self.all_reduced: list = []  # the positions of each all-reduce bucket's gradients
         filling: dict = {}  # (mesh, collective, dtype) -> the bucket being filled
         buckets: list = []
         for n, (g, (moves, how, placed)) in enumerate(zip(grads, plans)):
@@ -146,21 +153,67 @@ class GradReduction:
         for b in buckets:
             locals_ = [local for _, local, _ in b.members]
             if b.how[1] and rank in b.mesh and sum(t.numel() for t in locals_):
-                collective = _Collective(b.how, b.mesh, [placed for _, _, placed in b.members],
-                                         tuple(tuple(t.shape) for t in locals_))
-                self.started.append(([(n, placed) for n, _, placed in b.members], collective, collective.start(locals_)))
+                entries = [(n, placed) for n, _, placed in b.members]
+                flat = _tiled(locals_) if b.how[0] == ALL_REDUCE and not capture_running() else None
+                if flat is not None:
+                    self.started.append((entries, locals_, all_reduce_start(flat, b.mesh.group_of(rank, b.how[1]), b.how[2])))
+                else:
+                    collective = _Collective(b.how, b.mesh, [placed for _, _, placed in b.members],
+                                             tuple(tuple(t.shape) for t in locals_))
+                    self.started.append((entries, collective, collective.start(locals_)))
+                if b.how[0] == ALL_REDUCE:
+                    self.all_reduced.append([n for n, _ in entries])
                 for n, _, _ in b.members:
                     self.out[n] = None
             else:
                 for n, local, placed in b.members:
                     self.out[n] = new_dist(local, placed)
 
-    def finish(self) -> list:
-        for entries, collective, pending in self.started:
-            for (n, placed), local in zip(entries, collective.result(pending.wait())):
-                self.out[n] = new_dist(local, placed)
+    def finish_pieces(self) -> list:
+        """Each gradient's (local piece, spec), placed: waits for the collectives."""
+        out = [None if g is None else (g._local, g._spec) for g in self.out]
+        for entries, how, pending in self.started:
+            reduced = pending.wait()
+            pieces = how if type(how) is list else how.result(reduced)  # (in place: the pieces themselves)
+            for (n, placed), local in zip(entries, pieces):
+                out[n] = (local, placed)
         self.started = []
-        return self.out
+        return out
+
+    def finish(self) -> list:
+        return [new_dist(local, spec) for local, spec in self.finish_pieces()]
+
+
+def _tiled(locals_: list) -> Optional[torch.Tensor]:
+    """The flat buffer that `locals_` tile whole, contiguous, in this order (they landed there,
+    see `tensor/grad_landing.py`), as one tensor; None when they do not."""
+    first = locals_[0]
+    storage, start = first.untyped_storage(), first.storage_offset()
+    offset = start
+    for t in locals_:
+        if t.storage_offset() != offset or not t.is_contiguous() or t.untyped_storage()._cdata != storage._cdata:
+            return None
+        offset += t.numel()
+    if start != 0 or offset * first.element_size() != storage.nbytes():
+        return None
+    return first.as_strided((offset,), (1,), 0)
+
+
+def _learn_landings(params: list, grads: list, reduction: GradReduction) -> None:
+    """Leave on each member of an all-reduce bucket of gradients reduced in their own dtype
+    the bucket's layout, for the next ones to be written into (kept while the bucket's
+    members and their gradients' shapes stay the same), and start its next round."""
+    for members in reduction.all_reduced:
+        if any(grads[n] is not params[n].grad for n in members):
+            continue  # (cast to a policy's reduce dtype: the cast is the packing)
+        key = tuple((id(params[n]), grads[n]._local.shape) for n in members)
+        entry = params[members[0]].__dict__.get(LANDING)
+        if entry is None or entry[0].key != key:
+            landing = Landing(key, [grads[n]._local for n in members])
+            for i, n in enumerate(members):
+                params[n].__dict__[LANDING] = (landing, i)
+        else:
+            entry[0].new_round()
 
 
 def _bucket_for(filling: dict, buckets: list, key, nbytes: int, new, first_cap: Optional[int] = None) -> "_Bucket":

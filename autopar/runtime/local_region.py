@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..tensor import dispatch
+from ..tensor import dispatch, grad_landing
 from ..tensor.convert import GradToPlacement
 from ..tensor.observers import watching
 from ..comm import collectives
@@ -542,11 +542,20 @@ class _Enter(torch.autograd.Function):
         # all-reduced parameter gradients are pieces of fresh flat buckets: never shared
         reduced = call.reduction.finish(grads[n:]) if call.reduction is not None else {}
         out = [
-            None if g is None else reduced[i - n] if i - n in reduced else new_dist(call.own(g), spec)
-            for i, (g, spec) in enumerate(zip(grads, region.grad_specs))
+            None if g is None else new_dist(call.own(g), spec) for g, spec in zip(grads[:n], region.in_grad_specs)
         ]
+        param_grads = [None if j in reduced else g for j, g in enumerate(grads[n:])]
+        # first gradients written where their pre-step bucket reduces them (create_graph keeps
+        # torch's accumulation)
+        landed = grad_landing.land(region.params, [g if p.grad is None else None for p, g in zip(region.params, param_grads)]) \
+            if not torch.is_grad_enabled() else [None] * len(param_grads)
+        for j, (g, slot, spec) in enumerate(zip(param_grads, landed, region.param_grad_specs)):
+            if j in reduced:
+                out.append(reduced[j])
+            else:
+                out.append(None if g is None else new_dist(call.own(g) if slot is None else slot, spec))
         call.handed_out.clear()  # (a second backward through the graph starts afresh)
-        if not torch.is_grad_enabled():  # (create_graph keeps torch's accumulation)
+        if not torch.is_grad_enabled():
             out[n:] = _deliver(region.params, out[n:], ctx.next_functions[n:])
         return (None, *out)
 

@@ -13,7 +13,8 @@ from ..mesh import ProcessMesh
 from ..placement import Replicate, Shard
 from ..redistribute import piece_of_full, redistribute_local
 from ..spec import DistSpec
-from .dtensor import DistTensor
+from . import grad_landing
+from .dtensor import DistTensor, new_dist
 
 
 class Reshard(torch.autograd.Function):
@@ -130,7 +131,13 @@ class GradToPlacement:
             q if type(p) is Replicate and type(q) is Shard and k > 1 else p
             for p, q, k in zip(have, spec.placements, spec.mesh.shape)
         ]
-        return None if tuple(target) == tuple(have) else reshard_to(grad, grad._spec.with_placements(target))
+        placed = grad if tuple(target) == tuple(have) else reshard_to(grad, grad._spec.with_placements(target))
+        # a first gradient of the step, into its bucket's slot (`grad_landing`; not under
+        # create_graph, where the gradient stays in the graph)
+        slot = None if torch.is_grad_enabled() else grad_landing.land_one(self.attrs, placed._local)
+        if slot is not None:
+            return new_dist(slot, placed._spec)
+        return None if placed is grad else placed
 
 
 def distributed_parameter(t: DistTensor, requires_grad: bool) -> torch.nn.Parameter:
