@@ -51,7 +51,7 @@ def llama(args):
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.heads // 2, max_position_embeddings=args.seq,
-                      attn_implementation="eager")
+                      attn_implementation="eager", use_cache=False)  # (training: no key cache, for every impl)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 

@@ -175,8 +175,9 @@ def _recomputed(layout):
     model, opt = dist.parallelize(model, opt, dist.ProcessMesh([0, 1], dim_names=["x"]), plan)
     names = plan.apply_recompute(model)  # already done by parallelize: the same names, nothing wrapped twice
     runs = {}
-    for i, layer in enumerate(model.model.layers):
-        layer.self_attn.register_forward_pre_hook(lambda mod, args, i=i: runs.__setitem__(i, runs.get(i, 0) + 1))
+    for i, layer in enumerate(model.model.layers):  # (a local region's verifying trial runs without grad: not counted)
+        layer.self_attn.register_forward_pre_hook(
+            lambda mod, args, i=i: runs.__setitem__(i, runs.get(i, 0) + torch.is_grad_enabled()))
     losses = hf_llama.train(model, opt, hf_llama.batches())
     weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
     return (losses, weights, []), names, runs, list(roomy.estimate.layout.recompute), "Recomputes" in plan.why

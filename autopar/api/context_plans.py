@@ -15,7 +15,6 @@ them (passed as `labels` and `shift_labels`, which HF's causal-LM loss reads uns
 """
 from __future__ import annotations
 
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,7 @@ from ..runtime.context_parallel import (SEP, SdpaOnSep, check_backend, check_seq
                                         load_balanced_order, sep_size)
 from ..runtime.forward_context import forward_within
 from ..tensor.dtensor import DistTensor
-from .plans import PlanBase, placements_on
+from .plans import PlanBase, forward_takes, placements_on
 from .tensors import reshard, shard_tensor
 
 _IGNORE = -100  # the label HF's (and torch's) cross entropy skips
@@ -66,13 +65,6 @@ def _split_over_sep(t: torch.Tensor) -> bool:
         isinstance(t._spec.placements[t._spec.mesh.dim_index(SEP)], Shard)
 
 
-def _takes(layer: torch.nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(layer.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class PrepareContextParallel(PlanBase):
     """Put on the model (the layer taking the token ids): its tensor inputs with a sequence
     dim (dim 1 of [batch, sequence, ...]: ids, embeddings, position ids) are split over the
@@ -109,8 +101,8 @@ class PrepareContextParallel(PlanBase):
 
     def apply(self, layer: torch.nn.Module, mesh: ProcessMesh, name: str) -> None:
         sep_size(mesh, f"PrepareContextParallel on '{name}'")
-        positions, mask = _takes(layer, "position_ids"), _takes(layer, "attention_mask")
-        cache = _takes(layer, "use_cache")
+        positions, mask = forward_takes(layer, "position_ids"), forward_takes(layer, "attention_mask")
+        cache = forward_takes(layer, "use_cache")
         padding: list = []  # the key padding in force while the layer runs
 
         def hook(layer, args, kwargs):

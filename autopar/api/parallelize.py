@@ -33,7 +33,7 @@ from ..spec import split_range
 from .global_mesh import get_mesh
 from .layer import convert_in_place, register_model, replicate_params, weak_refs_released
 from .optimizer import SHARDING_STAGES, shard_optimizer
-from .plans import PlanBase, SplitPoint, _SplitWeights, placements_on
+from .plans import PlanBase, SplitPoint, _SplitWeights, forward_takes, placements_on
 from .prediction_check import PredictionCheck
 from .tensors import dtensor_from_local, reshard, shard_tensor
 
@@ -360,6 +360,17 @@ def _shard_batch(mesh: ProcessMesh, source: str = "rank0"):
     return lambda _layer, args, kwargs: tree_map_only(torch.Tensor, split, (args, kwargs))
 
 
+def _no_key_cache_in_training(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """HF's models build a key/value cache in every forward unless told `use_cache=False`.  A
+    training step has no use for it, and handed to every decoder layer as a Python object it
+    keeps each layer off the local-region path (every op dispatched on its own).  So a
+    training forward that is not given `use_cache` gets False, as context parallel's does."""
+    if model.training and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+        return args, kwargs
+    return None
+
+
 # -- optimizer -------------------------------------------------------------------------------
 def _check_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> None:
     """Refuse an optimizer that has stepped (before the model changes)."""
@@ -490,6 +501,8 @@ def parallelize(
         first_stage = mesh.get_mesh_with_dim("pp", 0) if pp else mesh
         source = config["dp_config"].get("input_source", "rank0")
         model.register_forward_pre_hook(_shard_batch(first_stage, source), with_kwargs=True)
+    if forward_takes(model, "use_cache"):
+        model.register_forward_pre_hook(_no_key_cache_in_training, with_kwargs=True)
     local_region.install(model)  # as shard_layer: layers that turn out not to communicate run as plain torch
     register_model(model)
     if autocast is not None:

@@ -70,6 +70,14 @@ def sequence_dim(t: torch.Tensor, mesh: ProcessMesh, transposed: bool) -> int:
     return 0 if transposed else 1
 
 
+def forward_takes(layer: torch.nn.Module, name: str) -> bool:
+    """Whether `layer`'s forward has a parameter called `name`."""
+    try:
+        return name in inspect.signature(layer.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _map_first(value, fn: Callable, what: str):
     """`value` with `fn` applied to it (a tensor) or to its first element (a tuple/list)."""
     if isinstance(value, torch.Tensor):

@@ -50,7 +50,7 @@ from ..comm.observers import CaptureBase, active_captures, capture_running, capt
 from ..tensor.dtensor import DistTensor, local_piece, new_dist
 from . import grad_reduce
 from .grad_reduce import BackwardReduction, BucketPlan
-from ..placement import Partial, ReduceType, Replicate
+from ..placement import Partial, ReduceType, Replicate, Shard
 from ..redistribute import piece_of_replicated, redistribute_local
 from ..spec import DistSpec, TensorMeta
 from ..spmd.registry import DRAWS_RANDOM, KERNEL_PLAIN_WHEN, MODULE_RULES
@@ -141,15 +141,69 @@ def _saved_tensor_hooks():
     return None if hooks is None or getattr(hooks[0], OBSERVES_ONLY, False) else hooks
 
 
+def _arguments(args, kwargs) -> list:
+    """A call's arguments, the items of a tuple or list argument in its place (HF's decoder
+    layers take their rotary embeddings as a (cos, sin) pair): what a region unwraps."""
+    flat = []
+    for a in (*args, *kwargs.values()):
+        if type(a) is tuple or type(a) is list:
+            flat.extend(a)
+        else:
+            flat.append(a)
+    return flat
+
+
+def _map_arguments(args, kwargs, fn) -> tuple[list, dict]:
+    """(args, kwargs) with `fn` applied to each value `_arguments` lists, in its place."""
+    def one(a):
+        return type(a)(map(fn, a)) if type(a) is tuple or type(a) is list else fn(a)
+
+    return [one(a) for a in args], {k: one(v) for k, v in kwargs.items()}
+
+
+def _batch_split(dist_in: list) -> Optional[tuple]:
+    """(mesh, global batch size, placements) of the first distributed input that splits its
+    leading (batch) dim, the placements cutting dim 0 alone as it does; None without one."""
+    for t in dist_in:
+        spec = t._spec
+        if any(type(p) is Shard and p.dim == 0 and k > 1 for p, k in zip(spec.placements, spec.mesh.shape)):
+            return spec.mesh, spec.meta.shape[0], tuple(
+                p if type(p) is Shard and p.dim == 0 else Replicate() for p in spec.placements)
+    return None
+
+
+def _batch_cut(dist_in: list):
+    """How a region hands out its plain tensor arguments: a plain tensor is a global value,
+    which the op-by-op dispatch cuts where it meets a split one.  Where a distributed input
+    splits its leading (batch) dim, a plain argument as long in its leading dim is cut the
+    same way (HF's causal mask, [batch, 1, seq, seq], beside hidden states split over dp);
+    verification confirms the guess bit for bit.  Returns the cut (a function of a plain
+    tensor), or None when no input splits its batch dim."""
+    split = _batch_split(dist_in)
+    if split is None:
+        return None
+    mesh, batch, placements = split
+    rank = dispatch._rank()
+
+    def cut(a):
+        if type(a) is not torch.Tensor or a.dim() == 0 or a.shape[0] != batch:
+            return a
+        return piece_of_replicated(a, DistSpec(mesh, placements, TensorMeta.of(a)), rank)
+
+    return cut
+
+
 def _call_key(module, args, kwargs) -> Optional[tuple]:
     """What a verified region depends on, or None when the call cannot be a region (no
-    distributed input, or an argument that is not a tensor or a hashable value)."""
+    distributed input, or an argument that is not a tensor, a hashable value or a tuple or
+    list of those)."""
     key: list = [module.training, torch.is_grad_enabled()]
     for device in ("cpu", "cuda"):  # autocast decides the outputs' dtypes
         if torch.is_autocast_enabled(device):
             key.append((device, torch.get_autocast_dtype(device)))
+    key.append(tuple(len(a) if type(a) is tuple or type(a) is list else -1 for a in (*args, *kwargs.values())))
     found = False
-    for a in list(args) + list(kwargs.values()):
+    for a in _arguments(args, kwargs):
         if type(a) is DistTensor:
             found = True
             key.append(a._spec)
@@ -173,10 +227,13 @@ class _Watch(CaptureBase):
     """Sees every dispatched op and every transfer of a module's first call (as an op watcher
     and a transfer capture): is each op local as it is, and does nothing move?"""
 
-    def __init__(self, mesh, protected: list, frame):
+    def __init__(self, mesh, protected: list, frame, cuttable=frozenset(), batch_placements=None):
         # the storages of the inputs, parameters and buffers: a write into one (also through
         # an alias such as `.data`) is a side effect the region must not repeat
         self.mesh, self.ops, self.local = mesh, 0, True
+        # plain tensor arguments a region cuts along the batch (`_batch_cut`), by id: an op
+        # may cut them so (it would replicate any other plain tensor)
+        self.cuttable, self.batch_placements = cuttable, batch_placements
         self.frame = frame  # the verification's own frame: the module's forward runs below it
         self.protected = {dispatch.storage_key(local_piece(t)) for t in protected}
 
@@ -202,7 +259,8 @@ class _Watch(CaptureBase):
             if type(t) is DistTensor:
                 if t._spec is not spec:
                     self.local = False
-            elif not spec.is_replicated() or t.requires_grad:
+            elif t.requires_grad or not (
+                    spec.is_replicated() or (id(t) in self.cuttable and tuple(spec.placements) == self.batch_placements)):
                 self.local = False
         for i in dec.mutated:
             t = flat[i]
@@ -286,7 +344,7 @@ def _tensors(module) -> tuple[list, list]:
 
 def _verify(module, inner, args, kwargs):
     """First call for these input specs: run it op by op while watching; return (output, Region or None)."""
-    flat_in = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    flat_in = [a for a in _arguments(args, kwargs) if isinstance(a, torch.Tensor)]
     slots, params = _tensors(module)
     mesh = next(t._spec.mesh for t in flat_in if type(t) is DistTensor)
     suitable = (
@@ -303,7 +361,11 @@ def _verify(module, inner, args, kwargs):
         region = Region.build(mesh, settings, args, kwargs, slots, params, declared)
         if region is not None:
             return region.run(inner, args, kwargs), region
-    watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots], sys._getframe())
+    split = _batch_split([t for t in flat_in if type(t) is DistTensor])
+    cuttable = frozenset() if split is None else frozenset(
+        id(t) for t in flat_in if type(t) is torch.Tensor and t.dim() and t.shape[0] == split[1])
+    watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots], sys._getframe(), cuttable,
+                   None if split is None else split[2])
     with watching(watch), capturing(watch):  # (sublayers meanwhile run op by op, unverified)
         out = inner(*args, **kwargs)
     if watch.ops < MIN_OPS or [(k, v) for _, k, v in _settings(module)] != [(k, v) for _, k, v in settings]:
@@ -354,9 +416,9 @@ def _trial(module, inner, slots, settings, args, kwargs) -> Optional[list]:
     buffers (the watch checks their storages).  Parameters are not copied (a whole model's
     worth of memory): a trial that writes one anyway (a data-dependent write) is an error, as
     the write cannot be undone."""
-    copy = lambda v: local_piece(v).clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
-    largs = [copy(a) for a in args]
-    lkwargs = {k: copy(v) for k, v in kwargs.items()}
+    cut = _batch_cut([a for a in _arguments(args, kwargs) if type(a) is DistTensor]) or (lambda a: a)
+    copy = lambda v: cut(local_piece(v)).clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    largs, lkwargs = _map_arguments(args, kwargs, copy)
     params = [local_piece(t) for _, _, t, buffer in slots if not buffer]
     versions = [t._version for t in params]
     saved = _swap(slots, [copy(t) if buffer else local_piece(t) for _, _, t, buffer in slots])
@@ -412,19 +474,22 @@ def _grad_spec(spec: DistSpec, placements) -> DistSpec:
 class Region:
     """A verified local region: the specs to wrap outputs with and to place gradients at."""
 
-    def __init__(self, settings, slots, params, in_grad_specs, param_grad_specs, out_specs, out_grad_specs, single):
+    def __init__(self, settings, slots, params, in_grad_specs, param_grad_specs, out_specs, out_grad_specs, single,
+                 plain_inputs):
         self.settings, self.slots, self.params = settings, slots, params
         self.slot_specs = [t._spec if type(t) is DistTensor else None for _, _, t, _ in slots]
         self.in_grad_specs, self.param_grad_specs = in_grad_specs, param_grad_specs
         self.grad_specs = in_grad_specs + param_grad_specs
         self.out_specs, self.out_grad_specs, self.single = out_specs, out_grad_specs, single
         self.buckets: Optional[BucketPlan] = None  # parameter gradients all-reduced during backward
+        self.plain_inputs = plain_inputs  # whether any argument is a plain tensor (`_batch_cut`)
         self.buckets_generation = -1
 
     @staticmethod
     def build(mesh, settings, args, kwargs, slots, params, out_specs) -> Optional["Region"]:
         """`out_specs`: the outputs' specs, one DistSpec or a tuple/list of them like the output."""
-        inputs = [a for a in list(args) + list(kwargs.values()) if type(a) is DistTensor]
+        flat = _arguments(args, kwargs)
+        inputs = [a for a in flat if type(a) is DistTensor]
         outs = list(out_specs) if isinstance(out_specs, (tuple, list)) else [out_specs]
         specs = [t._spec for t in inputs] + [p._spec for p in params] + outs
         if any(type(p) is Partial and p.reduce_type is not ReduceType.SUM for s in specs for p in s.placements):
@@ -443,6 +508,7 @@ class Region:
             outs,
             [_grad_spec(o, _dual(o.placements, shape, all_rep)) for o in outs],
             not isinstance(out_specs, (tuple, list)),
+            any(type(a) is torch.Tensor for a in flat),
         )
 
     def still_valid(self) -> bool:
@@ -458,7 +524,7 @@ class Region:
         return True
 
     def run(self, inner, args, kwargs):
-        dist_in = [a for a in list(args) + list(kwargs.values()) if type(a) is DistTensor]
+        dist_in = [a for a in _arguments(args, kwargs) if type(a) is DistTensor]
         grad = torch.is_grad_enabled() and (
             any(t.requires_grad for t in dist_in) or any(p.requires_grad for p in self.params)
         )
@@ -473,8 +539,9 @@ class Region:
             locals_ = [t._local for t in dist_in] + [p._local for p in self.params]
         by_id = {id(t): loc for t, loc in zip(dist_in, locals_)}
         by_id.update({id(p): loc for p, loc in zip(self.params, locals_[len(dist_in):])})
-        largs = [by_id[id(a)] if type(a) is DistTensor else a for a in args]
-        lkwargs = {k: (by_id[id(v)] if type(v) is DistTensor else v) for k, v in kwargs.items()}
+        cut = _batch_cut(dist_in) if self.plain_inputs else None
+        largs, lkwargs = _map_arguments(
+            args, kwargs, lambda a: by_id[id(a)] if type(a) is DistTensor else cut(a) if cut is not None else a)
         saved = _swap(self.slots, [by_id.get(id(t), local_piece(t)) for _, _, t, _ in self.slots])
         _STATE["inside"] += 1
         try:
