@@ -350,3 +350,29 @@ def test_ring_with_a_key_padding_mask_matches_one_process():
         (out * w).sum().backward()
         for name, g, r in zip(("out", "dq", "dk", "dv"), got, (out.detach(), q.grad, k.grad, v.grad)):
             torch.testing.assert_close(_natural(g, "p2p"), r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
+@pytest.mark.parametrize("level", [0, 3], ids=["dp", "zero3"])
+def test_hf_llama_context_tensor_and_data_parallel_on_8_ranks(backend, level):
+    """cp x tp x dp: the ring or Ulysses over "sep", Megatron's tensor parallel over "mp" and
+    data parallel (plain or ZeRO-3) over "dp" on a [2, 2, 2] mesh: 2 steps as one process;
+    each rank's ring sends its K/V block (its batch row, its head) once per layer and only to
+    its "sep" partner; Ulysses makes its four all-to-alls per layer within that pair, splitting
+    further the heads tensor parallel gave the rank (none dealt out anew over "mp")."""
+    data = hf_llama.batches(n=2, batch=2)
+    grads = []
+    ref = hf_llama.reference(data, grads=grads, attention="sdpa")
+    layers, head_dim = 2, hf_llama.HIDDEN // hf_llama.HEADS
+    kv = 2 * (1 * hf_llama.KV_HEADS // 2 * hf_llama.SEQ // 2 * head_dim * 4)  # 1 row, 1 kv head, half the tokens
+    mesh = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    results = run_dist(_llama, 8, backend, data, mesh, ("dp", "sep", "mp"), level)
+    for rank, (got, forward) in enumerate(results):
+        hf_llama.assert_matches(got, ref + (grads,))
+        partner = rank ^ 2  # the other rank of its "sep" pair: same dp and mp coordinates
+        if backend == "p2p":
+            assert [(b, r) for op, b, _, r in forward if op == "send" and b >= kv] == [(kv, (rank, partner))] * layers
+            assert "all_to_all" not in [op for op, *_ in forward]
+        else:  # q, k (its 1 head repeated to q's 2), v, out: half of each local piece, as kv is
+            pair = tuple(sorted((rank, partner)))
+            assert [(b, r) for op, b, _, r in forward if op == "all_to_all"] == [(kv // 2, pair)] * 4 * layers

@@ -27,6 +27,7 @@ import contextlib
 import math
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -410,20 +411,58 @@ def _ulysses_sdpa(mesh, load_balanced, keep, q, k, v, attn_mask=None, dropout_p=
                          f"attention's attn_mask, not as a key padding mask")
     sep = mesh.dim_index(SEP)
     cp = mesh.shape[sep]
-    repeat = kv_head_repeats(q.shape[_HEADS], k.shape[_HEADS], cp)
+    ways = cp * _heads_split_elsewhere(q, sep)
+    repeat = kv_head_repeats(q.shape[_HEADS], k.shape[_HEADS], ways)
     if repeat is None:
-        name, t = ("query", q) if q.shape[_HEADS] % cp else ("key", k)
+        name, t = ("query", q) if q.shape[_HEADS] % ways else ("key", k)
+        also = "" if ways == cp else f" (and the other mesh dims splitting them: {ways} ways in all)"
         raise ValueError(f"context parallel all-to-all ('all2all', Ulysses) over mesh dim {SEP!r} of size {cp} "
-                         f"splits the attention heads, but the {name} {list(t.shape)} has {t.shape[_HEADS]} "
-                         f"heads, not divisible by {cp} (nor by repeating its groups); use backend 'p2p' or a "
+                         f"splits the attention heads{also}, but the {name} {list(t.shape)} has {t.shape[_HEADS]} "
+                         f"heads, not divisible by {ways} (nor by repeating its groups); use backend 'p2p' or a "
                          f"'sep' size dividing the heads")
     check_sequence_length(q.shape[_SEQ], cp, False, "context parallel all-to-all ('all2all')")
     if repeat > 1:  # fewer key/value heads than ranks: each repeated, every rank holds whole groups
         k, v = (t.repeat_interleave(repeat, dim=_HEADS) for t in (k, v))
-    by_heads = [_placed(t, _over_sep(t, sep, _HEADS)) for t in (q, k, v)]
+    last = _sep_last(mesh)
+    by_heads = [_placed(t, _over_sep(t, last.ndim - 1, _HEADS)) for t in (_reviewed(t, last, sep) for t in (q, k, v))]
+    if isinstance(attn_mask, DistTensor):
+        attn_mask = _reviewed(attn_mask, last, sep)
     out = F.scaled_dot_product_attention(*by_heads, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                          scale=scale, enable_gqa=enable_gqa)
-    return _placed(out, _over_sep(out, sep, _SEQ))
+    out = _placed(out, _over_sep(out, last.ndim - 1, _SEQ))
+    return _reviewed(out, mesh, last.ndim - 1, sep)
+
+
+def _heads_split_elsewhere(t: DistTensor, sep: int) -> int:
+    """Into how many pieces mesh dims other than "sep" split `t`'s heads (tensor parallel)."""
+    return math.prod(t._spec.mesh.shape[i] for i, p in enumerate(t._spec.placements)
+                     if i != sep and isinstance(p, Shard) and p.dim % t.dim() == _HEADS)
+
+
+def _sep_last(mesh: ProcessMesh) -> ProcessMesh:
+    """`mesh` with its dim "sep" moved last.  Shards of one tensor dim cut in mesh dim order,
+    so on it Ulysses cuts each rank's heads (those tensor parallel gave it) further over
+    "sep", and its all-to-alls stay within the "sep" group; on `mesh`, where "sep" comes
+    before "mp", the heads would be dealt out anew across both."""
+    sep = mesh.dim_index(SEP)
+    order = [i for i in range(mesh.ndim) if i != sep] + [sep]
+    return ProcessMesh(np.transpose(mesh.mesh, order), [mesh.dim_names[i] for i in order])
+
+
+def _reviewed(t: DistTensor, mesh: ProcessMesh, frm: int, to: Optional[int] = None) -> DistTensor:
+    """`t` on `mesh`, its mesh dims reordered with dim `frm` moved to `to` (default: last):
+    the same pieces on the same ranks, nothing moves, unless a mesh dim passed over cuts the
+    same tensor dim as `frm` (their order would change the pieces): `frm` is gathered first."""
+    placements = list(t._spec.placements)
+    to = len(placements) - 1 if to is None else to
+    passed = placements[min(frm, to):max(frm, to) + 1]
+    moved = placements[frm]
+    if isinstance(moved, Shard) and sum(isinstance(p, Shard) and p.dim % t.dim() == moved.dim % t.dim()
+                                        for p in passed) > 1:
+        placements[frm] = Replicate()
+        t = _placed(t, placements)
+    placements.insert(to, placements.pop(frm))
+    return FromLocal.apply(local_value(t), DistSpec(mesh, placements, t._spec.meta))
 
 
 def kv_head_repeats(q_heads: int, kv_heads: int, cp: int) -> Optional[int]:
