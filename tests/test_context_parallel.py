@@ -376,3 +376,87 @@ def test_hf_llama_context_tensor_and_data_parallel_on_8_ranks(backend, level):
         else:  # q, k (its 1 head repeated to q's 2), v, out: half of each local piece, as kv is
             pair = tuple(sorted((rank, partner)))
             assert [(b, r) for op, b, _, r in forward if op == "all_to_all"] == [(kv // 2, pair)] * 4 * layers
+
+
+class _SelfAttention(torch.nn.Module):
+    """Causal self-attention on (batch, sequence, HEADS * DIM), its sdpa call the one
+    ContextParallel makes context parallel."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(HEADS * DIM, 3 * HEADS * DIM, bias=False)
+        self.out = torch.nn.Linear(HEADS * DIM, HEADS * DIM)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, DIM)).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+def _squares(out):
+    return out.pow(2).mean()  # indifferent to the order of the tokens (the ring's is load-balanced)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(B, SEQ, HEADS * DIM, generator=g) for _ in range(3)]
+
+
+def _attention_steps(backend, static):
+    """3 SGD steps of `_SelfAttention` under ContextParallel(backend) on 2 "sep" ranks,
+    eager or as a `to_static` program (captured at the first step, replayed after):
+    losses, weights, and the last step's comm_log."""
+    import autopar as dist
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    model = torch.nn.Sequential(_SelfAttention())
+    plan = {"0": dist.ContextParallel(backend)}
+    model, opt = dist.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh,
+                                  {"mp_config": {"parallelize_plan": plan}})
+    step = dist.to_static(model, None, _squares, opt) if static else None
+    losses = []
+    for x in _inputs():
+        x = dist.shard_sequence(x, mesh, 1, backend)
+        with dist.comm_log() as log:
+            if static:
+                loss = step(x)
+            else:
+                loss = _squares(model(x))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        losses.append(float(loss))
+    weights = {k: dist.unshard_dtensor(v).detach() for k, v in model.state_dict().items()}
+    return losses, weights, [(c.op, c.ranks, c.bytes) for c in log]
+
+
+@pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
+def test_to_static_replays_context_parallel_attention(backend):
+    """`to_static` of a step whose attention is the ring or Ulysses: the captured program
+    gives the eager step's losses and weights bit for bit (and one process's to rtol 1e-5)
+    and sends what the eager step sends: the ring's K/V block once in the forward and K/V
+    and their gradients in the backward (1 + 3 sends of this rank's K and V, each a blocking
+    exchange in the program), Ulysses's four all-to-alls each way."""
+    model = torch.nn.Sequential(_SelfAttention())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = []
+    for x in _inputs():
+        loss = _squares(model(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    local_kv = 2 * B * HEADS * SEQ // 2 * DIM * 4
+    eager, static = run_dist(_attention_steps, 2, backend, False), run_dist(_attention_steps, 2, backend, True)
+    for rank, ((losses, weights, log), (s_losses, s_weights, s_log)) in enumerate(zip(eager, static)):
+        assert s_losses == losses and s_log == log, (rank, s_log, log)
+        np.testing.assert_allclose(s_losses, ref, rtol=1e-5)
+        for k, v in model.state_dict().items():
+            assert torch.equal(s_weights[k], weights[k]), k
+            torch.testing.assert_close(s_weights[k], v, rtol=1e-5, atol=1e-6)
+        moved = [(op, b) for op, _, b in s_log if op != "all_reduce"]  # (the gradients' all-reduce over "sep")
+        if backend == "p2p":
+            assert moved == [("send", local_kv), ("recv", 0)] * 4, s_log
+            assert {r for op, r, _ in s_log if op == "send"} == {(rank, 1 - rank)}
+        else:
+            assert moved == [("all_to_all", local_kv // 4)] * 8, s_log

@@ -34,7 +34,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..comm import p2p
 from ..comm.backend import channel_group, get_rank
-from ..comm.observers import active_captures
+from ..comm.collectives import send_recv
+from ..comm.observers import capture_running
 from ..mesh import ProcessMesh
 from ..placement import Partial, Replicate, Shard
 from ..spec import DistSpec, TensorMeta
@@ -238,8 +239,15 @@ class Ring:
         return q, k, vs[b], False, mask, seen.any(-1)
 
     def pass_on(self, buf: torch.Tensor, channel: str) -> tuple:
-        """Post sending `buf` to the next rank and receiving its like from the previous one."""
+        """Post sending `buf` to the next rank and receiving its like from the previous one.
+        While a capture is attached (`to_static`'s recorder, a local region's check), the two
+        go as one blocking exchange, which a captured program replays whole and in order (it
+        cannot carry posted transfers across the ops between post and wait)."""
         incoming = torch.empty_like(buf)
+        if capture_running():
+            send_recv([(buf, self.next)], [(incoming, self.prev)])
+            return p2p.P2PWork(None, "send", self.next, buf, channel), p2p.P2PWork(None, "recv", self.prev, incoming,
+                                                                                   channel)
         return p2p.isend(buf, self.next, channel), p2p.irecv(incoming, self.prev, channel)
 
 
@@ -395,7 +403,6 @@ def _ring_sdpa(mesh, load_balanced, keep, q, k, v, attn_mask=None, dropout_p=0.0
     placements = _over_sep(q, sep, _SEQ)
     q, k, v = (_placed(t, placements) for t in (q, k, v))
     ranks = mesh.dim_group_of(get_rank(), sep)
-    _communicates()
     keep = None if keep is None else _key_padding_piece(keep, q, sep)
     out = ring_attention(local_value(q), local_value(k), local_value(v), ranks, is_causal, scale,
                          load_balanced, keep)
@@ -480,14 +487,6 @@ def kv_head_repeats(q_heads: int, kv_heads: int, cp: int) -> Optional[int]:
 
 
 _ALGORITHMS = {"p2p": _ring_sdpa, "all2all": _ulysses_sdpa}
-
-
-def _communicates() -> None:
-    """Tell the attached captures that the attention depends on transfers outside their view
-    (its point-to-point ring), as a value read does: a local region's verification then does
-    not take the module for communication-free, and a captured program refuses it."""
-    for capture in active_captures():
-        capture.value_read("context parallel's ring attention (point-to-point transfers)")
 
 
 _KEY_PADDING: list = []  # the key padding masks in force (`key_padding`), innermost last
