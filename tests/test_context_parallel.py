@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from distpool import run_dist
 import hf_llama
+from test_simulate import each_rank  # noqa: F401  (the plain process calls t.each_rank)
 
 B, HEADS, KV_HEADS, SEQ, DIM = 2, 4, 2, 16, 8
 
@@ -460,3 +461,39 @@ def test_to_static_replays_context_parallel_attention(backend):
             assert {r for op, r, _ in s_log if op == "send"} == {(rank, 1 - rank)}
         else:
             assert moved == [("all_to_all", local_kv // 4)] * 8, s_log
+
+
+def _llama_steps(backend, device="cpu", steps=2):
+    """`steps` SGD steps of the tiny HF Llama (sdpa) under the context-parallel plans on 2
+    "sep" ranks, the model and batches on `device`; each step's comm_log."""
+    import autopar as dist
+
+    with torch.device(device):
+        model = hf_llama.tiny_llama(attention="sdpa")
+    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh, _cp_plan(backend))
+    logs = []
+    for ids, labels in hf_llama.batches(steps, batch=2):
+        with dist.comm_log() as log:
+            model(input_ids=ids.to(device), labels=labels.to(device)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        logs.append([[c.op, list(c.ranks), c.bytes, list(c.shape)] for c in log])
+    return logs
+
+
+@pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
+def test_simulate_on_meta_sends_what_the_real_context_parallel_run_sends(backend):
+    """`dist.simulate` of each rank with the HF Llama and its batches on the meta device: HF
+    builds no attention mask under the plans (reading an all-ones mask or the positions, as
+    its mask builder does, has no answer on meta), and every rank logs the collectives and
+    bytes of the real 2-rank run, step by step."""
+    from plain_process import evaluated
+
+    simulated = evaluated(f"t.each_rank(2, t._llama_steps, {backend!r}, 'meta')", "test_context_parallel")
+    real = run_dist(_llama_steps, 2, backend)
+    for rank in range(2):
+        assert simulated[rank] == real[rank], rank
+        ops = {op for step in real[rank] for op, *_ in step}
+        assert ("all_to_all" in ops) == (backend == "all2all"), ops
+
