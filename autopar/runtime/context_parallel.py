@@ -432,7 +432,7 @@ def _ulysses_sdpa(mesh, load_balanced, keep, q, k, v, attn_mask=None, dropout_p=
         k, v = (t.repeat_interleave(repeat, dim=_HEADS) for t in (k, v))
     last = _sep_last(mesh)
     by_heads = [_placed(t, _over_sep(t, last.ndim - 1, _HEADS)) for t in (_reviewed(t, last, sep) for t in (q, k, v))]
-    if isinstance(attn_mask, DistTensor):
+    if type(attn_mask) is DistTensor and attn_mask._spec.mesh == mesh:
         attn_mask = _reviewed(attn_mask, last, sep)
     out = F.scaled_dot_product_attention(*by_heads, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                          scale=scale, enable_gqa=enable_gqa)
