@@ -403,10 +403,30 @@ def _inputs():
     return [torch.randn(B, SEQ, HEADS * DIM, generator=g) for _ in range(3)]
 
 
+def _train(model, opt, loss_fn, static, batches):
+    """SGD steps over `batches` (the model's input, then the loss's other arguments), eager or
+    as a `to_static` program (captured at the first step, replayed after): the losses and the
+    last step's comm_log."""
+    import autopar as dist
+
+    step = dist.to_static(model, None, loss_fn, opt) if static else None
+    losses = []
+    for batch in batches:
+        with dist.comm_log() as log:
+            if static:
+                loss = step(*batch)
+            else:
+                loss = loss_fn(model(batch[0]), *batch[1:])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        losses.append(float(loss))
+    return losses, [(c.op, c.ranks, c.bytes) for c in log]
+
+
 def _attention_steps(backend, static):
-    """3 SGD steps of `_SelfAttention` under ContextParallel(backend) on 2 "sep" ranks,
-    eager or as a `to_static` program (captured at the first step, replayed after):
-    losses, weights, and the last step's comm_log."""
+    """3 steps of `_SelfAttention` under ContextParallel(backend) on 2 "sep" ranks: losses,
+    weights and the last step's comm_log."""
     import autopar as dist
 
     mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
@@ -414,21 +434,8 @@ def _attention_steps(backend, static):
     plan = {"0": dist.ContextParallel(backend)}
     model, opt = dist.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh,
                                   {"mp_config": {"parallelize_plan": plan}})
-    step = dist.to_static(model, None, _squares, opt) if static else None
-    losses = []
-    for x in _inputs():
-        x = dist.shard_sequence(x, mesh, 1, backend)
-        with dist.comm_log() as log:
-            if static:
-                loss = step(x)
-            else:
-                loss = _squares(model(x))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-        losses.append(float(loss))
-    weights = {k: dist.unshard_dtensor(v).detach() for k, v in model.state_dict().items()}
-    return losses, weights, [(c.op, c.ranks, c.bytes) for c in log]
+    losses, log = _train(model, opt, _squares, static, [(dist.shard_sequence(x, mesh, 1, backend),) for x in _inputs()])
+    return losses, {k: dist.unshard_dtensor(v).detach() for k, v in model.state_dict().items()}, log
 
 
 @pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
@@ -497,3 +504,39 @@ def test_simulate_on_meta_sends_what_the_real_context_parallel_run_sends(backend
         ops = {op for step in real[rank] for op, *_ in step}
         assert ("all_to_all" in ops) == (backend == "all2all"), ops
 
+
+
+def _llama_static_steps(backend, static):
+    """3 steps of the tiny HF Llama under the plans on 2 "sep" ranks, the next-token loss taken
+    outside on the labels shifted and laid out as the logits (no gathering)."""
+    import autopar as dist
+    from test_static_collectives import _Logits  # HF's model called with the ids only
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    plan = {"model.model": dist.PrepareContextParallel(backend),
+            "model.model.layers.*.self_attn": dist.ContextParallel(backend)}
+    model = _Logits(hf_llama.tiny_llama(attention="sdpa"))
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
+                                  {"mp_config": {"parallelize_plan": plan}})
+
+    def next_token_loss(logits, labels):
+        shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+        shifted = dist.shard_sequence(shifted, mesh, 1, backend, src_data_rank=None)
+        return F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+
+    return _train(model, opt, next_token_loss, static, hf_llama.batches(3, batch=2))
+
+
+@pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
+def test_to_static_replays_hf_llama_under_the_context_parallel_plans(backend):
+    """The tiny HF Llama under PrepareContextParallel and ContextParallel as a `to_static`
+    program: the eager step's losses and transfers, bit for bit, and one process's losses."""
+    ref = hf_llama.reference(hf_llama.batches(3, batch=2), attention="sdpa")[0]
+    kv = 2 * (2 * hf_llama.KV_HEADS * hf_llama.SEQ // 2 * (hf_llama.HIDDEN // hf_llama.HEADS) * 4)  # batch 2, fp32
+    eager, static = run_dist(_llama_static_steps, 2, backend, False), run_dist(_llama_static_steps, 2, backend, True)
+    for (losses, log), (s_losses, s_log) in zip(eager, static):
+        assert s_losses == losses and s_log == log, (s_log, log)
+        np.testing.assert_allclose(s_losses, ref, rtol=1e-5)
+        assert ("all_to_all" in {op for op, *_ in log}) == (backend == "all2all")
+        if backend == "p2p":  # per layer: K/V once in the forward, K/V and their gradients in the backward
+            assert [b for op, _, b in log if op == "send" and b == kv] == [kv] * 4 * 2, log
