@@ -470,15 +470,22 @@ def test_to_static_replays_context_parallel_attention(backend):
             assert moved == [("all_to_all", local_kv // 4)] * 8, s_log
 
 
-def _llama_steps(backend, device="cpu", steps=2):
-    """`steps` SGD steps of the tiny HF Llama (sdpa) under the context-parallel plans on 2
-    "sep" ranks, the model and batches on `device`; each step's comm_log."""
+_CP_TP_DP = ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["dp", "sep", "mp"])
+
+
+def _llama_steps(backend, device="cpu", steps=2, layout=([0, 1], ["sep"])):
+    """`steps` SGD steps of the tiny HF Llama (sdpa) under the context-parallel plans (and
+    Megatron's over "mp", if the mesh has it) on the mesh `layout` (ids, dim names), the
+    model and batches on `device`; each step's comm_log."""
     import autopar as dist
 
     with torch.device(device):
         model = hf_llama.tiny_llama(attention="sdpa")
-    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
-    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh, _cp_plan(backend))
+    mesh = dist.ProcessMesh(*layout)
+    config = _cp_plan(backend)
+    if "mp" in layout[1]:
+        config["mp_config"]["parallelize_plan"].update(hf_llama.mp_plan())
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh, config)
     logs = []
     for ids, labels in hf_llama.batches(steps, batch=2):
         with dist.comm_log() as log:
@@ -489,17 +496,21 @@ def _llama_steps(backend, device="cpu", steps=2):
     return logs
 
 
-@pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
-def test_simulate_on_meta_sends_what_the_real_context_parallel_run_sends(backend):
+@pytest.mark.parametrize("backend,world", [("p2p", 2), ("all2all", 2), ("p2p", 8)],
+                         ids=["ring", "ulysses", "ring-cp-tp-dp"])
+def test_simulate_on_meta_sends_what_the_real_context_parallel_run_sends(backend, world):
     """`dist.simulate` of each rank with the HF Llama and its batches on the meta device: HF
     builds no attention mask under the plans (reading an all-ones mask or the positions, as
     its mask builder does, has no answer on meta), and every rank logs the collectives and
-    bytes of the real 2-rank run, step by step."""
+    bytes of the real run, step by step: on 2 "sep" ranks, and the ring on 8 ranks [2, 2, 2]
+    ("dp", "sep", "mp", with Megatron's plan over "mp")."""
     from plain_process import evaluated
 
-    simulated = evaluated(f"t.each_rank(2, t._llama_steps, {backend!r}, 'meta')", "test_context_parallel")
-    real = run_dist(_llama_steps, 2, backend)
-    for rank in range(2):
+    args = (backend, "cpu", 2) + ((_CP_TP_DP,) if world == 8 else ())
+    simulated = evaluated(f"t.each_rank({world}, t._llama_steps, {backend!r}, 'meta', *{args[2:]!r})",
+                          "test_context_parallel")
+    real = run_dist(_llama_steps, world, *args)
+    for rank in range(world):
         assert simulated[rank] == real[rank], rank
         ops = {op for step in real[rank] for op, *_ in step}
         assert ("all_to_all" in ops) == (backend == "all2all"), ops
