@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from distpool import run_dist
 import hf_llama
+from test_simulate import each_rank  # noqa: F401  (the plain process calls t.each_rank)
 
 B, HEADS, KV_HEADS, SEQ, DIM = 2, 4, 2, 16, 8
 
@@ -350,3 +351,203 @@ def test_ring_with_a_key_padding_mask_matches_one_process():
         (out * w).sum().backward()
         for name, g, r in zip(("out", "dq", "dk", "dv"), got, (out.detach(), q.grad, k.grad, v.grad)):
             torch.testing.assert_close(_natural(g, "p2p"), r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
+@pytest.mark.parametrize("level", [0, 3], ids=["dp", "zero3"])
+def test_hf_llama_context_tensor_and_data_parallel_on_8_ranks(backend, level):
+    """cp x tp x dp: the ring or Ulysses over "sep", Megatron's tensor parallel over "mp" and
+    data parallel (plain or ZeRO-3) over "dp" on a [2, 2, 2] mesh: 2 steps as one process;
+    each rank's ring sends its K/V block (its batch row, its head) once per layer and only to
+    its "sep" partner; Ulysses makes its four all-to-alls per layer within that pair, splitting
+    further the heads tensor parallel gave the rank (none dealt out anew over "mp")."""
+    data = hf_llama.batches(n=2, batch=2)
+    grads = []
+    ref = hf_llama.reference(data, grads=grads, attention="sdpa")
+    layers, head_dim = 2, hf_llama.HIDDEN // hf_llama.HEADS
+    kv = 2 * (1 * hf_llama.KV_HEADS // 2 * hf_llama.SEQ // 2 * head_dim * 4)  # 1 row, 1 kv head, half the tokens
+    mesh = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    results = run_dist(_llama, 8, backend, data, mesh, ("dp", "sep", "mp"), level)
+    for rank, (got, forward) in enumerate(results):
+        hf_llama.assert_matches(got, ref + (grads,))
+        partner = rank ^ 2  # the other rank of its "sep" pair: same dp and mp coordinates
+        if backend == "p2p":
+            assert [(b, r) for op, b, _, r in forward if op == "send" and b >= kv] == [(kv, (rank, partner))] * layers
+            assert "all_to_all" not in [op for op, *_ in forward]
+        else:  # q, k (its 1 head repeated to q's 2), v, out: half of each local piece, as kv is
+            pair = tuple(sorted((rank, partner)))
+            assert [(b, r) for op, b, _, r in forward if op == "all_to_all"] == [(kv // 2, pair)] * 4 * layers
+
+
+class _SelfAttention(torch.nn.Module):
+    """Causal self-attention on (batch, sequence, HEADS * DIM), its sdpa call the one
+    ContextParallel makes context parallel."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(HEADS * DIM, 3 * HEADS * DIM, bias=False)
+        self.out = torch.nn.Linear(HEADS * DIM, HEADS * DIM)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, DIM)).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+def _squares(out):
+    return out.pow(2).mean()  # indifferent to the order of the tokens (the ring's is load-balanced)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(B, SEQ, HEADS * DIM, generator=g) for _ in range(3)]
+
+
+def _train(model, opt, loss_fn, static, batches):
+    """SGD steps over `batches` (the model's input, then the loss's other arguments), eager or
+    as a `to_static` program (captured at the first step, replayed after): the losses and the
+    last step's comm_log."""
+    import autopar as dist
+
+    step = dist.to_static(model, None, loss_fn, opt) if static else None
+    losses = []
+    for batch in batches:
+        with dist.comm_log() as log:
+            if static:
+                loss = step(*batch)
+            else:
+                loss = loss_fn(model(batch[0]), *batch[1:])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        losses.append(float(loss))
+    return losses, [(c.op, c.ranks, c.bytes) for c in log]
+
+
+def _attention_steps(backend, static):
+    """3 steps of `_SelfAttention` under ContextParallel(backend) on 2 "sep" ranks: losses,
+    weights and the last step's comm_log."""
+    import autopar as dist
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    model = torch.nn.Sequential(_SelfAttention())
+    plan = {"0": dist.ContextParallel(backend)}
+    model, opt = dist.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh,
+                                  {"mp_config": {"parallelize_plan": plan}})
+    losses, log = _train(model, opt, _squares, static, [(dist.shard_sequence(x, mesh, 1, backend),) for x in _inputs()])
+    return losses, {k: dist.unshard_dtensor(v).detach() for k, v in model.state_dict().items()}, log
+
+
+@pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
+def test_to_static_replays_context_parallel_attention(backend):
+    """`to_static` of a step whose attention is the ring or Ulysses: the captured program
+    gives the eager step's losses and weights bit for bit (and one process's to rtol 1e-5)
+    and sends what the eager step sends: the ring's K/V block once in the forward and K/V
+    and their gradients in the backward (1 + 3 sends of this rank's K and V, each a blocking
+    exchange in the program), Ulysses's four all-to-alls each way."""
+    model = torch.nn.Sequential(_SelfAttention())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = []
+    for x in _inputs():
+        loss = _squares(model(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    local_kv = 2 * B * HEADS * SEQ // 2 * DIM * 4
+    eager, static = run_dist(_attention_steps, 2, backend, False), run_dist(_attention_steps, 2, backend, True)
+    for rank, ((losses, weights, log), (s_losses, s_weights, s_log)) in enumerate(zip(eager, static)):
+        assert s_losses == losses and s_log == log, (rank, s_log, log)
+        np.testing.assert_allclose(s_losses, ref, rtol=1e-5)
+        for k, v in model.state_dict().items():
+            assert torch.equal(s_weights[k], weights[k]), k
+            torch.testing.assert_close(s_weights[k], v, rtol=1e-5, atol=1e-6)
+        moved = [(op, b) for op, _, b in s_log if op != "all_reduce"]  # (the gradients' all-reduce over "sep")
+        if backend == "p2p":
+            assert moved == [("send", local_kv), ("recv", 0)] * 4, s_log
+            assert {r for op, r, _ in s_log if op == "send"} == {(rank, 1 - rank)}
+        else:
+            assert moved == [("all_to_all", local_kv // 4)] * 8, s_log
+
+
+_CP_TP_DP = ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["dp", "sep", "mp"])
+
+
+def _llama_steps(backend, device="cpu", steps=2, layout=([0, 1], ["sep"])):
+    """`steps` SGD steps of the tiny HF Llama (sdpa) under the context-parallel plans (and
+    Megatron's over "mp", if the mesh has it) on the mesh `layout` (ids, dim names), the
+    model and batches on `device`; each step's comm_log."""
+    import autopar as dist
+
+    with torch.device(device):
+        model = hf_llama.tiny_llama(attention="sdpa")
+    mesh = dist.ProcessMesh(*layout)
+    config = _cp_plan(backend)
+    if "mp" in layout[1]:
+        config["mp_config"]["parallelize_plan"].update(hf_llama.mp_plan())
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh, config)
+    logs = []
+    for ids, labels in hf_llama.batches(steps, batch=2):
+        with dist.comm_log() as log:
+            model(input_ids=ids.to(device), labels=labels.to(device)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        logs.append([[c.op, list(c.ranks), c.bytes, list(c.shape)] for c in log])
+    return logs
+
+
+@pytest.mark.parametrize("backend,world", [("p2p", 2), ("all2all", 2), ("p2p", 8)],
+                         ids=["ring", "ulysses", "ring-cp-tp-dp"])
+def test_simulate_on_meta_sends_what_the_real_context_parallel_run_sends(backend, world):
+    """`dist.simulate` of each rank with the HF Llama and its batches on the meta device: HF
+    builds no attention mask under the plans (reading an all-ones mask or the positions, as
+    its mask builder does, has no answer on meta), and every rank logs the collectives and
+    bytes of the real run, step by step: on 2 "sep" ranks, and the ring on 8 ranks [2, 2, 2]
+    ("dp", "sep", "mp", with Megatron's plan over "mp")."""
+    from plain_process import evaluated
+
+    args = (backend, "cpu", 2) + ((_CP_TP_DP,) if world == 8 else ())
+    simulated = evaluated(f"t.each_rank({world}, t._llama_steps, {backend!r}, 'meta', *{args[2:]!r})",
+                          "test_context_parallel")
+    real = run_dist(_llama_steps, world, *args)
+    for rank in range(world):
+        assert simulated[rank] == real[rank], rank
+        ops = {op for step in real[rank] for op, *_ in step}
+        assert ("all_to_all" in ops) == (backend == "all2all"), ops
+
+
+
+def _llama_static_steps(backend, static):
+    """3 steps of the tiny HF Llama under the plans on 2 "sep" ranks, the next-token loss taken
+    outside on the labels shifted and laid out as the logits (no gathering)."""
+    import autopar as dist
+    from test_static_collectives import _Logits  # HF's model called with the ids only
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["sep"])
+    plan = {"model.model": dist.PrepareContextParallel(backend),
+            "model.model.layers.*.self_attn": dist.ContextParallel(backend)}
+    model = _Logits(hf_llama.tiny_llama(attention="sdpa"))
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
+                                  {"mp_config": {"parallelize_plan": plan}})
+
+    def next_token_loss(logits, labels):
+        shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+        shifted = dist.shard_sequence(shifted, mesh, 1, backend, src_data_rank=None)
+        return F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+
+    return _train(model, opt, next_token_loss, static, hf_llama.batches(3, batch=2))
+
+
+@pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
+def test_to_static_replays_hf_llama_under_the_context_parallel_plans(backend):
+    """The tiny HF Llama under PrepareContextParallel and ContextParallel as a `to_static`
+    program: the eager step's losses and transfers, bit for bit, and one process's losses."""
+    ref = hf_llama.reference(hf_llama.batches(3, batch=2), attention="sdpa")[0]
+    kv = 2 * (2 * hf_llama.KV_HEADS * hf_llama.SEQ // 2 * (hf_llama.HIDDEN // hf_llama.HEADS) * 4)  # batch 2, fp32
+    eager, static = run_dist(_llama_static_steps, 2, backend, False), run_dist(_llama_static_steps, 2, backend, True)
+    for (losses, log), (s_losses, s_log) in zip(eager, static):
+        assert s_losses == losses and s_log == log, (s_log, log)
+        np.testing.assert_allclose(s_losses, ref, rtol=1e-5)
+        assert ("all_to_all" in {op for op, *_ in log}) == (backend == "all2all")
+        if backend == "p2p":  # per layer: K/V once in the forward, K/V and their gradients in the backward
+            assert [b for op, _, b in log if op == "send" and b == kv] == [kv] * 4 * 2, log

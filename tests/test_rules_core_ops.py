@@ -132,6 +132,19 @@ def test_uneven_merge_falls_back_to_a_correct_layout():
     assert engine.choose(call, mesh, [(S0,)], False)[1] == [(S0,)]
 
 
+def test_a_merge_cut_evenly_by_each_mesh_dim_alone_but_not_by_both_is_not_chosen():
+    """(2, 4, 16, 16) -> (8, 16, 16) with the 4 heads split over both dims of a 2 x 2 mesh (tensor
+    parallel, then Ulysses's "sep"): each mesh dim alone could move its cut to the 2 batch rows,
+    both together cut them 4 ways, which the merge cannot take (the pieces would not be the new
+    shape's); the second mesh dim takes another dim instead."""
+    meta_in = TensorMeta.contiguous((2, 4, 16, 16), torch.float32)
+    call = OpCall(torch.ops.aten.view.default, (meta_in, [8, 16, 16]), {}, [meta_in],
+                  [TensorMeta.contiguous((8, 16, 16), torch.float32)])
+    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["mp", "sep"])
+    in_pl, out_pl, _ = engine.choose(call, mesh, [(S1, S1)], False)
+    assert [p for p in in_pl[0] if p == S0] == [S0], in_pl  # the rows cut by one mesh dim only
+
+
 def test_a_partial_gradient_is_reduced_rather_than_kept_partial_by_gathering_a_weight():
     """Row-parallel backward: grad_input = grad_out(Partial) @ W(Shard(1)).  Gathering W keeps the
     product Partial, but that still needs its reduction and grad_out is reduced anyway for the

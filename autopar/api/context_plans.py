@@ -15,6 +15,8 @@ them (passed as `labels` and `shift_labels`, which HF's causal-LM loss reads uns
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -65,19 +67,41 @@ def _split_over_sep(t: torch.Tensor) -> bool:
         isinstance(t._spec.placements[t._spec.mesh.dim_index(SEP)], Shard)
 
 
+_MASK_FREE_SDPA = "sdpa_context_parallel"  # HF's sdpa attention under a name HF has no mask builder for
+
+
+@contextlib.contextmanager
+def _hf_attention_without_masks(config) -> Iterator[None]:
+    """Within: an HF model of `config` runs its sdpa attention under a name HF knows no mask
+    builder for, so it builds none: no causal mask materialized (the attention is causal by
+    its flag, which the ring and Ulysses take) and no look at the values of the positions or
+    of an all-ones mask (HF's packed-sequence and padding checks read them into Python, which
+    a meta tensor in `simulate` cannot answer)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(_MASK_FREE_SDPA, sdpa_attention_forward)
+    config._attn_implementation = _MASK_FREE_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
 class PrepareContextParallel(PlanBase):
     """Put on the model (the layer taking the token ids): its tensor inputs with a sequence
     dim (dim 1 of [batch, sequence, ...]: ids, embeddings, position ids) are split over the
     mesh dim "sep" as `backend` ("p2p" ring, "all2all" Ulysses) needs (`shard_sequence`).
     A forward taking `position_ids` without being given them gets those of the tokens it
-    holds; one taking `attention_mask` without one gets an all-ones mask, which tells an HF
-    model that the positions (permuted for "p2p") are one sequence, not packed ones (it
-    would otherwise look for packed sequences across the split positions); for "p2p" a 2D
+    holds.  An HF model on sdpa attention builds no attention mask while it runs (HF would
+    otherwise read its positions, permuted for "p2p", and take them for packed sequences,
+    and its mask builder reads the mask's values, which a meta tensor cannot answer): its
+    attention is causal by the kernel's flag; any other forward taking `attention_mask`
+    without one gets an all-ones mask, which tells an HF model the same.  For "p2p" a 2D
     padding mask given goes to the ring as its key padding instead (HF's masks would follow
-    the natural order, not the permuted one) and the layer gets the all-ones mask too; one
-    taking `use_cache` gets False in training (HF's key cache would concatenate the split
-    keys, gathering them).  At the top model, HF-style `labels` (passed by keyword) are
-    shifted one token and split alike.
+    the natural order, not the permuted one).  One taking `use_cache` gets False in
+    training (HF's key cache would concatenate the split keys, gathering them).  At the top
+    model, HF-style `labels` (passed by keyword) are shifted one token and split alike.
 
     >>> import torch, autopar as dist
     >>> mesh = dist.ProcessMesh([0], dim_names=["sep"])
@@ -103,7 +127,8 @@ class PrepareContextParallel(PlanBase):
         sep_size(mesh, f"PrepareContextParallel on '{name}'")
         positions, mask = forward_takes(layer, "position_ids"), forward_takes(layer, "attention_mask")
         cache = forward_takes(layer, "use_cache")
-        padding: list = []  # the key padding in force while the layer runs
+        hf_sdpa = getattr(getattr(layer, "config", None), "_attn_implementation", None) == "sdpa"
+        scoped: list = []  # the contexts entered for the layer's run (key padding, HF's attention)
 
         def hook(layer, args, kwargs):
             args, kwargs = tree_map_only(torch.Tensor, lambda t: self._split(t, mesh), (args, kwargs))
@@ -116,15 +141,19 @@ class PrepareContextParallel(PlanBase):
                                                         mesh, 1, self.backend, src_data_rank=None)
             given = kwargs.get("attention_mask")
             keep = given if self.backend == "p2p" and isinstance(given, DistTensor) and given.dim() == 2 else None
+            stack = contextlib.ExitStack()
             if first is not None and mask and (given is None or keep is not None):
-                # plain: it tells, without reading a distributed value, that HF need build no mask
-                kwargs["attention_mask"] = torch.ones(first.shape[:2], dtype=torch.long, device=first.device)
-            padding.append(key_padding(keep))  # the ring applies the padding itself
-            padding[-1].__enter__()
+                if hf_sdpa:  # HF builds no mask at all: the attention is causal by its flag
+                    kwargs["attention_mask"] = None
+                    stack.enter_context(_hf_attention_without_masks(layer.config))
+                else:  # plain: it tells, without reading a distributed value, that HF need build no mask
+                    kwargs["attention_mask"] = torch.ones(first.shape[:2], dtype=torch.long, device=first.device)
+            stack.enter_context(key_padding(keep))  # the ring applies the padding itself
+            scoped.append(stack)
             return args, kwargs
 
         def leave(*_):
-            padding.pop().__exit__(None, None, None)
+            scoped.pop().close()
 
         layer.register_forward_pre_hook(hook, with_kwargs=True)
         layer.register_forward_hook(leave, always_call=True)

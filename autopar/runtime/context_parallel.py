@@ -27,13 +27,15 @@ import contextlib
 import math
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..comm import p2p
 from ..comm.backend import channel_group, get_rank
-from ..comm.observers import active_captures
+from ..comm.collectives import send_recv
+from ..comm.observers import capture_running
 from ..mesh import ProcessMesh
 from ..placement import Partial, Replicate, Shard
 from ..spec import DistSpec, TensorMeta
@@ -237,8 +239,15 @@ class Ring:
         return q, k, vs[b], False, mask, seen.any(-1)
 
     def pass_on(self, buf: torch.Tensor, channel: str) -> tuple:
-        """Post sending `buf` to the next rank and receiving its like from the previous one."""
+        """Post sending `buf` to the next rank and receiving its like from the previous one.
+        While a capture is attached (`to_static`'s recorder, a local region's check), the two
+        go as one blocking exchange, which a captured program replays whole and in order (it
+        cannot carry posted transfers across the ops between post and wait)."""
         incoming = torch.empty_like(buf)
+        if capture_running():
+            send_recv([(buf, self.next)], [(incoming, self.prev)])
+            return p2p.P2PWork(None, "send", self.next, buf, channel), p2p.P2PWork(None, "recv", self.prev, incoming,
+                                                                                   channel)
         return p2p.isend(buf, self.next, channel), p2p.irecv(incoming, self.prev, channel)
 
 
@@ -394,7 +403,6 @@ def _ring_sdpa(mesh, load_balanced, keep, q, k, v, attn_mask=None, dropout_p=0.0
     placements = _over_sep(q, sep, _SEQ)
     q, k, v = (_placed(t, placements) for t in (q, k, v))
     ranks = mesh.dim_group_of(get_rank(), sep)
-    _communicates()
     keep = None if keep is None else _key_padding_piece(keep, q, sep)
     out = ring_attention(local_value(q), local_value(k), local_value(v), ranks, is_causal, scale,
                          load_balanced, keep)
@@ -410,20 +418,58 @@ def _ulysses_sdpa(mesh, load_balanced, keep, q, k, v, attn_mask=None, dropout_p=
                          f"attention's attn_mask, not as a key padding mask")
     sep = mesh.dim_index(SEP)
     cp = mesh.shape[sep]
-    repeat = kv_head_repeats(q.shape[_HEADS], k.shape[_HEADS], cp)
+    ways = cp * _heads_split_elsewhere(q, sep)
+    repeat = kv_head_repeats(q.shape[_HEADS], k.shape[_HEADS], ways)
     if repeat is None:
-        name, t = ("query", q) if q.shape[_HEADS] % cp else ("key", k)
+        name, t = ("query", q) if q.shape[_HEADS] % ways else ("key", k)
+        also = "" if ways == cp else f" (and the other mesh dims splitting them: {ways} ways in all)"
         raise ValueError(f"context parallel all-to-all ('all2all', Ulysses) over mesh dim {SEP!r} of size {cp} "
-                         f"splits the attention heads, but the {name} {list(t.shape)} has {t.shape[_HEADS]} "
-                         f"heads, not divisible by {cp} (nor by repeating its groups); use backend 'p2p' or a "
+                         f"splits the attention heads{also}, but the {name} {list(t.shape)} has {t.shape[_HEADS]} "
+                         f"heads, not divisible by {ways} (nor by repeating its groups); use backend 'p2p' or a "
                          f"'sep' size dividing the heads")
     check_sequence_length(q.shape[_SEQ], cp, False, "context parallel all-to-all ('all2all')")
     if repeat > 1:  # fewer key/value heads than ranks: each repeated, every rank holds whole groups
         k, v = (t.repeat_interleave(repeat, dim=_HEADS) for t in (k, v))
-    by_heads = [_placed(t, _over_sep(t, sep, _HEADS)) for t in (q, k, v)]
+    last = _sep_last(mesh)
+    by_heads = [_placed(t, _over_sep(t, last.ndim - 1, _HEADS)) for t in (_reviewed(t, last, sep) for t in (q, k, v))]
+    if type(attn_mask) is DistTensor and attn_mask._spec.mesh == mesh:
+        attn_mask = _reviewed(attn_mask, last, sep)
     out = F.scaled_dot_product_attention(*by_heads, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                          scale=scale, enable_gqa=enable_gqa)
-    return _placed(out, _over_sep(out, sep, _SEQ))
+    out = _placed(out, _over_sep(out, last.ndim - 1, _SEQ))
+    return _reviewed(out, mesh, last.ndim - 1, sep)
+
+
+def _heads_split_elsewhere(t: DistTensor, sep: int) -> int:
+    """Into how many pieces mesh dims other than "sep" split `t`'s heads (tensor parallel)."""
+    return math.prod(t._spec.mesh.shape[i] for i, p in enumerate(t._spec.placements)
+                     if i != sep and isinstance(p, Shard) and p.dim % t.dim() == _HEADS)
+
+
+def _sep_last(mesh: ProcessMesh) -> ProcessMesh:
+    """`mesh` with its dim "sep" moved last.  Shards of one tensor dim cut in mesh dim order,
+    so on it Ulysses cuts each rank's heads (those tensor parallel gave it) further over
+    "sep", and its all-to-alls stay within the "sep" group; on `mesh`, where "sep" comes
+    before "mp", the heads would be dealt out anew across both."""
+    sep = mesh.dim_index(SEP)
+    order = [i for i in range(mesh.ndim) if i != sep] + [sep]
+    return ProcessMesh(np.transpose(mesh.mesh, order), [mesh.dim_names[i] for i in order])
+
+
+def _reviewed(t: DistTensor, mesh: ProcessMesh, frm: int, to: Optional[int] = None) -> DistTensor:
+    """`t` on `mesh`, its mesh dims reordered with dim `frm` moved to `to` (default: last):
+    the same pieces on the same ranks, nothing moves, unless a mesh dim passed over cuts the
+    same tensor dim as `frm` (their order would change the pieces): `frm` is gathered first."""
+    placements = list(t._spec.placements)
+    to = len(placements) - 1 if to is None else to
+    passed = placements[min(frm, to):max(frm, to) + 1]
+    moved = placements[frm]
+    if isinstance(moved, Shard) and sum(isinstance(p, Shard) and p.dim % t.dim() == moved.dim % t.dim()
+                                        for p in passed) > 1:
+        placements[frm] = Replicate()
+        t = _placed(t, placements)
+    placements.insert(to, placements.pop(frm))
+    return FromLocal.apply(local_value(t), DistSpec(mesh, placements, t._spec.meta))
 
 
 def kv_head_repeats(q_heads: int, kv_heads: int, cp: int) -> Optional[int]:
@@ -441,14 +487,6 @@ def kv_head_repeats(q_heads: int, kv_heads: int, cp: int) -> Optional[int]:
 
 
 _ALGORITHMS = {"p2p": _ring_sdpa, "all2all": _ulysses_sdpa}
-
-
-def _communicates() -> None:
-    """Tell the attached captures that the attention depends on transfers outside their view
-    (its point-to-point ring), as a value read does: a local region's verification then does
-    not take the module for communication-free, and a captured program refuses it."""
-    for capture in active_captures():
-        capture.value_read("context parallel's ring attention (point-to-point transfers)")
 
 
 _KEY_PADDING: list = []  # the key padding masks in force (`key_padding`), innermost last

@@ -51,15 +51,22 @@ def _local_bytes(meta, placements, mesh_shape, skip: int) -> float:
     return n
 
 
-def _divides(even, call: OpCall, current, mesh_shape, m: int) -> bool:
-    """Each (operand, dim) in `even` splits evenly over mesh dim m (and the dims sharding it
-    already).  Operand i >= 0 is input i; -1 - j is output j."""
+def _divides(even, call: OpCall, current, mesh_shape, m: int, picks: list) -> bool:
+    """Each (operand, dim) in `even` splits evenly over mesh dim m and the other mesh dims
+    that shard it: as picked for the mesh dims before m (`picks`), as it is now for the
+    rest.  Operand i >= 0 is input i; -1 - j is output j."""
     for i, d in even:
         parts = mesh_shape[m]
-        if i >= 0:
-            for m2, p in enumerate(current[i]):
-                if m2 != m and type(p) is Shard and p.dim == d:
-                    parts *= mesh_shape[m2]
+        for m2 in range(len(mesh_shape)):
+            if m2 == m:
+                continue
+            if m2 < len(picks):
+                p = picks[m2].outputs[-1 - i] if i < 0 else picks[m2].inputs[i]
+                p = current[i][m2] if p is None and i >= 0 else p
+            else:
+                p = current[i][m2] if i >= 0 else None
+            if type(p) is Shard and p.dim == d:
+                parts *= mesh_shape[m2]
         size = call.inputs[i].shape[d] if i >= 0 else call.outputs[-1 - i].shape[d]
         if size % parts:
             return False
@@ -123,7 +130,7 @@ def _choose(
             continue
         best, best_cost = None, None
         for s in strategies + (strided_variants(call, strategies, current, m, k) if strided else []):
-            if s.even and not _divides(s.even, call, current, mesh_shape, m):
+            if s.even and not _divides(s.even, call, current, mesh_shape, m, picks):
                 continue
             cost, changes, gathers = 0.0, 0, False
             for i, tgt in enumerate(s.inputs):
