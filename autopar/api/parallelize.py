@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import warnings
 from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
@@ -360,15 +361,19 @@ def _shard_batch(mesh: ProcessMesh, source: str = "rank0"):
     return lambda _layer, args, kwargs: tree_map_only(torch.Tensor, split, (args, kwargs))
 
 
-def _no_key_cache_in_training(model: torch.nn.Module, args: tuple, kwargs: dict):
-    """HF's models build a key/value cache in every forward unless told `use_cache=False`.  A
-    training step has no use for it, and handed to every decoder layer as a Python object it
-    keeps each layer off the local-region path (every op dispatched on its own).  So a
-    training forward that is not given `use_cache` gets False, as context parallel's does."""
-    if model.training and "use_cache" not in kwargs:
-        kwargs["use_cache"] = False
-        return args, kwargs
-    return None
+def _warn_of_a_key_cache_in_training(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """HF's models build a key/value cache in every forward unless told `use_cache=False`.
+    Handed to every decoder layer as a Python object, it keeps each layer off the local-region
+    path (every op dispatched on its own: about a third more host time on HF Llama).  autopar
+    does not turn it off itself (the cache is part of the model's output, and without one HF
+    reads the position ids' values to look for packed sequences), so it says so, once."""
+    config = getattr(model, "config", None)
+    if model.training and kwargs.get("use_cache") is None and getattr(config, "use_cache", False) \
+            and not getattr(model, "_autopar_warned_key_cache", False):
+        model._autopar_warned_key_cache = True
+        warnings.warn(f"{type(model).__name__} builds a key/value cache in training (config.use_cache=True): it keeps "
+                      f"the decoder layers from running as local regions. Set model.config.use_cache = False (or pass "
+                      f"use_cache=False) for training", stacklevel=3)
 
 
 # -- optimizer -------------------------------------------------------------------------------
@@ -502,7 +507,7 @@ def parallelize(
         source = config["dp_config"].get("input_source", "rank0")
         model.register_forward_pre_hook(_shard_batch(first_stage, source), with_kwargs=True)
     if forward_takes(model, "use_cache"):
-        model.register_forward_pre_hook(_no_key_cache_in_training, with_kwargs=True)
+        model.register_forward_pre_hook(_warn_of_a_key_cache_in_training, with_kwargs=True)
     local_region.install(model)  # as shard_layer: layers that turn out not to communicate run as plain torch
     register_model(model)
     if autocast is not None:

@@ -374,7 +374,7 @@ def _verify(module, inner, args, kwargs):
     # input) can only make the trial disagree, which refuses the region
     trial = _trial(module, inner, slots, settings, args, kwargs) if watch.local else None
     # every rank of the mesh must reach the same verdict (the trial compares this rank's data)
-    verdict = torch.tensor([int(watch.local and _agrees(out, trial))])
+    verdict = torch.tensor([int(watch.local and _agrees(out, trial))], device="cpu")  # (a value, also under meta)
     if not collectives.all_reduce(verdict, tuple(mesh.process_ids), ReduceType.MIN).item():
         return out, None
     out_specs = out._spec if type(out) is DistTensor else tuple(o._spec for o in out)
