@@ -1,0 +1,122 @@
+"""Where the MoE layer's Python time goes: autopar's `ExpertParallel` against the dispatch by hand.
+
+    python -m autopar.launch --nproc_per_node 2 benchmarks/profile_moe.py [--steps 30] [--top 25]
+
+The two runners of bench_moe.py (same block, tokens and step: forward, the mean square of the
+output, backward), run alternately, one step each, all ranks passing a barrier first:
+- phases: perf_counter and this thread's CPU time at the boundaries of forward, loss and
+  backward on rank 0, the median ms of each over the steps (the CPU time leaves out the time
+  descheduled on a shared machine and the time blocked in a collective's wait);
+- cProfile of rank 0 over as many steps again: the functions with the most cumulative and
+  self time, in ms per step (the profiler's own cost inflates both alike).
+Rank 0 writes the summary to `--out` (default `benchmarks/results/profile_moe.<commit>.txt`).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+import bench_moe  # noqa: E402
+import profile_dp  # noqa: E402
+
+PHASES = ("forward", "loss", "backward")
+
+
+class PhasedStep:
+    """bench_moe's Runner step with the clocks read at each phase boundary."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.wall = {p: [] for p in PHASES}
+        self.cpu = {p: [] for p in PHASES}
+
+    def step(self, record=True):
+        r = self.runner
+        for p in [r.batch, *r.model.parameters()]:
+            p.grad = None
+        t = [_clock()]
+        out = r.model(r.batch)
+        t.append(_clock())
+        loss = out.square().sum() / (out.numel() * r.ranks)
+        t.append(_clock())
+        loss.backward()
+        t.append(_clock())
+        if record:
+            for k, marks in enumerate((self.wall, self.cpu)):
+                for i, phase in enumerate(PHASES):
+                    marks[phase].append(t[i + 1][k] - t[i][k])
+
+
+def _clock() -> tuple:
+    return time.perf_counter(), time.thread_time()
+
+
+def phase_table(steps: dict, what: str) -> list[str]:
+    """Per phase, each impl's median ms (of `wall` or `cpu`), their difference and ratio."""
+    lines = [f"  {what + ':':16s}" + "".join(f"{n:>12s}" for n in steps) + f"{'difference':>12s}{'ratio':>8s}"]
+    med = {n: {ph: statistics.median(getattr(r, what)[ph]) * 1e3 for ph in PHASES} for n, r in steps.items()}
+    med = {n: {**m, "step (median)": statistics.median(map(sum, zip(*getattr(steps[n], what).values()))) * 1e3}
+           for n, m in med.items()}
+    a, b = list(steps)
+    for ph in (*PHASES, "step (median)"):
+        lines.append(f"  {ph:16s}" + "".join(f"{med[n][ph]:12.3f}" for n in steps)
+                     + f"{med[a][ph] - med[b][ph]:12.3f}{med[a][ph] / max(med[b][ph], 1e-9):8.3f}")
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser()
+    bench_moe.add_args(p)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rank, world = C.setup()
+    ap, hand, _ = bench_moe.runners(args, rank, world)
+    steps = {"autopar": PhasedStep(ap), "hand": PhasedStep(hand)}
+    for i in range(args.warmup + args.steps):
+        for r in steps.values():
+            C.barrier()
+            r.step(record=i >= args.warmup)
+    profiles = {n: cProfile.Profile() for n in steps}
+    for _ in range(args.steps):
+        for n, r in steps.items():
+            C.barrier()
+            if rank == 0:
+                profiles[n].enable()
+            r.step(record=False)
+            if rank == 0:
+                profiles[n].disable()
+    C.barrier()
+    if rank != 0:
+        return
+    env = C.env_info()
+    lines = [f"profile_moe: {world} ranks, {args.steps} steps each, rank 0's view; autopar {env['autopar_commit']} "
+             f"(uncommitted: {len(env['autopar_uncommitted'])}), torch {env['torch']}, load {env['loadavg_1m']}, "
+             f"{env['date']}",
+             f"block: MixtralSparseMoeBlock hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, "
+             f"top-{args.top_k}, {args.batch * args.seq} tokens per rank", "",
+             "median ms per step by phase (unprofiled steps): wall time, then this thread's CPU time (waits left out)"]
+    for what in ("wall", "cpu"):
+        lines += phase_table(steps, what)
+    for n, prof in profiles.items():
+        for by in ("cumulative", "self"):
+            lines += ["", f"{n}: top {args.top} by {by} time (cProfile, ms per step)"]
+            lines += profile_dp.top(prof, args.steps, by, args.top)
+    text = "\n".join(lines) + "\n"
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"profile_moe.{env['autopar_commit']}.txt")
+    with open(out, "w") as f:
+        f.write(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    C.fail_loudly(main)
