@@ -50,13 +50,14 @@ def _ep_run(name, dims, level=0, variant=None):
     model = _model(name, **variant)
     config = {"dp_config": {"sharding_level": level}, "mp_config": {"parallelize_plan": EP_PLAN}}
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
+    data, grads = batches(), []
+    losses = train(model, opt, data[:-1], grads=grads)
+    # the last step's routing, seen by a hook: the blocks then run op by op, as the first step did
+    # (the steps between ran each MoE block whole on its rank's tokens, where the variant allows)
     routed = []
     for m in model.modules():
         if hasattr(m, "num_experts") and hasattr(m, "gate_up_proj"):
             m.register_forward_pre_hook(lambda _m, args: routed.append(args[1]._local.clone()))
-    data, grads = batches(), []
-    losses = train(model, opt, data[:-1], grads=grads)
-    routed.clear()
     with dist.comm_log() as log:
         losses += train(model, opt, data[-1:])
     pieces = {k: (p.placements, p._local.detach().clone()) for k, p in _expert_params(model).items()}
@@ -100,6 +101,59 @@ def test_expert_parallel_on_an_ep_mesh_matches_one_process(name):
         forward = [b for layer in range(layers) for b in (counts, mine[layer] * row, theirs[layer] * row)]
         backward = [b for layer in reversed(range(layers)) for b in (mine[layer] * row, theirs[layer] * row)]
         assert to_all == forward + backward, (to_all, forward, backward)
+
+
+def _block_forwards(model):
+    """The `_BlockForward` standing in for each MoE block's forward (below autopar's wrappers)."""
+    from autopar.api.moe import _BlockForward
+
+    out = []
+    for layer in model.model.layers:
+        f = layer.mlp.forward
+        while not isinstance(f, _BlockForward):
+            f = f.__wrapped__
+        out.append(f)
+    return out
+
+
+def _twice(**variant):
+    """One forward and backward of the same batch twice on Mixtral split over "ep": each
+    call's collectives, loss and gradients, and whether the MoE blocks ran whole the second time."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["ep"])
+    model = _model("mixtral", **variant)
+    model, _ = dist.parallelize(model, None, mesh, {"mp_config": {"parallelize_plan": EP_PLAN}})
+    ids = dist.shard_tensor(batches(1)[0][0], mesh, [S0])
+    calls = []
+    for _ in range(2):
+        model.zero_grad()
+        with dist.comm_log() as log:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        grads = {k: dist.unshard_dtensor(p.grad) for k, p in model.named_parameters()}
+        calls.append(([(r.op, list(r.ranks), r.bytes) for r in log], float(loss), grads))
+    whole = [any(plan is not None for plan in f.plans.values()) for f in _block_forwards(model)]
+    return calls, whole
+
+
+def test_a_moe_block_runs_whole_on_its_ranks_tokens_after_its_first_call():
+    """A MoE block's first call runs op by op; later ones run the whole block on this rank's
+    tokens as plain torch (one boundary, as a dispatch by hand): the same collectives with the
+    same bytes, the same loss and gradients."""
+    for (first, second), whole in run_dist(_twice, 2):
+        assert whole == [True, True]
+        assert first[0] == second[0], (first[0], second[0])
+        assert sum(op == "all_to_all" for op, *_ in second[0]) == 2 * (3 + 2), second[0]  # 2 layers, fwd 3, bwd 2
+        assert not [op for op, *_ in second[0] if op in ("all_gather", "reduce_scatter")], second[0]
+        assert first[1] == second[1]
+        for k, g in first[2].items():
+            torch.testing.assert_close(second[2][k], g, rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_block_that_draws_random_numbers_stays_op_by_op():
+    """Mixtral's router jitter draws random numbers while training: those must be the
+    single process's draws, so the block keeps running on the distributed tensors."""
+    for _, whole in run_dist(_twice, 2, router_jitter_noise=0.1):
+        assert whole == [False, False]
 
 
 @pytest.mark.parametrize("level", [0, 1, 3])

@@ -145,6 +145,50 @@ def expert_parallel(hidden: DistTensor, index: DistTensor, weights: DistTensor, 
     return out if placements == hidden._spec.placements else reshard_to(out, hidden._spec)
 
 
+def block_grad_specs(spec: DistSpec, params: Sequence[DistTensor], experts: frozenset, ep: int) -> Optional[tuple]:
+    """Whether a token-wise MoE block (each token's output depends on its own hidden state
+    alone, as in HF's MoE blocks) can run whole on this rank's tokens `spec` as plain torch:
+    the gradient specs of the tokens and of `params` when it can, else None.  It can when the
+    tokens are split over mesh dim `ep` (on any dim but the hidden one, the last) and split so
+    or whole on the other mesh dims, and the parameters are whole but the experts' (ids in
+    `experts`), split Shard(0) over `ep` alone.  A parameter's gradient is then Partial on
+    the mesh dims the tokens are split on, but the experts' on `ep` (every token routed to an
+    expert came to its rank)."""
+    mesh, last = spec.mesh, len(spec.shape) - 1
+    split = []
+    for k, p in enumerate(spec.placements):
+        if type(p) is Shard and p.dim != last:
+            split.append(mesh.shape[k] > 1)
+        elif type(p) is Replicate and (k != ep or mesh.shape[k] == 1):
+            split.append(False)
+        else:
+            return None
+    grads = [_grad_spec(spec, spec.placements)]
+    for t in params:
+        want = tuple(Shard(0) if k == ep and id(t) in experts else Replicate() for k in range(mesh.ndim))
+        if t._spec.mesh != mesh or tuple(t._spec.placements) != want:
+            return None
+        grads.append(_grad_spec(t._spec, [q if type(q) is Shard or not split[k] else Partial()
+                                          for k, q in enumerate(want)]))
+    return tuple(grads)
+
+
+def on_pieces(hidden: DistTensor, params: Sequence[DistTensor], grad_specs: tuple,
+              run: Callable[[torch.Tensor, list], torch.Tensor]) -> DistTensor:
+    """`run(local tokens, local params)` on this rank's pieces (see `block_grad_specs`), its
+    output (shaped as the tokens) placed as the tokens: one boundary for the whole block, its
+    gradients placed by `grad_specs`."""
+    local = _Pieces.apply(grad_specs, hidden, *params)
+    out = run(local[0], list(local[1:]))
+    if not isinstance(out, torch.Tensor) or out.shape != local[0].shape:
+        raise RuntimeError(f"ExpertParallel: the MoE block returned {type(out).__name__} "
+                           f"{list(getattr(out, 'shape', []))} on tokens {list(local[0].shape)}: a block run on "
+                           f"its rank's tokens must return one tensor shaped as them")
+    spec = hidden._spec if out.dtype == hidden.dtype else DistSpec(
+        hidden._spec.mesh, hidden._spec.placements, TensorMeta.contiguous(hidden._spec.shape, out.dtype))
+    return FromLocal.apply(out, spec)
+
+
 def check_experts(num_experts: int, top_k: Optional[int], mesh, ep: int, what: str) -> None:
     """Refuse an expert count the mesh dim does not divide, or a top-k above the expert count."""
     size = mesh.shape[ep]
@@ -156,4 +200,5 @@ def check_experts(num_experts: int, top_k: Optional[int], mesh, ep: int, what: s
         raise ValueError(f"{what}: top-k {top_k} is larger than the expert count {num_experts}")
 
 
-__all__ = ["AllToAll", "Routing", "check_experts", "dispatch_combine", "expert_parallel", "token_placements"]
+__all__ = ["AllToAll", "Routing", "block_grad_specs", "check_experts", "dispatch_combine", "expert_parallel",
+           "on_pieces", "token_placements"]
