@@ -3,7 +3,9 @@
     python -m autopar.launch --nproc_per_node 2 benchmarks/profile_moe.py [--steps 30] [--top 25]
 
 The two runners of bench_moe.py (same block, tokens and step: forward, the mean square of the
-output, backward), run alternately, one step each, all ranks passing a barrier first:
+output, backward), and autopar's once more with a hook on its router, which keeps the block
+running op by op on the distributed tensors (as every call did before the block ran whole on
+its rank's tokens), run in turn, one step each, all ranks passing a barrier first:
 - phases: perf_counter and this thread's CPU time at the boundaries of forward, loss and
   backward on rank 0, the median ms of each over the steps (the CPU time leaves out the time
   descheduled on a shared machine and the time blocked in a collective's wait);
@@ -58,15 +60,17 @@ def _clock() -> tuple:
 
 
 def phase_table(steps: dict, what: str) -> list[str]:
-    """Per phase, each impl's median ms (of `wall` or `cpu`), their difference and ratio."""
-    lines = [f"  {what + ':':16s}" + "".join(f"{n:>12s}" for n in steps) + f"{'difference':>12s}{'ratio':>8s}"]
+    """Per phase, each impl's median ms (of `wall` or `cpu`), then each one's ratio to the last."""
+    names = list(steps)
+    base = names[-1]
+    lines = [f"  {what + ':':16s}" + "".join(f"{n:>18s}" for n in names)
+             + "".join(f"{n + '/' + base:>22s}" for n in names[:-1])]
     med = {n: {ph: statistics.median(getattr(r, what)[ph]) * 1e3 for ph in PHASES} for n, r in steps.items()}
     med = {n: {**m, "step (median)": statistics.median(map(sum, zip(*getattr(steps[n], what).values()))) * 1e3}
            for n, m in med.items()}
-    a, b = list(steps)
     for ph in (*PHASES, "step (median)"):
-        lines.append(f"  {ph:16s}" + "".join(f"{med[n][ph]:12.3f}" for n in steps)
-                     + f"{med[a][ph] - med[b][ph]:12.3f}{med[a][ph] / max(med[b][ph], 1e-9):8.3f}")
+        lines.append(f"  {ph:16s}" + "".join(f"{med[n][ph]:18.3f}" for n in names)
+                     + "".join(f"{med[n][ph] / max(med[base][ph], 1e-9):22.3f}" for n in names[:-1]))
     return lines
 
 
@@ -80,7 +84,10 @@ def main():
     args = p.parse_args()
     rank, world = C.setup()
     ap, hand, _ = bench_moe.runners(args, rank, world)
-    steps = {"autopar": PhasedStep(ap), "hand": PhasedStep(hand)}
+    op_by_op, _, _ = bench_moe.runners(args, rank, world)
+    # a hook on the router keeps ExpertParallel's block on the distributed tensors, op by op
+    op_by_op.model.gate.register_forward_hook(lambda _m, _a, out: out)
+    steps = {"autopar": PhasedStep(ap), "autopar_op_by_op": PhasedStep(op_by_op), "hand": PhasedStep(hand)}
     for i in range(args.warmup + args.steps):
         for r in steps.values():
             C.barrier()
