@@ -330,7 +330,8 @@ def test_sub_mesh_tensors_cut_a_tensor_per_slice_and_join_back(mesh_ids, dims, p
 
 def _mesh_run(name, mesh_ids, dims, plan, split_batch=True, level=0):
     """`name` trained 3 steps through parallelize on the mesh `mesh_ids` named `dims` with
-    `plan`, the batch split (dp_config, ZeRO `level`) or not; also the experts' placements."""
+    `plan`, the batch split (dp_config, ZeRO `level`) or not; also the experts' placements and
+    whether each MoE block ran whole on its rank's tokens after its first call."""
     mesh = dist.ProcessMesh(mesh_ids, dim_names=dims)
     model = tiny(name)
     config = {"mp_config": {"parallelize_plan": plan}}
@@ -340,15 +341,17 @@ def _mesh_run(name, mesh_ids, dims, plan, split_batch=True, level=0):
     data, grads = batches(), []
     losses = train(model, opt, data, grads=grads)
     pieces = {k: p.placements for k, p in _expert_params(model).items()}
-    return (losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, grads), pieces
+    whole = [any(plan is not None for plan in f.plans.values()) for f in _block_forwards(model)]
+    return (losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, grads), pieces, whole
 
 
 def test_tokens_whole_over_ep_are_cut_routed_and_gathered_back():
     """ExpertParallel alone on an "ep" mesh: the batch is not split, each rank routes its cut
     of the tokens and the output is gathered back."""
     ref = _reference("mixtral")
-    for got, _ in run_dist(_mesh_run, 2, "mixtral", [0, 1], ["ep"], EP_PLAN, split_batch=False):
+    for got, _, whole in run_dist(_mesh_run, 2, "mixtral", [0, 1], ["ep"], EP_PLAN, split_batch=False):
         assert_matches(got, ref)
+        assert whole == [False, False]  # tokens whole over "ep": the block stays op by op
 
 
 @pytest.mark.parametrize("level", [0, 3])
@@ -357,8 +360,10 @@ def test_ep_times_dp_on_four_ranks(level):
     and replicated over dp, its gradient summed over dp; under ZeRO-3 also cut over dp between
     uses."""
     ref = _reference("mixtral")
-    for got, pieces in run_dist(_mesh_run, 4, "mixtral", [[0, 1], [2, 3]], ["dp", "ep"], EP_PLAN, level=level):
+    for got, pieces, whole in run_dist(_mesh_run, 4, "mixtral", [[0, 1], [2, 3]], ["dp", "ep"], EP_PLAN,
+                                       level=level):
         assert_matches(got, ref)
+        assert whole == [True, True], whole  # under ZeRO-3 too: its parameters are whole over "dp" in use
         assert all(p[1] == S0 and (level == 3 or p[0] == R) for p in pieces.values()), pieces
 
 
@@ -372,8 +377,9 @@ def test_ep_times_tp_on_four_ranks():
     """An [ep 2, mp 2] mesh: attention split by heads over "mp", the experts over "ep"; the
     tokens reach the MoE block whole over "mp" and every mp rank routes them alike."""
     ref = _reference("mixtral")
-    for got, pieces in run_dist(_mesh_run, 4, "mixtral", [[0, 1], [2, 3]], ["ep", "mp"], TP_EP_PLAN):
+    for got, pieces, whole in run_dist(_mesh_run, 4, "mixtral", [[0, 1], [2, 3]], ["ep", "mp"], TP_EP_PLAN):
         assert_matches(got, ref)
+        assert whole == [True, True]  # the tokens whole over "mp", as everything there: each mp rank alike
         assert set(map(tuple, pieces.values())) == {(S0, R)}, pieces
 
 
