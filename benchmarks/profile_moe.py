@@ -16,7 +16,6 @@ Rank 0 writes the summary to `--out` (default `benchmarks/results/profile_moe.<c
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
 import statistics
 import sys
@@ -92,37 +91,15 @@ def main():
         for r in steps.values():
             C.barrier()
             r.step(record=i >= args.warmup)
-    profiles = {n: cProfile.Profile() for n in steps}
-    for _ in range(args.steps):
-        for n, r in steps.items():
-            C.barrier()
-            if rank == 0:
-                profiles[n].enable()
-            r.step(record=False)
-            if rank == 0:
-                profiles[n].disable()
-    C.barrier()
+    profiles = profile_dp.profile_in_turn(steps, args.steps, rank)
     if rank != 0:
         return
     env = C.env_info()
-    lines = [f"profile_moe: {world} ranks, {args.steps} steps each, rank 0's view; autopar {env['autopar_commit']} "
-             f"(uncommitted: {len(env['autopar_uncommitted'])}), torch {env['torch']}, load {env['loadavg_1m']}, "
-             f"{env['date']}",
-             f"block: MixtralSparseMoeBlock hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, "
-             f"top-{args.top_k}, {args.batch * args.seq} tokens per rank", "",
-             "median ms per step by phase (unprofiled steps): wall time, then this thread's CPU time (waits left out)"]
-    for what in ("wall", "cpu"):
-        lines += phase_table(steps, what)
-    for n, prof in profiles.items():
-        for by in ("cumulative", "self"):
-            lines += ["", f"{n}: top {args.top} by {by} time (cProfile, ms per step)"]
-            lines += profile_dp.top(prof, args.steps, by, args.top)
-    text = "\n".join(lines) + "\n"
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"profile_moe.{env['autopar_commit']}.txt")
-    with open(out, "w") as f:
-        f.write(text)
-    print(text, flush=True)
+    lines = profile_dp.summary_head("profile_moe", world, args, env,
+                                    f"block: MixtralSparseMoeBlock hidden {args.hidden}, ffn {args.ffn}, "
+                                    f"{args.experts} experts, top-{args.top_k}, {args.batch * args.seq} tokens per rank",
+                                    phase_table(steps, "wall") + phase_table(steps, "cpu"))
+    profile_dp.write_summary(lines, profiles, args, f"profile_moe.{env['autopar_commit']}.txt")
 
 
 if __name__ == "__main__":
