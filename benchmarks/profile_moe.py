@@ -97,7 +97,8 @@ def main():
     env = C.env_info()
     lines = profile_dp.summary_head("profile_moe", world, args, env,
                                     f"block: MixtralSparseMoeBlock hidden {args.hidden}, ffn {args.ffn}, "
-                                    f"{args.experts} experts, top-{args.top_k}, {args.batch * args.seq} tokens per rank",
+                                    f"{args.experts} experts, top-{args.top_k}, "
+                                    f"{args.batch * args.seq} tokens per rank",
                                     phase_table(steps, "wall") + phase_table(steps, "cpu"))
     profile_dp.write_summary(lines, profiles, args, f"profile_moe.{env['autopar_commit']}.txt")
 

@@ -572,7 +572,8 @@ def _balanced(model, experts=4):
         index = out[2]
         local = index._local
         balanced = torch.arange(local.numel(), device=local.device).view(local.shape) % experts
-        return out[0], out[1], dist.dtensor_from_local(balanced, index.process_mesh, index.placements, shape=index.shape)
+        return out[0], out[1], dist.dtensor_from_local(balanced, index.process_mesh, index.placements,
+                                                       shape=index.shape)
 
     for layer in model.model.layers:
         layer.mlp.gate.register_forward_hook(route)
@@ -605,7 +606,8 @@ def _ep_step(device, rank):
         opt.step()
     storages: dict = {}
     saves = [[storages.setdefault(key, len(storages)), n] for key, n, step in saved.events if step > 0]
-    return [[r.op, list(r.ranks), r.bytes, list(r.shape)] for r in log], dataclasses.asdict(memory(model, opt, saved)), saves
+    held = dataclasses.asdict(memory(model, opt, saved))
+    return [[r.op, list(r.ranks), r.bytes, list(r.shape)] for r in log], held, saves
 
 
 def _real_balanced_step():

@@ -20,16 +20,16 @@ import numpy as np
 import torch
 
 from ..comm import get_rank
+from ..comm.observers import active_captures
 from ..mesh import ProcessMesh
 from ..placement import Placement, Replicate, Shard
 from ..redistribute import piece_of_full, redistribute_local
-from ..comm.observers import active_captures
 from ..runtime.experts import block_grad_specs, check_experts, dispatch_combine, expert_parallel, on_pieces
 from ..runtime.local_region import _saved_tensor_hooks, _Watch
-from ..spmd.registry import DRAWS_RANDOM
-from ..tensor.observers import watching
 from ..spec import DistSpec, TensorMeta
+from ..spmd.registry import DRAWS_RANDOM
 from ..tensor.dtensor import DistTensor, new_dist
+from ..tensor.observers import watching
 from .layer import convert_in_place
 from .plans import PlanBase, placements_on
 from .tensors import shard_tensor
@@ -174,8 +174,9 @@ class _BlockForward:
     `block_grad_specs` allows (tokens split over the expert dim, parameters whole but the
     experts), no hook is set on a sub-module or globally (a hook would see the local pieces:
     HF's recorded router logits for the load-balancing loss), no activation checkpointing or
-    capture (to_static's) is running, and its first call for these tokens' spec, run op by op, drew no
-    random number (Mixtral's jitter noise while training: the draws must be the global ones)."""
+    capture (to_static's) is running, and its first call for these tokens' spec, run op by op,
+    drew no random number (Mixtral's jitter noise while training: the draws must be the global
+    ones)."""
 
     def __init__(self, block: torch.nn.Module, experts_forward: _ExpertsForward, ep: int):
         self.block, self.experts_forward, self.ep = block, experts_forward, ep
