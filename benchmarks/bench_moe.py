@@ -13,7 +13,9 @@ inside a model.
             experts (a MixtralExperts of 8/ranks experts holding this rank's slices) run on
             what arrived, the results sent back and summed per token.
 Checks: both give the same output and the same gradients of the local experts' weights and
-the router (rtol 1e-5).  Reports the step time (max over ranks) and the bytes each rank sends.
+the router (rtol 1e-5).  Reports the step time and the calling thread's CPU time (each the max
+over ranks; the CPU time leaves out time descheduled on a shared machine and time blocked in a
+wait) and the bytes each rank sends.
 """
 from __future__ import annotations
 
@@ -88,20 +90,18 @@ class Runner:
         self.out = out
 
 
-def main():
-    p = argparse.ArgumentParser()
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=2)
-    args = p.parse_args()
-    rank, k = C.setup()
+
+
+def runners(args, rank, k):
+    """(autopar's Runner, the hand dispatch's Runner, the mesh) on this rank's tokens."""
     warnings.filterwarnings("ignore", "torch.distributed.nn.functional.all_to_all_single is deprecated")
-    C.emit({"bench": "env", **C.env_info(), "ranks": k})
     torch.manual_seed(0)
     block = mixtral.MixtralSparseMoeBlock(_config(args, args.experts))
     torch.nn.init.normal_(block.gate.weight, std=0.02)
@@ -116,6 +116,18 @@ def main():
     model, _ = dist.parallelize(torch.nn.ModuleDict({"moe": block}), mesh=mesh,
                                 config={"mp_config": {"parallelize_plan": {"moe": dist.ExpertParallel()}}})
     ap = Runner(model["moe"], dist.shard_tensor(tokens, mesh, [dist.Shard(0)]).requires_grad_())
+    return ap, hand, mesh
+
+
+def main():
+    p = argparse.ArgumentParser()
+    add_args(p)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args()
+    rank, k = C.setup()
+    C.emit({"bench": "env", **C.env_info(), "ranks": k})
+    ap, hand, mesh = runners(args, rank, k)
 
     # correctness: same output, same gradients of this rank's experts and of the router
     hand_grads, ap_grads = {}, {}
@@ -133,13 +145,15 @@ def main():
                    _summed(hand_grads["gate.weight"]), "router gradient")
     ap_bytes = log.total_bytes()
 
-    times = C.interleaved({"autopar": ap.step, "plain": hand.step}, reps=args.reps, warmup=args.warmup)
-    st = {n: C.stats_ms(v) for n, v in times.items()}
+    cpu = {}
+    times = C.interleaved({"autopar": ap.step, "plain": hand.step}, reps=args.reps, warmup=args.warmup, cpu=cpu)
+    st = {n: {**C.stats_ms(v), **C.stats_ms(cpu[n], "cpu_")} for n, v in times.items()}
     for name in ("autopar", "plain"):
         C.emit({"bench": "moe_layer", "impl": name, "ranks": k, "tokens_per_rank": args.batch * args.seq,
                 "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
                 "bytes_sent_per_rank": ap_bytes, **st[name],
-                "ratio_vs_hand_all_to_all": round(st[name]["median_ms"] / st["plain"]["median_ms"], 4)})
+                "ratio_vs_hand_all_to_all": round(st[name]["median_ms"] / st["plain"]["median_ms"], 4),
+                "cpu_ratio_vs_hand_all_to_all": round(st[name]["cpu_median_ms"] / st["plain"]["cpu_median_ms"], 4)})
 
 
 def _summed(g):

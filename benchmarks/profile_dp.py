@@ -157,6 +157,45 @@ def phase_table(steps: dict, what: str) -> list[str]:
     return lines
 
 
+def profile_in_turn(steps: dict, n: int, rank: int) -> dict:
+    """cProfile of rank 0 over `n` more steps of each of `steps` (name -> a runner with
+    `step(record=False)`), one step each in turn, all ranks passing a barrier before each."""
+    profiles = {name: cProfile.Profile() for name in steps}
+    for _ in range(n):
+        for name, r in steps.items():
+            C.barrier()
+            if rank == 0:
+                profiles[name].enable()
+            r.step(record=False)
+            if rank == 0:
+                profiles[name].disable()
+    C.barrier()
+    return profiles
+
+
+def summary_head(script: str, world: int, args, env: dict, what: str, phases: list) -> list:
+    """The summary's first lines: the run, what ran (`what`) and the phase tables."""
+    return [f"{script}: {world} ranks, {args.steps} steps each, rank 0's view; autopar {env['autopar_commit']} "
+            f"(uncommitted: {len(env['autopar_uncommitted'])}), torch {env['torch']}, load {env['loadavg_1m']}, "
+            f"{env['date']}", what, "",
+            "median ms per step by phase (unprofiled steps): wall time, then this thread's CPU time (waits left out)",
+            *phases]
+
+
+def write_summary(lines: list, profiles: dict, args, name: str) -> None:
+    """`lines` and each profile's top `args.top` functions by cumulative and self time, printed
+    and written to `args.out` (default benchmarks/results/`name`)."""
+    for n, prof in profiles.items():
+        for by in ("cumulative", "self"):
+            lines += ["", f"{n}: top {args.top} by {by} time (cProfile, ms per step)"]
+            lines += top(prof, args.steps, by, args.top)
+    text = "\n".join(lines) + "\n"
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
+    with open(out, "w") as f:
+        f.write(text)
+    print(text, flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     G.add_model_args(p)
@@ -176,39 +215,17 @@ def main():
         for r in steps.values():
             C.barrier()
             r.step()
-    profiles = {n: cProfile.Profile() for n in steps}
-    for _ in range(args.steps):
-        for n, r in steps.items():
-            C.barrier()
-            if rank == 0:
-                profiles[n].enable()
-            r.step(record=False)
-            if rank == 0:
-                profiles[n].disable()
-    C.barrier()
+    profiles = profile_in_turn(steps, args.steps, rank)
     if rank != 0:
         return
     env = C.env_info()
-    lines = [f"profile_dp: {world} ranks, {args.steps} steps each, rank 0's view; autopar {env['autopar_commit']} "
-             f"(uncommitted: {len(env['autopar_uncommitted'])}), torch {env['torch']}, load {env['loadavg_1m']}, "
-             f"{env['date']}",
-             f"model: dim {args.dim}, layers {args.layers}, heads {args.heads}, vocab {args.vocab}, seq {args.seq}, "
-             f"batch {args.batch}", "",
-             "median ms per step by phase (unprofiled steps): wall time, then this thread's CPU time (waits left out)"]
-    for what in ("wall", "cpu"):
-        lines += phase_table(steps, what)
+    lines = summary_head("profile_dp", world, args, env,
+                         f"model: dim {args.dim}, layers {args.layers}, heads {args.heads}, vocab {args.vocab}, "
+                         f"seq {args.seq}, batch {args.batch}", phase_table(steps, "wall") + phase_table(steps, "cpu"))
     for n, prof in profiles.items():
         if args.dump:
             prof.dump_stats(f"{args.dump}.{n}.prof")
-        for by in ("cumulative", "self"):
-            lines += ["", f"{n}: top {args.top} by {by} time (cProfile, ms per step)"]
-            lines += top(prof, args.steps, by, args.top)
-    text = "\n".join(lines) + "\n"
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"profile_dp.{env['autopar_commit']}.txt")
-    with open(out, "w") as f:
-        f.write(text)
-    print(text, flush=True)
+    write_summary(lines, profiles, args, f"profile_dp.{env['autopar_commit']}.txt")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,16 @@ import numpy as np
 import torch
 
 from ..comm import get_rank
+from ..comm.observers import active_captures
 from ..mesh import ProcessMesh
 from ..placement import Placement, Replicate, Shard
 from ..redistribute import piece_of_full, redistribute_local
-from ..runtime.experts import check_experts, expert_parallel
+from ..runtime.experts import block_grad_specs, check_experts, dispatch_combine, expert_parallel, on_pieces
+from ..runtime.local_region import _saved_tensor_hooks, _Watch
 from ..spec import DistSpec, TensorMeta
+from ..spmd.registry import DRAWS_RANDOM
 from ..tensor.dtensor import DistTensor, new_dist
+from ..tensor.observers import watching
 from .layer import convert_in_place
 from .plans import PlanBase, placements_on
 from .tensors import shard_tensor
@@ -105,19 +109,28 @@ class ExpertParallel(PlanBase):
             convert_in_place(p, shard_tensor(p, mesh, placements_on(p, mesh, **{mesh.dim_names[ep]: Shard(0)})),
                              f"{name}.{pname}")
         experts.forward = _ExpertsForward(experts, ep, name)
+        layer.forward = _BlockForward(layer, experts.forward, ep)
 
 
 class _ExpertsForward:
     """Stands in for an experts module's forward: dispatch, the module's own forward on its
-    local experts, combine."""
+    local experts, combine.  On the distributed tokens, or on this rank's tokens as plain
+    tensors while the block runs whole on them (`_BlockForward`: `ranks` set)."""
 
     def __init__(self, experts: torch.nn.Module, ep: int, name: str):
         self.experts, self.ep, self.name = experts, ep, name
         self.own = type(experts).forward.__get__(experts)
         self.__wrapped__ = self.own
+        self.ranks: Optional[tuple] = None  # (this rank's expert group, the mesh) while the block runs whole
 
     def __call__(self, hidden, top_k_index, top_k_weights):
         experts = self.experts
+        if self.ranks is not None and type(hidden) is not DistTensor:  # its parameters are the local pieces now
+            check_experts(experts.num_experts, top_k_index.shape[-1], self.ranks[1], self.ep,
+                          f"ExpertParallel on '{self.name}'")
+            ranks = self.ranks[0]
+            return dispatch_combine(hidden, top_k_index, top_k_weights, experts.num_experts, ranks,
+                                    lambda rows, local_expert: self._run_local(None, rows, local_expert))
         params = list(experts.parameters(recurse=False))
         if type(hidden) is not DistTensor:
             raise TypeError(f"ExpertParallel on '{self.name}': the tokens must be a distributed tensor on the experts' "
@@ -132,20 +145,119 @@ class _ExpertsForward:
         check_experts(experts.num_experts, index.shape[-1], mesh, ep, f"ExpertParallel on '{self.name}'")
         return expert_parallel(hidden, index, weights, params, ep, experts.num_experts, self._run_local)
 
-    def _run_local(self, local_params: list, rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
+    def _run_local(self, local_params: Optional[list], rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
         """The experts module's own forward on this rank's experts (its weights' local pieces,
-        `num_experts` the local count), each row through one expert at weight 1."""
+        put in place here unless `local_params` is None: they are there already; `num_experts`
+        the local count), each row through one expert at weight 1."""
         experts = self.experts
         names = [n for n, _ in experts.named_parameters(recurse=False)]
         saved = ({n: experts._parameters[n] for n in names}, experts.num_experts)
-        experts._parameters.update(zip(names, local_params))
-        experts.num_experts = local_params[0].shape[0]
+        if local_params is not None:
+            experts._parameters.update(zip(names, local_params))
+        experts.num_experts = experts._parameters[names[0]].shape[0]
         try:
             ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
             return self.own(rows, local_expert.unsqueeze(-1), ones)
         finally:
             experts._parameters.update(saved[0])
             experts.num_experts = saved[1]
+
+
+class _BlockForward:
+    """Stands in for a MoE block's forward: the whole block runs as plain torch on this rank's
+    tokens, its parameters' local pieces in place, the experts call dispatching and combining
+    them (one boundary in and out, as a dispatch written by hand), where that gives the
+    single process's numbers; elsewhere the block's own forward on the distributed tensors.
+
+    The block is taken to be token-wise: each token's output depends on its own hidden state
+    alone, as in HF's MoE blocks (router, experts, shared experts).  It runs whole when
+    `block_grad_specs` allows (tokens split over the expert dim, parameters whole but the
+    experts), no hook is set on a sub-module or globally (a hook would see the local pieces:
+    HF's recorded router logits for the load-balancing loss), no activation checkpointing or
+    capture (to_static's) is running, and its first call for these tokens' spec, run op by op,
+    drew no random number (Mixtral's jitter noise while training: the draws must be the global
+    ones)."""
+
+    def __init__(self, block: torch.nn.Module, experts_forward: _ExpertsForward, ep: int):
+        self.block, self.experts_forward, self.ep = block, experts_forward, ep
+        self.own = block.__dict__.get("forward") or type(block).forward.__get__(block)
+        self.__wrapped__ = self.own
+        # (tokens' spec, training, the parameters' specs) -> (gradient specs, expert group, mesh),
+        # or None where the block runs on the distributed tensors
+        self.plans: dict = {}
+
+    def __call__(self, *args, **kwargs):
+        hidden = args[0] if len(args) == 1 and not kwargs else None
+        if type(hidden) is not DistTensor or _capturing() or _saved_tensor_hooks() is not None or _global_hooks():
+            return self.own(*args, **kwargs)
+        modules = list(self.block.modules())
+        if any(sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks
+               for sub in modules[1:]):
+            return self.own(hidden)
+        slots = [(sub._parameters, n, p) for sub in modules for n, p in sub._parameters.items() if p is not None]
+        key = (hidden._spec, self.block.training, *(getattr(p, "_spec", None) for _, _, p in slots))
+        plan = self.plans.get(key, _UNSEEN)
+        if plan is _UNSEEN:
+            return self._first_call(hidden, key, slots)
+        if plan is None:
+            return self.own(hidden)
+        buffers = [(sub._buffers, n, b) for sub in modules for n, b in sub._buffers.items() if type(b) is DistTensor]
+        return on_pieces(hidden, [p for _, _, p in slots], plan[0],
+                         lambda x, local: self._run(x, local, slots, buffers, plan[1]))
+
+    def _first_call(self, hidden: DistTensor, key: tuple, slots: list):
+        """The block op by op, and whether later calls with these specs may run it whole."""
+        mesh, params = hidden._spec.mesh, [p for _, _, p in slots]
+        specs = None
+        if get_rank() in mesh and all(type(p) is DistTensor for p in params):
+            experts = frozenset(map(id, self.experts_forward.experts.parameters(recurse=False)))
+            specs = block_grad_specs(hidden._spec, params, experts, self.ep)
+        if specs is None:
+            self.plans[key] = None
+            return self.own(hidden)
+        watch = _RandomDraws()
+        with watching(watch):
+            out = self.own(hidden)
+        self.plans[key] = None if watch.drew else (specs, (mesh.dim_group_of(get_rank(), self.ep), mesh))
+        return out
+
+    def _run(self, x, local_params, slots, buffers, ranks):
+        pieces = list(zip(slots, local_params)) + [(slot, slot[2]._local) for slot in buffers]
+        for (holder, name, _), piece in pieces:
+            holder[name] = piece
+        self.experts_forward.ranks = ranks
+        try:
+            return self.own(x)
+        finally:
+            self.experts_forward.ranks = None
+            for holder, name, t in slots + buffers:
+                holder[name] = t
+
+
+_UNSEEN = object()
+
+
+class _RandomDraws:
+    """An op watcher: did a dispatched op draw random numbers?"""
+
+    def __init__(self):
+        self.drew = False
+
+    def see(self, func, decision, flat) -> None:
+        self.drew = self.drew or func in DRAWS_RANDOM
+
+
+def _capturing() -> bool:
+    """Whether a capture (to_static's) is attached: an ancestor's local-region verification
+    does not count (it sees the block's all-to-alls and declines the region)."""
+    return any(type(c) is not _Watch for c in active_captures())
+
+
+def _global_hooks() -> bool:
+    """Whether a forward or backward hook is set on every module (torch.nn.modules.module's)."""
+    m = torch.nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
 
 
 # -- Paddle's sub-mesh tensors -------------------------------------------------------------------

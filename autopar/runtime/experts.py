@@ -24,6 +24,7 @@ runs; an expert that receives no token gets a zero gradient.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -54,7 +55,13 @@ class Routing:
 
     `order`: the pairs (flattened [tokens, k]) sorted by expert; `tokens`: the token of each
     sorted pair; `send` / `recv`: rows to / from each member of the group; `local_expert`:
-    the local expert (0 .. experts/ep - 1) of each received row, in arrival order."""
+    the local expert (0 .. experts/ep - 1) of each received row, in arrival order.
+
+    On the meta device (`simulate` of a model too big to hold) the routing has no values, so
+    it is taken as balanced, the planner's own assumption: each rank's tokens * k pairs spread
+    evenly over the experts (tokens * k / experts each; a remainder one more each to the first
+    experts), every rank of the group routing as many tokens.  The counts' exchange still
+    runs, so the collectives and their bytes are those of a real run routed so."""
 
     __slots__ = ("order", "tokens", "send", "recv", "local_expert")
 
@@ -65,6 +72,9 @@ class Routing:
         k = index.shape[-1] if index.dim() > 1 else 1
         self.order = torch.argsort(flat, stable=True)
         self.tokens = torch.div(self.order, k, rounding_mode="floor")
+        if index.is_meta:
+            self._balanced(flat, num_experts, ranks)
+            return
         counts = torch.bincount(flat, minlength=num_experts)
         got = collectives.all_to_all(counts, [per_rank] * size, [per_rank] * size, ranks)  # [source, local expert]
         # the split sizes are read into Python: a captured program (to_static) cannot replay them
@@ -74,6 +84,16 @@ class Routing:
         self.local_expert = torch.repeat_interleave(
             torch.arange(per_rank, device=index.device).repeat(size), got.to(index.device))
 
+    def _balanced(self, flat: torch.Tensor, num_experts: int, ranks: tuple) -> None:
+        size, pairs = len(ranks), flat.numel()
+        per_rank = num_experts // size
+        counts = [pairs // num_experts + (e < pairs % num_experts) for e in range(num_experts)]
+        collectives.all_to_all(flat.new_empty(num_experts), [per_rank] * size, [per_rank] * size, ranks)
+        mine = ranks.index(get_rank())
+        self.send = [sum(counts[j * per_rank:(j + 1) * per_rank]) for j in range(size)]
+        self.recv = [self.send[mine]] * size
+        self.local_expert = flat.new_empty(sum(self.recv))
+
 
 def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, num_experts: int,
                      ranks: tuple, run_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -81,11 +101,39 @@ def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
     tensors), the experts split evenly over `ranks`: `run_experts(rows, local_expert)` runs
     this rank's experts, row i through its local expert `local_expert[i]`."""
     route = Routing(index, num_experts, ranks)
-    rows = AllToAll.apply(hidden[route.tokens], route.send, route.recv, ranks)
+    if hidden.is_meta:
+        _meta_grouped_mm_takes_fp32()
+    # (index_select, not hidden[tokens]: the same rows, and its backward, an index_add, is faster
+    # on CPU than indexing's accumulating index_put)
+    rows = AllToAll.apply(hidden.index_select(0, route.tokens), route.send, route.recv, ranks)
     done = run_experts(rows, route.local_expert)
     back = AllToAll.apply(done, route.recv, route.send, ranks)
     scaled = back * weights.reshape(-1)[route.order].unsqueeze(-1)
     return torch.zeros_like(hidden).index_add(0, route.tokens, scaled.to(hidden.dtype))
+
+
+_META_GROUPED_MM: list = []  # the kernel registration, once made
+
+
+def _meta_grouped_mm_takes_fp32() -> None:
+    """Let `_grouped_mm`'s meta kernel take what its CPU kernel takes (see spmd.registry's
+    META_OUTPUTS): the experts of a model simulated on meta run it on plain meta tensors, in
+    fp32 as HF calls it, forward and backward.  Registered once, the first time experts run
+    on meta; the shapes still come from torch's own meta function, at bf16."""
+    if _META_GROUPED_MM:
+        return
+    from torch._meta_registrations import meta_grouped_mm
+
+    def meta(a, b, offs=None, bias=None, out_dtype=None):
+        bf = torch.bfloat16
+        out = meta_grouped_mm(a.to(bf), b.to(bf), offs, None if bias is None else bias.to(bf), out_dtype)
+        return out.to(out_dtype or a.dtype)
+
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch warns that it overrides the meta kernel: it is meant to)
+        lib.impl("_grouped_mm", meta, "Meta")
+    _META_GROUPED_MM.append(lib)
 
 
 # -- the distributed boundary -----------------------------------------------------------------
@@ -145,6 +193,50 @@ def expert_parallel(hidden: DistTensor, index: DistTensor, weights: DistTensor, 
     return out if placements == hidden._spec.placements else reshard_to(out, hidden._spec)
 
 
+def block_grad_specs(spec: DistSpec, params: Sequence[DistTensor], experts: frozenset, ep: int) -> Optional[tuple]:
+    """Whether a token-wise MoE block (each token's output depends on its own hidden state
+    alone, as in HF's MoE blocks) can run whole on this rank's tokens `spec` as plain torch:
+    the gradient specs of the tokens and of `params` when it can, else None.  It can when the
+    tokens are split over mesh dim `ep` (on any dim but the hidden one, the last) and split so
+    or whole on the other mesh dims, and the parameters are whole but the experts' (ids in
+    `experts`), split Shard(0) over `ep` alone.  A parameter's gradient is then Partial on
+    the mesh dims the tokens are split on, but the experts' on `ep` (every token routed to an
+    expert came to its rank)."""
+    mesh, last = spec.mesh, len(spec.shape) - 1
+    split = []
+    for k, p in enumerate(spec.placements):
+        if type(p) is Shard and p.dim != last:
+            split.append(mesh.shape[k] > 1)
+        elif type(p) is Replicate and (k != ep or mesh.shape[k] == 1):
+            split.append(False)
+        else:
+            return None
+    grads = [_grad_spec(spec, spec.placements)]
+    for t in params:
+        want = tuple(Shard(0) if k == ep and id(t) in experts else Replicate() for k in range(mesh.ndim))
+        if t._spec.mesh != mesh or tuple(t._spec.placements) != want:
+            return None
+        grads.append(_grad_spec(t._spec, [q if type(q) is Shard or not split[k] else Partial()
+                                          for k, q in enumerate(want)]))
+    return tuple(grads)
+
+
+def on_pieces(hidden: DistTensor, params: Sequence[DistTensor], grad_specs: tuple,
+              run: Callable[[torch.Tensor, list], torch.Tensor]) -> DistTensor:
+    """`run(local tokens, local params)` on this rank's pieces (see `block_grad_specs`), its
+    output (shaped as the tokens) placed as the tokens: one boundary for the whole block, its
+    gradients placed by `grad_specs`."""
+    local = _Pieces.apply(grad_specs, hidden, *params)
+    out = run(local[0], list(local[1:]))
+    if not isinstance(out, torch.Tensor) or out.shape != local[0].shape:
+        raise RuntimeError(f"ExpertParallel: the MoE block returned {type(out).__name__} "
+                           f"{list(getattr(out, 'shape', []))} on tokens {list(local[0].shape)}: a block run on "
+                           f"its rank's tokens must return one tensor shaped as them")
+    spec = hidden._spec if out.dtype == hidden.dtype else DistSpec(
+        hidden._spec.mesh, hidden._spec.placements, TensorMeta.contiguous(hidden._spec.shape, out.dtype))
+    return FromLocal.apply(out, spec)
+
+
 def check_experts(num_experts: int, top_k: Optional[int], mesh, ep: int, what: str) -> None:
     """Refuse an expert count the mesh dim does not divide, or a top-k above the expert count."""
     size = mesh.shape[ep]
@@ -156,4 +248,5 @@ def check_experts(num_experts: int, top_k: Optional[int], mesh, ep: int, what: s
         raise ValueError(f"{what}: top-k {top_k} is larger than the expert count {num_experts}")
 
 
-__all__ = ["AllToAll", "Routing", "check_experts", "dispatch_combine", "expert_parallel", "token_placements"]
+__all__ = ["AllToAll", "Routing", "block_grad_specs", "check_experts", "dispatch_combine", "expert_parallel",
+           "on_pieces", "token_placements"]
