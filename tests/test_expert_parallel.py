@@ -605,7 +605,7 @@ def _ep_step(device, rank):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
     storages: dict = {}
-    saves = [[storages.setdefault(key, len(storages)), n] for key, n, step in saved.events if step > 0]
+    saves = [[storages.setdefault(key, len(storages)), n] for key, n, step, _ in saved.events if step > 0]
     held = dataclasses.asdict(memory(model, opt, saved))
     return [[r.op, list(r.ranks), r.bytes, list(r.shape)] for r in log], held, saves
 
@@ -632,11 +632,8 @@ def test_simulate_on_meta_assumes_balanced_routing_and_matches_a_real_run_routed
         real_log, real_held, real_saves = real[rank]
         assert log == real_log, (log, real_log)
         assert saves == real_saves  # the same tensors saved for backward, sharing the same storages
-        peak, real_peak = held.pop("activations_peak"), real_held.pop("activations_peak")
-        assert held == real_held, (held, real_held)
-        # the peak: the same tensors are saved, but a few are freed at moments that vary from run
-        # to run, on meta as on CPU (by up to a row buffer, 8 KB of 1.1 MB here; cause not traced)
-        assert abs(peak - real_peak) <= 0.01 * peak, (peak, real_peak)
+        assert held == real_held, (held, real_held)  # the activation peak included
+        peak = held["activations_peak"]
         rows = [b for op, _, b, shape in log if op == "all_to_all" and len(shape) == 2]
         # 2 rows of SEQ tokens per rank, 2 choices each: half of the pairs go to the other rank's 2
         # experts, in each of the 2 layers' dispatch and combine, forward and backward
