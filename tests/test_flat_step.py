@@ -150,3 +150,22 @@ def test_a_reloaded_state_dict_flattens_again():
     for *_, stepped, storages in results:
         assert stepped == [6, 1, 6, 1, 1], stepped
         assert storages == 1
+
+
+def test_chunks_take_their_gradients_from_the_buffers_they_lie_in():
+    """Gradients lying in two buckets' buffers (each in the layout's order) and one elsewhere:
+    a chunk within one buffer is a view of it, a chunk across two is copied; the values are
+    the layout's either way."""
+    from autopar.runtime.zero.flat_step import _runs, _within
+
+    first, second = torch.arange(10.0), torch.arange(10.0, 16.0)
+    grads = [first[:4].view(2, 2), first[4:10], second[:6].view(3, 2), torch.arange(16.0, 20.0).view(2, 2).t()]
+    offsets = [0, 4, 10, 16]
+    runs = _runs(grads, offsets)
+    assert [(a, b) for a, b, _ in runs] == [(0, 10), (10, 16), (16, 20)]
+    whole = torch.cat([g.reshape(-1) for g in grads])
+    for a, b in [(0, 4), (2, 9), (8, 12), (10, 16), (12, 20), (0, 20)]:
+        got = _within(runs, a, b)
+        assert torch.equal(got, whole[a:b]), (a, b)
+        holders = {r[2].untyped_storage()._cdata for r in runs if r[0] <= a and b <= r[1]}
+        assert (got.untyped_storage()._cdata in holders) == bool(holders), (a, b)  # a view, or a copy

@@ -14,14 +14,15 @@ back to every parameter's after the step.  The same kernels on the same elements
 same scalars: the numbers are the per-parameter step's, bit for bit.
 
 The buffers are laid out as the gradient buckets are (last parameter first,
-`grad_reduce.py`): where one bucket held the group's gradients they lie in its output in
-this order, and that output is the gradient buffer, nothing copied (DDP's
-`gradient_as_bucket_view`, seen from the step); otherwise they are gathered into one
-buffer (one copy).  On the CPU a chunk holds at most CPU_CHUNK elements, so that the step's
+`grad_reduce.py`): the gradients lie in the buckets' buffers in this order, and each chunk
+takes its gradient as a view of the buffer holding it, nothing copied (DDP's
+`gradient_as_bucket_view`, seen from the step); a chunk across two buckets' buffers, or
+gradients lying elsewhere, are copied for that chunk only.  On the CPU a chunk holds at most CPU_CHUNK elements, so that the step's
 temporaries (one chunk's size each) stay in the cache.  Measured in one process (AdamW, one
 thread): the tiny GPT of BENCHMARKS 4 (37 parameters, 0.1 M elements) steps in 0.74 ms
 against torch's 1.22 per parameter; the 3.7 M GPT (69 parameters), bound by memory, in 15.4
-against 14.0, its gradients gathered from two buckets included (1.5 ms).
+against 14.0 (at `179657f`, its gradients from two buckets then gathered into one buffer,
+1.5 ms of it).
 
 A group qualifies when every parameter is distributed and stepped whole from a contiguous
 local piece of its own (no ZeRO-1/2 shard, no float32 master, no piece aliasing another
@@ -71,7 +72,6 @@ class FlatGroup:
         ]
         self.scalars = {k: [st[k] for st in states] for k in scalar_keys}
         self.versions = self._versions()
-        self.grad_buffer: Optional[torch.Tensor] = None
 
     @staticmethod
     def build(zero_params: list, state: dict, ours: set) -> Optional["FlatGroup"]:
@@ -142,25 +142,10 @@ class FlatGroup:
             ):
                 return None
             grads.append(g._local)
-        flat = self._grad_buffer(grads)
-        for chunk, (a, b) in zip(self.chunks, self.bounds):
-            chunk.grad = flat[a:b]
+        runs = _runs(grads, self.offsets)
+        for chunk, bounds in zip(self.chunks, self.bounds):
+            chunk.grad = _within(runs, *bounds)
         return self.chunks
-
-    def _grad_buffer(self, grads: list) -> torch.Tensor:
-        """The gradients as one flat tensor in the layout: the buffer they already lie in, in
-        this order (one reduction bucket's output), else a copy into a buffer of our own."""
-        first, size = grads[0], self.buffer.numel()
-        step = first.element_size()
-        base = first.data_ptr()
-        if (
-            first.untyped_storage().nbytes() >= (first.storage_offset() + size) * step
-            and all(g.is_contiguous() and g.data_ptr() == base + o * step for g, o in zip(grads, self.offsets))
-        ):
-            return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (size,))
-        if self.grad_buffer is None:
-            self.grad_buffer = torch.empty_like(self.buffer)
-        return torch.cat([g.reshape(-1) for g in grads], out=self.grad_buffer)
 
     def after_step(self) -> None:
         """The chunks' gradients dropped; their scalar states (the step count, the same in
@@ -172,6 +157,41 @@ class FlatGroup:
                 members = self.scalars[k]
                 torch._foreach_copy_(members, [self.chunk_states[0][k]] * len(members))
         self.versions = self._versions()
+
+
+def _runs(grads: list, offsets: list) -> list:
+    """The gradients as runs lying one after another in memory, in the layout's order (a
+    reduction bucket's buffer holds one run): (layout start, layout end, the run as one flat
+    tensor; a gradient that is not contiguous is a run of its own, flattened)."""
+    runs, start = [], 0
+    for i in range(1, len(grads) + 1):
+        prev = grads[i - 1]
+        if i < len(grads):
+            g = grads[i]
+            if (prev.is_contiguous() and g.is_contiguous() and g.untyped_storage()._cdata == prev.untyped_storage()._cdata
+                    and g.storage_offset() == prev.storage_offset() + prev.numel()):
+                continue
+        first, end = grads[start], offsets[i - 1] + prev.numel()
+        if i - start == 1:
+            flat = first.reshape(-1)
+        else:
+            flat = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (end - offsets[start],))
+        runs.append((offsets[start], end, flat))
+        start = i
+    return runs
+
+
+def _within(runs: list, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of the layout: a view of the run holding them all, else copied from the
+    runs they straddle (a chunk across two buckets' buffers)."""
+    pieces = []
+    for start, end, flat in runs:
+        if end <= a or start >= b:
+            continue
+        if start <= a and b <= end:
+            return flat[a - start:b - start]
+        pieces.append(flat[max(a, start) - start:min(b, end) - start])
+    return torch.cat(pieces)
 
 
 def _gather(pieces: list) -> torch.Tensor:
