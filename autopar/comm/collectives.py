@@ -196,6 +196,11 @@ _LOCAL_REDUCE = {
 }
 
 
+_PAIR_REDUCE = {
+    ReduceType.SUM: torch.add, ReduceType.AVG: torch.add, ReduceType.MAX: torch.maximum, ReduceType.MIN: torch.minimum,
+}
+
+
 def gathered_all_reduce(nbytes: int, group_size: int, on_host: bool) -> bool:
     """Whether an all-reduce of `nbytes` over `group_size` ranks runs as an all-gather and a
     local reduction: two ranks on host tensors (gloo), up to GATHERED_ALL_REDUCE_BYTES."""
@@ -305,8 +310,12 @@ def _gather_terms(ranks: tuple, terms: torch.Tensor, t: torch.Tensor):
 
 
 def _reduce_terms(terms: torch.Tensor, out: torch.Tensor, reduce_type: ReduceType, k: int) -> torch.Tensor:
-    """`out` = the gathered terms reduced in mesh order: the same bits on every member."""
-    _LOCAL_REDUCE[reduce_type](terms, 0, out=out)
+    """`out` = the gathered terms reduced in mesh order: the same bits on every member (two
+    terms by the binary op: a quarter of a reduction over dim 0's time on the CPU)."""
+    if k == 2:
+        _PAIR_REDUCE[reduce_type](terms[0], terms[1], out=out)
+    else:
+        _LOCAL_REDUCE[reduce_type](terms, 0, out=out)
     return _all_reduced(out, reduce_type, k)
 
 
