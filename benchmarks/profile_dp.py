@@ -58,34 +58,34 @@ class PhasedStep:
             prepare = sharding.prepare_grads
 
             def timed_prepare():
-                t0 = _clock()
+                t0 = clock()
                 prepare()
-                t1 = _clock()
+                t1 = clock()
                 before = self._t.get("reduce", (0.0, 0.0))
                 self._t["reduce"] = (before[0] + t1[0] - t0[0], before[1] + t1[1] - t0[1])
 
             sharding.prepare_grads = timed_prepare
 
     def _stamp(self, what):
-        self._t[what] = _clock()
+        self._t[what] = clock()
 
     def step(self, record=True):
         x, y = self.data[self.n % len(self.data)]
         self.n += 1
         self._t = {}
-        t = [_clock()]
+        t = [clock()]
         logits = self.model(x)
-        t.append(_clock())
+        t.append(clock())
         loss = F.cross_entropy(logits.reshape(-1, self.vocab), y.reshape(-1))
-        t.append(_clock())
+        t.append(clock())
         loss.backward()
-        t.append(_clock())
+        t.append(clock())
         self.opt.step()
-        t.append(_clock())
+        t.append(clock())
         self.opt.zero_grad()
-        t.append(_clock())
+        t.append(clock())
         self.read_loss(loss)
-        t.append(_clock())
+        t.append(clock())
         if not record:
             return
         reduce = self._t.get("reduce", (0.0, 0.0))
@@ -97,7 +97,7 @@ class PhasedStep:
                 marks[phase].append(seconds)
 
 
-def _clock() -> tuple:
+def clock() -> tuple:
     return time.perf_counter(), time.thread_time()
 
 
@@ -144,13 +144,13 @@ def top(prof: cProfile.Profile, steps: int, by: str, n: int) -> list[str]:
     return lines
 
 
-def phase_table(steps: dict, what: str) -> list[str]:
+def phase_table(steps: dict, what: str, phases: tuple = PHASES) -> list[str]:
     """Per phase, each impl's median ms (of `wall` or `cpu`) and the difference of the first two."""
     lines = [f"  {what + ':':16s}" + "".join(f"{n:>12s}" for n in steps) + f"{'difference':>12s}"]
-    med = {n: {ph: statistics.median(getattr(r, what)[ph]) * 1e3 for ph in PHASES} for n, r in steps.items()}
+    med = {n: {ph: statistics.median(getattr(r, what)[ph]) * 1e3 for ph in phases} for n, r in steps.items()}
     totals = {n: statistics.median(map(sum, zip(*getattr(r, what).values()))) * 1e3 for n, r in steps.items()}
     a, b = list(steps)
-    for ph in PHASES:
+    for ph in phases:
         lines.append(f"  {ph:16s}" + "".join(f"{med[n][ph]:12.3f}" for n in steps) + f"{med[a][ph] - med[b][ph]:12.3f}")
     lines.append(f"  {'step (median)':16s}" + "".join(f"{totals[n]:12.3f}" for n in steps)
                  + f"{totals[a] - totals[b]:12.3f}")

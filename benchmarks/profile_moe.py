@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -41,21 +40,17 @@ class PhasedStep:
         r = self.runner
         for p in [r.batch, *r.model.parameters()]:
             p.grad = None
-        t = [_clock()]
+        t = [profile_dp.clock()]
         out = r.model(r.batch)
-        t.append(_clock())
+        t.append(profile_dp.clock())
         loss = out.square().sum() / (out.numel() * r.ranks)
-        t.append(_clock())
+        t.append(profile_dp.clock())
         loss.backward()
-        t.append(_clock())
+        t.append(profile_dp.clock())
         if record:
             for k, marks in enumerate((self.wall, self.cpu)):
                 for i, phase in enumerate(PHASES):
                     marks[phase].append(t[i + 1][k] - t[i][k])
-
-
-def _clock() -> tuple:
-    return time.perf_counter(), time.thread_time()
 
 
 def phase_table(steps: dict, what: str) -> list[str]:

@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import all_reduce_start, get_rank, reduce_scatter_start
 from ..comm.observers import capture_running
-from ..tensor.grad_landing import LANDING, Landing
+from ..tensor.grad_landing import LANDING, Landing, follows
 from ..tensor.dispatch import keep_reduced
 from ..tensor.dtensor import DistTensor, new_dist
 from .precision import cast_dist, spec_in
@@ -187,16 +187,13 @@ class GradReduction:
 def _tiled(locals_: list) -> Optional[torch.Tensor]:
     """The flat buffer that `locals_` tile whole, contiguous, in this order (they landed there,
     see `tensor/grad_landing.py`), as one tensor; None when they do not."""
-    first = locals_[0]
-    storage, start = first.untyped_storage(), first.storage_offset()
-    offset = start
-    for t in locals_:
-        if t.storage_offset() != offset or not t.is_contiguous() or t.untyped_storage()._cdata != storage._cdata:
-            return None
-        offset += t.numel()
-    if start != 0 or offset * first.element_size() != storage.nbytes():
+    first, last = locals_[0], locals_[-1]
+    if first.storage_offset() != 0 or not first.is_contiguous() or not all(map(follows, locals_, locals_[1:])):
         return None
-    return first.as_strided((offset,), (1,), 0)
+    end = last.storage_offset() + last.numel()
+    if end * first.element_size() != first.untyped_storage().nbytes():
+        return None
+    return first.as_strided((end,), (1,), 0)
 
 
 def _learn_landings(params: list, grads: list, reduction: GradReduction) -> None:

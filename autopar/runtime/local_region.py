@@ -186,11 +186,16 @@ def _batch_cut(dist_in: list):
     rank = dispatch._rank()
 
     def cut(a):
-        if type(a) is not torch.Tensor or a.dim() == 0 or a.shape[0] != batch:
+        if not _batch_long(a, batch):
             return a
         return piece_of_replicated(a, DistSpec(mesh, placements, TensorMeta.of(a)), rank)
 
     return cut
+
+
+def _batch_long(a, batch: int) -> bool:
+    """Whether `a` is a plain tensor as long as the batch in its leading dim (`_batch_cut`)."""
+    return type(a) is torch.Tensor and a.dim() > 0 and a.shape[0] == batch
 
 
 def _call_key(module, args, kwargs) -> Optional[tuple]:
@@ -362,8 +367,7 @@ def _verify(module, inner, args, kwargs):
         if region is not None:
             return region.run(inner, args, kwargs), region
     split = _batch_split([t for t in flat_in if type(t) is DistTensor])
-    cuttable = frozenset() if split is None else frozenset(
-        id(t) for t in flat_in if type(t) is torch.Tensor and t.dim() and t.shape[0] == split[1])
+    cuttable = frozenset() if split is None else frozenset(id(t) for t in flat_in if _batch_long(t, split[1]))
     watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots], sys._getframe(), cuttable,
                    None if split is None else split[2])
     with watching(watch), capturing(watch):  # (sublayers meanwhile run op by op, unverified)

@@ -69,6 +69,13 @@ def _holders(slots: list) -> tuple:
     return tuple(map(sys.getrefcount, slots)), torch._C._storage_Use_Count(slots[0].untyped_storage()._cdata)
 
 
+def follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`b` starts where `a` ends, in one storage, both contiguous: two gradients lying one
+    after the other in a bucket's buffer."""
+    return (a.is_contiguous() and b.is_contiguous() and b.storage_offset() == a.storage_offset() + a.numel()
+            and b.untyped_storage()._cdata == a.untyped_storage()._cdata)
+
+
 def land(params: list, grads: list) -> list:
     """The local gradients `grads` of `params` (None where absent) that have a slot, copied
     into it (one copy for all): the slot in its place, None for the rest (all None while a

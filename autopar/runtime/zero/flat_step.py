@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from ...tensor.dtensor import DistTensor
+from ...tensor.grad_landing import follows
 
 CPU_CHUNK = 1 << 16
 
@@ -166,16 +167,13 @@ def _runs(grads: list, offsets: list) -> list:
     runs, start = [], 0
     for i in range(1, len(grads) + 1):
         prev = grads[i - 1]
-        if i < len(grads):
-            g = grads[i]
-            if (prev.is_contiguous() and g.is_contiguous() and g.untyped_storage()._cdata == prev.untyped_storage()._cdata
-                    and g.storage_offset() == prev.storage_offset() + prev.numel()):
-                continue
+        if i < len(grads) and follows(prev, grads[i]):
+            continue
         first, end = grads[start], offsets[i - 1] + prev.numel()
         if i - start == 1:
             flat = first.reshape(-1)
         else:
-            flat = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (end - offsets[start],))
+            flat = first.as_strided((end - offsets[start],), (1,), first.storage_offset())
         runs.append((offsets[start], end, flat))
         start = i
     return runs
