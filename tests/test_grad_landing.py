@@ -3,10 +3,12 @@ the first pre-step has packed a bucket, the local regions' backward writes each 
 gradient into its slot of the bucket's buffer, and the next pre-step reduces that buffer in
 place.  The numbers stay the single process's; the collectives stay the same; a gradient
 someone still holds is never written over."""
+import pytest
 import torch
 
 import autopar as dist
 from autopar.runtime import grad_reduce
+from autopar.tensor import grad_landing
 from distpool import run_dist
 import hf_llama
 
@@ -17,37 +19,135 @@ def _landed(model) -> bool:
     return grad_reduce._tiled(locals_) is not None
 
 
-def _llama_dp(steps: int = 4):
-    """HF Llama (each decoder layer a region of its own: the bucket spans regions) under dp 2:
-    per step whether the gradients landed, the step's collectives, and the training record."""
+def _llama_dp(steps: int = 4, use_cache: bool = False):
+    """HF Llama (each decoder layer a region of its own: the bucket spans regions; with HF's
+    key cache the layers stay op by op and the gradients land through their hooks) under dp
+    2: per step whether the gradients landed, the collectives of backward and of the step,
+    and the training record."""
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
-    model = hf_llama.tiny_llama()
+    model = hf_llama.tiny_llama(use_cache=use_cache)
     model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
                                   {"dp_config": {"sharding_level": 0}})
-    landed, collectives, losses = [], [], []
+    landed, in_backward, in_step, losses = [], [], [], []
     for ids, labels in hf_llama.batches(steps):
         loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
+        with dist.comm_log() as log:
+            loss.backward()
+        in_backward.append([(r.op, r.bytes) for r in log])
         landed.append(_landed(model))
         with dist.comm_log() as log:
             opt.step()
-        collectives.append([(r.op, r.bytes) for r in log])
+        in_step.append([(r.op, r.bytes) for r in log])
         opt.zero_grad()
         losses.append(loss.item())
     weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
-    return landed, collectives, (losses, weights, [])  # (reading a gradient would reduce it early)
+    return landed, in_backward, in_step, (losses, weights, [])  # (reading a gradient would reduce it early)
 
 
-def test_gradients_land_in_their_bucket_and_train_as_one_process():
+@pytest.mark.parametrize("use_cache", [False, True], ids=["regions", "hooks"])
+def test_gradients_land_in_their_bucket_reduced_in_backward_and_train_as_one_process(use_cache):
     ref = hf_llama.reference(hf_llama.batches(4))
-    for landed, collectives, got in run_dist(_llama_dp, 2):
+    for landed, in_backward, in_step, got in run_dist(_llama_dp, 2, 4, use_cache):
         hf_llama.assert_matches(got, ref + ([],))
         # step 1 verifies the regions op by op and its pre-step packs the bucket, learning its
-        # layout; from step 2 on the gradients are written into the bucket in backward
+        # layout; from step 2 on the gradients are written into the bucket in backward, which
+        # all-reduces it there, once its last gradient has landed
         assert landed == [False, True, True, True], landed
-        # the same collectives at every step: packed or landed, one bucket all-reduced whole
-        assert all(c == collectives[1] for c in collectives[1:]), collectives
-        assert [op for op, _ in collectives[1]].count("all_reduce") >= 1
+        assert in_backward[0] == [] and [op for op, _ in in_step[0]] == ["all_reduce"], (in_backward, in_step)
+        # the same bucket, whole: the bytes the pre-step sent at step 1, now sent in backward
+        assert all(b == in_step[0] and s == [] for b, s in zip(in_backward[1:], in_step[1:])), (in_backward, in_step)
+
+
+def _accumulating(steps: int = 3, micro: int = 2):
+    """HF Llama under dp 2, `micro` backwards per step: the first reduces its bucket in
+    backward, the next ones add to gradients already reduced."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = hf_llama.tiny_llama(use_cache=False)
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
+                                  {"dp_config": {"sharding_level": 0}})
+    return _train_accumulating(model, opt, hf_llama.batches(steps * micro), micro, collective=True)
+
+
+def _train_accumulating(model, opt, data, micro: int, collective: bool = False):
+    """Train on `data`, `micro` backwards of loss / micro per step: (losses, final weights,
+    the ops of each backward and each step when `collective`)."""
+    losses, ops = [], []
+    for n, (ids, labels) in enumerate(data):
+        loss = model(input_ids=ids, labels=labels).loss
+        if collective:
+            with dist.comm_log() as log:
+                (loss / micro).backward()
+            ops.append([r.op for r in log])
+        else:
+            (loss / micro).backward()
+        losses.append(loss.item())
+        if n % micro == micro - 1:
+            if collective:
+                with dist.comm_log() as log:
+                    opt.step()
+                ops.append([r.op for r in log])
+            else:
+                opt.step()
+            opt.zero_grad()
+    weights = {k: (dist.unshard_dtensor(v.detach()) if collective else v.detach().clone())
+               for k, v in model.state_dict().items()}
+    return losses, weights, ops
+
+
+def test_accumulation_after_a_bucket_reduced_in_backward_adds_up_as_one_process():
+    model = hf_llama.tiny_llama(use_cache=False)
+    ref = _train_accumulating(model, hf_llama.optimizer(model.parameters()), hf_llama.batches(6), 2)
+    for losses, weights, ops in run_dist(_accumulating, 2):
+        hf_llama.assert_matches((losses, weights, []), ref[:2] + ([],))
+        # step 1 reduces at the pre-step; step 2's first backward reduces in backward, its
+        # second finds the gradients reduced and makes them Partial again (no bytes): the
+        # pre-step reduces the sum; the bucket stays with the pre-step from then on
+        assert ops == [[], [], ["all_reduce"],
+                       ["all_reduce"], [], ["all_reduce"],
+                       [], [], ["all_reduce"]], ops
+
+
+def _shared_layer(steps: int = 5):
+    """HF Llama whose two decoder layers are one module (ALBERT's sharing: two regions share
+    parameters), with small buckets: a bucket holding the shared layer's parameters starts in
+    backward after the second use's gradients, and the first use's arrive while it runs."""
+    caps = grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES
+    # buckets, last parameter first: the LM head and the final norm; the decoder layer's
+    # parameters (144.5 KiB, a bucket of the exact size: the region reduces none itself); the
+    # embedding
+    grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = (128 * 64 + 64) * 4, 147968
+    try:
+        mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+        model = _shared(hf_llama.tiny_llama(use_cache=False))
+        model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
+                                      {"dp_config": {"sharding_level": 0}})
+        again = []
+        written_again = grad_landing.Landing.written_again
+        grad_landing.Landing.written_again = lambda self, i: again.append(self.flight is not None) or written_again(self, i)
+        try:
+            return _train_accumulating(model, opt, hf_llama.batches(steps), 1, collective=True) + (again,)
+        finally:
+            grad_landing.Landing.written_again = written_again
+    finally:
+        grad_reduce.FIRST_BUCKET_BYTES, grad_reduce.BUCKET_BYTES = caps
+
+
+def _shared(model):
+    model.model.layers[1] = model.model.layers[0]
+    return model
+
+
+def test_a_parameter_used_twice_reduced_early_is_reduced_again_at_the_pre_step():
+    model = _shared(hf_llama.tiny_llama(use_cache=False))
+    ref = _train_accumulating(model, hf_llama.optimizer(model.parameters()), hf_llama.batches(5), 1)
+    for losses, weights, ops, again in run_dist(_shared_layer, 2):
+        hf_llama.assert_matches((losses, weights, []), ref[:2] + ([],))
+        # once the layer runs as a region, its second use's gradients arrive while its
+        # bucket, started after the first, is being reduced: they wait for it, and the
+        # pre-step reduces the sum
+        assert any(again), again
+        assert ops[2] == ["all_reduce"] * 3 and ops[3] == [], ops  # (step 2: all three reduced in backward)
+        assert all(op == "all_reduce" for op in ops[-1]) and ops[-1], ops
 
 
 def _holding(drop_without_step: bool):
@@ -76,9 +176,8 @@ def _holding(drop_without_step: bool):
 
 def test_a_held_gradient_is_never_written_over():
     # step 1 verifies the regions op by op; the gradients land from step 2 on: past the held
-    # ones into a fresh buffer; after gradients dropped without a step, the next backward's
-    # stay where autograd made them (the round of slots ends at a pre-step)
-    for drop, expected in ((False, [False] + [True] * 5), (True, [False, True, True, True, False, True])):
+    # ones into a fresh buffer, also after gradients dropped without a step
+    for drop, expected in ((False, [False] + [True] * 5), (True, [False] + [True] * 5)):
         for landed, unchanged in run_dist(_holding, 2, drop):
             assert unchanged
             assert landed == expected, (drop, landed)

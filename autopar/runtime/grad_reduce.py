@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import all_reduce_start, get_rank, reduce_scatter_start
 from ..comm.observers import capture_running
-from ..tensor.grad_landing import LANDING, Landing, follows
+from ..tensor.grad_landing import LANDING, Landing, Reduce, follows, settle_all
 from ..tensor.dispatch import keep_reduced
 from ..tensor.dtensor import DistTensor, new_dist
 from .precision import cast_dist, spec_in
@@ -111,6 +111,7 @@ def reduce_grads(pending: list, reduce_dtype: Optional[torch.dtype] = None) -> N
     """Bring each parameter's gradient to where it is stepped, given (parameter, its
     `grad_plan`) pairs: one collective per bucket of gradients that need only that, a
     reshard for the rest; in `reduce_dtype` (a mixed-precision policy's), cast back after."""
+    settle_all()  # (buckets a backward that raised started)
     # last parameter first, as a region's backward buckets them: the same flat layout sums
     # each element in the same order (a ring all-reduce's order depends on the position)
     pending = pending[::-1]
@@ -135,7 +136,7 @@ class GradReduction:
 
     def __init__(self, grads: list, plans: list):
         self.out: list = list(grads)
-        self.all_reduced: list = []  # the positions of each all-reduce bucket's gradients
+        self.all_reduced: list = []  # each all-reduce bucket's (position, placed) pairs, ranks, reduce op
         filling: dict = {}  # (mesh, collective, dtype) -> the bucket being filled
         buckets: list = []
         for n, (g, (moves, how, placed)) in enumerate(zip(grads, plans)):
@@ -162,7 +163,7 @@ class GradReduction:
                                              tuple(tuple(t.shape) for t in locals_))
                     self.started.append((entries, collective, collective.start(locals_)))
                 if b.how[0] == ALL_REDUCE:
-                    self.all_reduced.append([n for n, _ in entries])
+                    self.all_reduced.append((entries, b.mesh.group_of(rank, b.how[1]), b.how[2]))
                 for n, _, _ in b.members:
                     self.out[n] = None
             else:
@@ -199,8 +200,12 @@ def _tiled(locals_: list) -> Optional[torch.Tensor]:
 def _learn_landings(params: list, grads: list, reduction: GradReduction) -> None:
     """Leave on each member of an all-reduce bucket of gradients reduced in their own dtype
     the bucket's layout, for the next ones to be written into (kept while the bucket's
-    members and their gradients' shapes stay the same), and start its next round."""
-    for members in reduction.all_reduced:
+    members and their gradients' shapes stay the same), and start its next round.  A new
+    layout also learns the bucket's all-reduce, to start in backward once its gradients have
+    landed, unless a member has post-accumulate hooks (which may write its gradient while
+    the bucket is reduced)."""
+    for entries, ranks, op in reduction.all_reduced:
+        members = [n for n, _ in entries]
         if any(grads[n] is not params[n].grad for n in members):
             continue  # (cast to a policy's reduce dtype: the cast is the packing)
         key = tuple((id(params[n]), grads[n]._local.shape) for n in members)
@@ -209,6 +214,9 @@ def _learn_landings(params: list, grads: list, reduction: GradReduction) -> None
             landing = Landing(key, [grads[n]._local for n in members])
             for i, n in enumerate(members):
                 params[n].__dict__[LANDING] = (landing, i)
+            if all(params[n]._post_accumulate_grad_hooks is None for n in members):
+                landing.reduce = Reduce([params[n] for n in members], [grads[n]._spec for n in members],
+                                        [placed for _, placed in entries], ranks, op)
         else:
             entry[0].new_round()
 

@@ -628,6 +628,7 @@ class _Enter(torch.autograd.Function):
         call.handed_out.clear()  # (a second backward through the graph starts afresh)
         if not torch.is_grad_enabled():
             out[n:] = _deliver(region.params, out[n:], ctx.next_functions[n:])
+            grad_landing.start_complete()  # (buckets whose last gradients were delivered here)
         return (None, *out)
 
 

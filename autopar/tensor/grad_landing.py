@@ -14,15 +14,27 @@ outside the buffer).  A new round writes the same buffer again only if nothing o
 Landing holds any part of it (the gradients handed out last time are gone, no view of it is
 kept); otherwise it starts a fresh buffer, so that a gradient someone holds is never written
 over.
+
+A bucket whose slots all hold this step's gradients, each its parameter's `.grad`, starts its
+all-reduce in place at once, while backward goes on with the earlier layers (DDP's overlap);
+the end of that backward waits for it and gives the gradients the placement they were
+reduced to, so the pre-step finds nothing to do.  A gradient that arrives for a slot already
+written (a weight used in two places, accumulation over micro-batches) waits for the
+reduction and makes its value Partial again with no communication (one rank keeps the sum, the
+others zeros), so that it adds up as before and the pre-step reduces the total; that bucket
+stays with the pre-step from then on.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Optional
 
 import torch
 
+from ..comm import all_reduce_start, get_rank
 from ..comm.observers import capture_running
+from .dispatch import keep_reduced
 
 LANDING = "_grad_landing"  # a parameter's attribute: (its Landing, its slot)
 
@@ -30,7 +42,8 @@ LANDING = "_grad_landing"  # a parameter's attribute: (its Landing, its slot)
 class Landing:
     """One bucket's flat layout and its current buffer (see the module doc)."""
 
-    __slots__ = ("key", "shapes", "sizes", "numel", "dtype", "device", "slots", "filled", "alone")
+    __slots__ = ("key", "shapes", "sizes", "numel", "dtype", "device", "slots", "filled", "alone", "reduce", "flight",
+                 "settled")
 
     def __init__(self, key: tuple, locals_: list):
         self.key = key  # what the layout was learnt from (the pre-step compares it)
@@ -41,12 +54,17 @@ class Landing:
         self.slots: list = []  # views of the current buffer, one per member
         self.filled: Optional[set] = None  # the slots written this round; None: a new round
         self.alone: tuple = ()  # `_holders` of the current buffer when it was made
+        self.reduce: Optional[Reduce] = None  # how to start the bucket's all-reduce in backward
+        self.flight = None  # the all-reduce started this round (comm.Pending)
+        self.settled = False  # the members' gradients hold the reduced values, placed so
 
     def take(self, i: int, like: torch.Tensor) -> Optional[torch.Tensor]:
         """Slot i for a gradient shaped and typed like `like`, or None where it must not land
         (written already this round, or another layout)."""
         if self.shapes[i] != like.shape or self.dtype != like.dtype:
             return None
+        if self.settled and not self._holds(i):
+            self.new_round()  # (the gradients reduced in backward were taken: a new step)
         if self.filled is None:
             if not self.slots or _holders(self.slots) != self.alone:
                 buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
@@ -54,19 +72,136 @@ class Landing:
                 self.alone = _holders(self.slots)
             self.filled = set()
         elif i in self.filled:
+            self.written_again(i)
             return None
         self.filled.add(i)
+        if len(self.filled) == len(self.sizes) and self.reduce is not None:
+            _COMPLETE.append(self)
         return self.slots[i]
+
+    def _holds(self, i: int) -> bool:
+        """Parameter i's `.grad` is slot i."""
+        p = self.reduce.params[i]()
+        return p is not None and p.grad is not None and _is(p.grad._local, self.slots[i])
+
+    def startable(self, becoming: int = -1) -> bool:
+        """Every slot holds this round's gradient, and each is its parameter's `.grad` as
+        placed when it landed (not a gradient handed to `autograd.grad`, not replaced), or is
+        about to be (`becoming`, whose accumulation the caller has checked)."""
+        r = self.reduce
+        for i, (ref, slot, spec) in enumerate(zip(r.params, self.slots, r.specs)):
+            if i == becoming:
+                continue
+            p = ref()
+            g = None if p is None else p.grad
+            if g is None or g._spec != spec or not _is(g._local, slot):
+                return False
+        return True
+
+    def start(self) -> None:
+        first = self.slots[0]
+        flat = first.as_strided((self.numel,), (1,), 0)
+        self.flight = all_reduce_start(flat, self.reduce.ranks, self.reduce.op)
+        _IN_FLIGHT.append(self)
+
+    def settle(self) -> None:
+        """Wait for the all-reduce; the members' gradients take its placement."""
+        flight, self.flight = self.flight, None
+        flight.wait()
+        r = self.reduce
+        for ref, slot, spec, placed in zip(r.params, self.slots, r.specs, r.placed):
+            p = ref()
+            g = None if p is None else p.grad
+            if g is not None and g._spec == spec and _is(g._local, slot):
+                keep_reduced(g, g._local, placed)
+        self.settled = True
+
+    def written_again(self, i: int) -> None:
+        """Slot i gets a second gradient this round: if its bucket was reduced early, its
+        values go back to Partial (see the module doc) and it is reduced at the pre-step."""
+        r = self.reduce
+        if r is None or (self.flight is None and not self.settled) or not self._holds(i):
+            return  # (a gradient reduced early and dropped: nothing holds it)
+        if self.flight is not None:
+            self.flight.wait()
+            self.flight = None
+        for ref, slot, spec, placed in zip(r.params, self.slots, r.specs, r.placed):
+            q = ref()
+            g = None if q is None else q.grad
+            if g is not None and g._spec == placed and _is(g._local, slot):
+                keep_reduced(g, g._local, spec)
+        if r.keeper != get_rank():
+            self.slots[0].as_strided((self.numel,), (1,), 0).zero_()
+        self.settled = False
+        self.reduce = None  # (for good: the pre-step reduces this bucket)
 
     def new_round(self) -> None:
         """The pre-step has taken this round's gradients."""
         self.filled = None
+        self.settled = False
+
+
+class Reduce:
+    """A bucket's all-reduce, as the pre-step runs it: its members (weakly), their gradients'
+    specs before and after, the ranks, the reduce op and the rank that keeps the sum when it
+    must be Partial again."""
+
+    __slots__ = ("params", "specs", "placed", "ranks", "op", "keeper")
+
+    def __init__(self, params: list, specs: list, placed: list, ranks: tuple, op):
+        self.params = [weakref.ref(p) for p in params]
+        self.specs, self.placed, self.ranks, self.op, self.keeper = specs, placed, tuple(ranks), op, ranks[0]
+
+
+_COMPLETE: list = []  # landings whose slots all hold this round's gradients, not yet started
+_IN_FLIGHT: list = []  # landings whose all-reduce runs, to settle at the end of backward
+
+
+def start_complete() -> None:
+    """Start the all-reduce of every complete bucket whose gradients are all in place, and
+    have this backward settle them when it ends; a bucket not yet startable (a gradient hook's
+    gradient becomes `.grad` after the hook) is tried again at the next landing."""
+    if not _COMPLETE:
+        return
+    started = False
+    for landing in list(_COMPLETE):
+        if landing.reduce is not None and landing.filled is not None and landing.startable():
+            _COMPLETE.remove(landing)
+            landing.start()
+            started = True
+    if started:
+        _queue_settle()
+
+
+def _queue_settle() -> None:
+    if not _QUEUED[0]:
+        _QUEUED[0] = True
+        torch.autograd.Variable._execution_engine.queue_callback(settle_all)
+
+
+_QUEUED = [False]  # settle_all is queued on the running backward
+
+
+def settle_all() -> None:
+    """Settle every bucket in flight (the end of a backward; the pre-step, for one that
+    raised); the complete ones not started are left to the pre-step."""
+    _QUEUED[0] = False
+    _COMPLETE.clear()
+    while _IN_FLIGHT:
+        landing = _IN_FLIGHT.pop(0)
+        if landing.flight is not None:
+            landing.settle()
 
 
 def _holders(slots: list) -> tuple:
     """Who holds a buffer and its slots: each slot's Python references and the storage's
     tensors; equal to the count taken when the buffer was made, only the Landing does."""
     return tuple(map(sys.getrefcount, slots)), torch._C._storage_Use_Count(slots[0].untyped_storage()._cdata)
+
+
+def _is(local: torch.Tensor, slot: torch.Tensor) -> bool:
+    """`local` is `slot` or an alias of it (autograd hands `.grad` a detached alias)."""
+    return local is slot or (local.data_ptr() == slot.data_ptr() and local.shape == slot.shape)
 
 
 def follows(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -103,5 +238,24 @@ def land_one(attrs: dict, local: torch.Tensor) -> Optional[torch.Tensor]:
     entry = attrs.get(LANDING)
     if entry is None or capture_running():
         return None
-    slot = entry[0].take(entry[1], local)
-    return None if slot is None else slot.copy_(local)
+    start_complete()  # (the previous hook's gradient is `.grad` by now)
+    landing, i = entry
+    slot = landing.take(i, local)
+    if slot is None:
+        return None
+    slot.copy_(local)
+    if _COMPLETE and _COMPLETE[-1] is landing and _becomes_grad() and landing.startable(becoming=i):
+        _COMPLETE.pop()
+        landing.start()
+        _queue_settle()
+    return slot
+
+
+def _becomes_grad() -> bool:
+    """The gradient a leaf's hook is running on becomes its `.grad` as it is (the backward
+    accumulates it, and the leaf has none yet to add it to)."""
+    node = torch._C._current_autograd_node()
+    try:
+        return node is not None and torch._C._will_engine_execute_node(node) and node.variable.grad is None
+    except (RuntimeError, AttributeError):  # (autograd.grad: captured, not accumulated; not a leaf's)
+        return False
