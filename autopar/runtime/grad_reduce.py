@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import all_reduce_start, get_rank, reduce_scatter_start
 from ..comm.observers import capture_running
-from ..tensor.grad_landing import LANDING, Landing, Reduce, follows, settle_all
+from ..tensor.grad_landing import LANDING, IN_PARTS, Landing, Reduce, follows, settle_all
 from ..tensor.dispatch import keep_reduced
 from ..tensor.dtensor import DistTensor, new_dist
 from .precision import cast_dist, spec_in
@@ -203,7 +203,7 @@ def _learn_landings(params: list, grads: list, reduction: GradReduction) -> None
     members and their gradients' shapes stay the same), and start its next round.  A new
     layout also learns the bucket's all-reduce, to start in backward once its gradients have
     landed, unless a member has post-accumulate hooks (which may write its gradient while
-    the bucket is reduced)."""
+    the bucket is reduced) or gets its gradient in parts (`IN_PARTS`)."""
     for entries, ranks, op in reduction.all_reduced:
         members = [n for n, _ in entries]
         if any(grads[n] is not params[n].grad for n in members):
@@ -214,9 +214,10 @@ def _learn_landings(params: list, grads: list, reduction: GradReduction) -> None
             landing = Landing(key, [grads[n]._local for n in members])
             for i, n in enumerate(members):
                 params[n].__dict__[LANDING] = (landing, i)
-            if all(params[n]._post_accumulate_grad_hooks is None for n in members):
-                landing.reduce = Reduce([params[n] for n in members], [grads[n]._spec for n in members],
-                                        [placed for _, placed in entries], ranks, op)
+            early = all(params[n]._post_accumulate_grad_hooks is None and IN_PARTS not in params[n].__dict__
+                        for n in members)
+            landing.reduce = Reduce([params[n] for n in members], [grads[n]._spec for n in members],
+                                    [placed for _, placed in entries], ranks, op, early)
         else:
             entry[0].new_round()
 

@@ -77,10 +77,17 @@ def local_regions(enabled: bool):
 
 
 def install(module: torch.nn.Module) -> None:
-    """Let `module` and every sublayer run as local regions where verification allows."""
+    """Let `module` and every sublayer run as local regions where verification allows.  A
+    parameter held in more than one place (tied, or a layer used twice) is marked `IN_PARTS`:
+    a region delivers one part of its gradient, the rest comes later."""
     for sub in module.modules():
         if not isinstance(sub.__dict__.get("forward"), RegionForward):
             sub.forward = RegionForward(sub)
+    seen: set = set()
+    for _, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            p.__dict__[grad_landing.IN_PARTS] = True
+        seen.add(id(p))
 
 
 class RegionForward:

@@ -37,6 +37,10 @@ from ..comm.observers import capture_running
 from .dispatch import keep_reduced
 
 LANDING = "_grad_landing"  # a parameter's attribute: (its Landing, its slot)
+# a parameter's attribute: its gradient comes in parts (a weight tied or used twice, whose
+# second part may come after a local region has delivered the first; accumulation over
+# micro-batches): its bucket is not reduced in backward
+IN_PARTS = "_grad_in_parts"
 
 
 class Landing:
@@ -54,7 +58,7 @@ class Landing:
         self.slots: list = []  # views of the current buffer, one per member
         self.filled: Optional[set] = None  # the slots written this round; None: a new round
         self.alone: tuple = ()  # `_holders` of the current buffer when it was made
-        self.reduce: Optional[Reduce] = None  # how to start the bucket's all-reduce in backward
+        self.reduce: Optional[Reduce] = None  # the bucket's all-reduce, to start in backward
         self.flight = None  # the all-reduce started this round (comm.Pending)
         self.settled = False  # the members' gradients hold the reduced values, placed so
 
@@ -75,7 +79,7 @@ class Landing:
             self.written_again(i)
             return None
         self.filled.add(i)
-        if len(self.filled) == len(self.sizes) and self.reduce is not None:
+        if len(self.filled) == len(self.sizes) and self.reduce is not None and self.reduce.early:
             _COMPLETE.append(self)
         return self.slots[i]
 
@@ -120,8 +124,11 @@ class Landing:
         """Slot i gets a second gradient this round: if its bucket was reduced early, its
         values go back to Partial (see the module doc) and it is reduced at the pre-step."""
         r = self.reduce
-        if r is None or (self.flight is None and not self.settled) or not self._holds(i):
+        if r is None or not self._holds(i):
             return  # (a gradient reduced early and dropped: nothing holds it)
+        r.params[i]().__dict__[IN_PARTS] = True  # (the next layout learnt leaves it to the pre-step)
+        if self.flight is None and not self.settled:
+            return
         if self.flight is not None:
             self.flight.wait()
             self.flight = None
@@ -133,7 +140,7 @@ class Landing:
         if r.keeper != get_rank():
             self.slots[0].as_strided((self.numel,), (1,), 0).zero_()
         self.settled = False
-        self.reduce = None  # (for good: the pre-step reduces this bucket)
+        r.early = False  # (for good: the pre-step reduces this bucket)
 
     def new_round(self) -> None:
         """The pre-step has taken this round's gradients."""
@@ -143,14 +150,15 @@ class Landing:
 
 class Reduce:
     """A bucket's all-reduce, as the pre-step runs it: its members (weakly), their gradients'
-    specs before and after, the ranks, the reduce op and the rank that keeps the sum when it
-    must be Partial again."""
+    specs before and after, the ranks, the reduce op, the rank that keeps the sum when it
+    must be Partial again, and whether it starts in backward."""
 
-    __slots__ = ("params", "specs", "placed", "ranks", "op", "keeper")
+    __slots__ = ("params", "specs", "placed", "ranks", "op", "keeper", "early")
 
-    def __init__(self, params: list, specs: list, placed: list, ranks: tuple, op):
+    def __init__(self, params: list, specs: list, placed: list, ranks: tuple, op, early: bool):
         self.params = [weakref.ref(p) for p in params]
         self.specs, self.placed, self.ranks, self.op, self.keeper = specs, placed, tuple(ranks), op, ranks[0]
+        self.early = early  # started in backward once its gradients have landed
 
 
 _COMPLETE: list = []  # landings whose slots all hold this round's gradients, not yet started
@@ -165,7 +173,7 @@ def start_complete() -> None:
         return
     started = False
     for landing in list(_COMPLETE):
-        if landing.reduce is not None and landing.filled is not None and landing.startable():
+        if landing.reduce.early and landing.filled is not None and landing.startable():
             _COMPLETE.remove(landing)
             landing.start()
             started = True
