@@ -81,6 +81,7 @@ class Landing:
         self.filled.add(i)
         if len(self.filled) == len(self.sizes) and self.reduce is not None and self.reduce.early:
             _COMPLETE.append(self)
+            _queue_settle()
         return self.slots[i]
 
     def _holds(self, i: int) -> bool:
@@ -88,14 +89,12 @@ class Landing:
         p = self.reduce.params[i]()
         return p is not None and p.grad is not None and _is(p.grad._local, self.slots[i])
 
-    def startable(self, becoming: int = -1) -> bool:
+    def startable(self) -> bool:
         """Every slot holds this round's gradient, and each is its parameter's `.grad` as
-        placed when it landed (not a gradient handed to `autograd.grad`, not replaced), or is
-        about to be (`becoming`, whose accumulation the caller has checked)."""
+        placed when it landed (not a gradient handed to `autograd.grad`, not replaced; a hook's
+        gradient only once autograd has made it `.grad`, which may copy it)."""
         r = self.reduce
-        for i, (ref, slot, spec) in enumerate(zip(r.params, self.slots, r.specs)):
-            if i == becoming:
-                continue
+        for ref, slot, spec in zip(r.params, self.slots, r.specs):
             p = ref()
             g = None if p is None else p.grad
             if g is None or g._spec != spec or not _is(g._local, slot):
@@ -166,34 +165,34 @@ _IN_FLIGHT: list = []  # landings whose all-reduce runs, to settle at the end of
 
 
 def start_complete() -> None:
-    """Start the all-reduce of every complete bucket whose gradients are all in place, and
-    have this backward settle them when it ends; a bucket not yet startable (a gradient hook's
+    """Start the all-reduce of every complete bucket whose gradients are all in place (this
+    backward settles them when it ends); a bucket not yet startable (a gradient hook's
     gradient becomes `.grad` after the hook) is tried again at the next landing."""
     if not _COMPLETE:
         return
-    started = False
     for landing in list(_COMPLETE):
         if landing.reduce.early and landing.filled is not None and landing.startable():
             _COMPLETE.remove(landing)
             landing.start()
-            started = True
-    if started:
-        _queue_settle()
 
 
 def _queue_settle() -> None:
-    if not _QUEUED[0]:
-        _QUEUED[0] = True
+    """Have the running backward settle its buckets when it ends (once per backward: a
+    backward that raised never ran its callback, the next one queues its own)."""
+    task = torch._C._current_graph_task_id()
+    if _QUEUED[0] != task:
+        _QUEUED[0] = task
         torch.autograd.Variable._execution_engine.queue_callback(settle_all)
 
 
-_QUEUED = [False]  # settle_all is queued on the running backward
+_QUEUED = [None]  # the backward (graph task) settle_all is queued on
 
 
 def settle_all() -> None:
-    """Settle every bucket in flight (the end of a backward; the pre-step, for one that
-    raised); the complete ones not started are left to the pre-step."""
-    _QUEUED[0] = False
+    """Start the complete buckets that can start, and settle every bucket in flight (the end
+    of a backward; the pre-step, for a backward that raised); the rest are the pre-step's."""
+    _QUEUED[0] = None
+    start_complete()  # (a hook's gradient, the backward's last, is `.grad` by now)
     _COMPLETE.clear()
     while _IN_FLIGHT:
         landing = _IN_FLIGHT.pop(0)
@@ -247,23 +246,5 @@ def land_one(attrs: dict, local: torch.Tensor) -> Optional[torch.Tensor]:
     if entry is None or capture_running():
         return None
     start_complete()  # (the previous hook's gradient is `.grad` by now)
-    landing, i = entry
-    slot = landing.take(i, local)
-    if slot is None:
-        return None
-    slot.copy_(local)
-    if _COMPLETE and _COMPLETE[-1] is landing and _becomes_grad() and landing.startable(becoming=i):
-        _COMPLETE.pop()
-        landing.start()
-        _queue_settle()
-    return slot
-
-
-def _becomes_grad() -> bool:
-    """The gradient a leaf's hook is running on becomes its `.grad` as it is (the backward
-    accumulates it, and the leaf has none yet to add it to)."""
-    node = torch._C._current_autograd_node()
-    try:
-        return node is not None and torch._C._will_engine_execute_node(node) and node.variable.grad is None
-    except (RuntimeError, AttributeError):  # (autograd.grad: captured, not accumulated; not a leaf's)
-        return False
+    slot = entry[0].take(entry[1], local)
+    return None if slot is None else slot.copy_(local)
