@@ -164,8 +164,8 @@ def _col_row_norm_col():
 
 
 def _dp_tp_one_reduction_per_bucket():
-    """dp x mp: column, row, layer norm, column.  The step reduces all gradients in one
-    collective per group of mesh dims: over dp for the weights, over dp and mp at once for
+    """dp x mp: column, row, layer norm, column.  Backward and the step reduce all parameter
+    gradients in one collective per group of mesh dims: over dp for the weights, over dp and mp at once for
     the layer norm's, which the last column layer's backward leaves Partial on mp too."""
     mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
 
@@ -178,24 +178,17 @@ def _dp_tp_one_reduction_per_bucket():
 
     model = dist.shard_layer(_col_row_norm_col(), mesh, shard_fn)
     opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
-    steps = []
-    losses = _train(model, _Logged(opt, steps), mesh)
+    steps, losses = [], []
+    for x, y in _batches():
+        x, y = dist.shard_tensor(x, mesh, [S0, R]), dist.shard_tensor(y, mesh, [S0, R])
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        with dist.comm_log() as log:  # (a bucket whose gradients have landed is reduced in backward)
+            loss.backward()
+            opt.step()
+        steps.append(sorted((r.op, r.ranks) for r in log))
+        opt.zero_grad()
+        losses.append(loss.item())
     return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}, steps
-
-
-class _Logged:
-    """An optimizer whose step records the collectives it ran."""
-
-    def __init__(self, opt, steps):
-        self.opt, self.steps = opt, steps
-
-    def step(self):
-        with dist.comm_log() as log:
-            self.opt.step()
-        self.steps.append(sorted((r.op, r.ranks) for r in log))
-
-    def zero_grad(self):
-        self.opt.zero_grad()
 
 
 def test_data_and_tensor_parallel_step_reduces_in_one_collective_per_bucket():
@@ -206,9 +199,9 @@ def test_data_and_tensor_parallel_step_reduces_in_one_collective_per_bucket():
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         for k, v in params.items():
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-5)
-        dp_group = (rank % 2, rank % 2 + 2)
-        for ops in steps:
-            assert ops == sorted([("all_reduce", dp_group), ("all_reduce", (0, 1, 2, 3))]), ops
+        dp_group, mp_group = (rank % 2, rank % 2 + 2), (rank // 2 * 2, rank // 2 * 2 + 1)
+        for ops in steps:  # (and the row layer's input gradient, summed over mp)
+            assert ops == sorted([("all_reduce", dp_group), ("all_reduce", (0, 1, 2, 3)), ("all_reduce", mp_group)]), ops
 
 
 def _optimizer_step_dispatches(opt_name):
