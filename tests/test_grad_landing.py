@@ -72,22 +72,20 @@ def _train_accumulating(model, opt, data, micro: int, collective: bool = False):
     """Train on `data`, `micro` backwards of loss / micro per step: (losses, final weights,
     the ops of each backward and each step when `collective`)."""
     losses, ops = [], []
+
+    def logged(run):
+        if not collective:
+            return run()
+        with dist.comm_log() as log:
+            run()
+        ops.append([r.op for r in log])
+
     for n, (ids, labels) in enumerate(data):
         loss = model(input_ids=ids, labels=labels).loss
-        if collective:
-            with dist.comm_log() as log:
-                (loss / micro).backward()
-            ops.append([r.op for r in log])
-        else:
-            (loss / micro).backward()
+        logged((loss / micro).backward)
         losses.append(loss.item())
         if n % micro == micro - 1:
-            if collective:
-                with dist.comm_log() as log:
-                    opt.step()
-                ops.append([r.op for r in log])
-            else:
-                opt.step()
+            logged(opt.step)
             opt.zero_grad()
     weights = {k: (dist.unshard_dtensor(v.detach()) if collective else v.detach().clone())
                for k, v in model.state_dict().items()}
