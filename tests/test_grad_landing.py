@@ -1,8 +1,10 @@
 """Gradients written where their bucket reduces them (DDP's `gradient_as_bucket_view`): after
-the first pre-step has packed a bucket, the local regions' backward writes each first
-gradient into its slot of the bucket's buffer, and the next pre-step reduces that buffer in
-place.  The numbers stay the single process's; the collectives stay the same; a gradient
-someone still holds is never written over."""
+the first pre-step has packed a bucket, backward writes each first gradient into its slot of
+the bucket's buffer, and a bucket whose gradients have all landed, each its parameter's
+`.grad`, is all-reduced in place during backward (DDP's overlap).  The numbers stay the single
+process's; the bytes stay the same; a gradient someone still holds is never written over; a
+gradient that comes in parts (accumulation, a layer used twice) is reduced at the pre-step;
+`autograd.grad`'s gradients are never reduced."""
 import pytest
 import torch
 
@@ -182,3 +184,56 @@ def test_a_held_gradient_is_never_written_over():
         for landed, unchanged in run_dist(_holding, 2, drop):
             assert unchanged
             assert landed == expected, (drop, landed)
+
+
+def _autograd_grad_after_landing():
+    """After steps whose buckets were reduced in backward, `torch.autograd.grad` hands back
+    this batch's gradients (Partial over dp: read whole, the batch's sum), with nothing sent
+    in backward, and `.grad` stays untouched."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = hf_llama.tiny_llama(use_cache=False)
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
+                                  {"dp_config": {"sharding_level": 0}})
+    data = hf_llama.batches(4)
+    _train_accumulating(model, opt, data[:3], 1)
+    ids, labels = data[3]
+    loss = model(input_ids=ids, labels=labels).loss
+    params = list(model.parameters())
+    with dist.comm_log() as log:
+        grads = torch.autograd.grad(loss, params)
+    return [r.op for r in log], [p.grad is None for p in params], [dist.unshard_dtensor(g) for g in grads]
+
+
+def test_autograd_grad_gradients_are_never_reduced_early():
+    model = hf_llama.tiny_llama(use_cache=False)
+    data = hf_llama.batches(4)
+    _train_accumulating(model, hf_llama.optimizer(model.parameters()), data[:3], 1)
+    ids, labels = data[3]
+    ref = torch.autograd.grad(model(input_ids=ids, labels=labels).loss, list(model.parameters()))
+    for ops, no_grad, grads in run_dist(_autograd_grad_after_landing, 2):
+        assert ops == [] and all(no_grad), (ops, no_grad)
+        for g, r in zip(grads, ref):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def _zeroed_in_place(steps: int):
+    """`zero_grad(set_to_none=False)`: the gradients reduced in backward are zeroed in place
+    and the next backward adds to them."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = hf_llama.tiny_llama(use_cache=False)
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
+                                  {"dp_config": {"sharding_level": 0}})
+    losses = []
+    for ids, labels in hf_llama.batches(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        losses.append(loss.item())
+    return losses, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+
+
+def test_gradients_zeroed_in_place_add_up_as_one_process():
+    ref = hf_llama.reference(hf_llama.batches(4))
+    for got in run_dist(_zeroed_in_place, 2, 4):
+        hf_llama.assert_matches(got + ([],), ref + ([],))
