@@ -112,6 +112,7 @@ def main():
     p.add_argument("--no-torch", action="store_true", help="leave DDP and FSDP2 out")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--out", default=None)
+    p.add_argument("--dump", default=None, help="also write each impl's raw cProfile stats to DUMP.<impl>.prof")
     args = p.parse_args()
     rank, k = C.setup()
     warnings.simplefilter("ignore")
@@ -149,6 +150,9 @@ def main():
     profiles = profile_dp.profile_in_turn(steps, args.steps, rank)
     if rank != 0:
         return
+    for n, prof in profiles.items():
+        if args.dump:
+            prof.dump_stats(f"{args.dump}.{n}.prof")
     env = C.env_info()
     what = ["model: bench_zero's Llama (2.9 M parameters), each rank its own rows; collectives per step, "
             "MiB this rank sends:"]
