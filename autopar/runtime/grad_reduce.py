@@ -133,7 +133,9 @@ class GradReduction:
     flat buffer in its order (they landed there in backward, see `Landing`) is reduced in that
     buffer: nothing is packed or unpacked, and the gradients keep their pieces."""
 
-    def __init__(self, grads: list, plans: list):
+    def __init__(self, grads: list, plans: list, first_cap: Optional[int] = None):
+        # `first_cap`: the first bucket's (None: DDP's 1 MiB; gradients all ready at once have
+        # nothing to start early)
         self.out: list = list(grads)
         self.all_reduced: list = []  # the positions of each all-reduce bucket's gradients
         filling: dict = {}  # (mesh, collective, dtype) -> the bucket being filled
@@ -146,7 +148,7 @@ class GradReduction:
             else:
                 local = g._local
                 b = _bucket_for(filling, buckets, (placed.mesh, how, g.dtype), local.numel() * local.element_size(),
-                                lambda: _Bucket(how, placed.mesh, False))
+                                lambda: _Bucket(how, placed.mesh, False), first_cap)
                 b.members.append((n, local, placed))
         rank = get_rank()
         self.started = []

@@ -49,7 +49,7 @@ from ...tensor.dtensor import new_dist
 from ..precision import MixedPrecisionPolicy, cast_dist, spec_in
 from .flat_shards import FlatShards
 from .param import ZeroParam
-from ..grad_reduce import GradReduction, grad_plan
+from ..grad_reduce import BUCKET_BYTES, GradReduction, grad_plan
 
 _resize = torch.ops.inductor.resize_storage_bytes_
 
@@ -345,7 +345,7 @@ class _Unit:
         idx = sorted(self.grads)
         grads = [cast_dist(self.grads[i], self.reduce_dtype) for i in idx]
         plans = [grad_plan(g._spec, self.params[i].param._spec) for i, g in zip(idx, grads)]
-        self.reduction = (idx, GradReduction(grads, plans))
+        self.reduction = (idx, GradReduction(grads, plans, BUCKET_BYTES))  # (one collective per unit)
         self.grads = {}
 
     def deliver(self) -> None:
