@@ -1,7 +1,7 @@
-"""ZeRO's collectives per step on units wider than DDP's 1 MiB first bucket: a ZeRO-3 unit
-reduce-scatters all its gradients in one collective once its backward is done (they are all
-ready at once: a small first bucket would only add a collective), with the numbers of one
-process."""
+"""ZeRO's collectives per step on gradients wider than DDP's 1 MiB first bucket, where they are
+all ready at once (a small first bucket would only add a collective): a ZeRO-3 unit
+reduce-scatters its gradients in one collective once its backward is done, ZeRO-1's pre-step
+all of them in one; with the numbers of one process."""
 import torch
 
 import autopar as dist
@@ -46,22 +46,46 @@ def _train(model, opt, data, place=lambda t: t):
                           for k, v in model.state_dict().items()}
 
 
-def _zero3(steps):
+def _zero(level, steps):
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     model = dist.shard_layer(_Wide(), mesh)
-    opt = dist.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dist.ShardingStage3("dp"))
+    stage = {1: dist.ShardingStage1, 3: dist.ShardingStage3}[level]
+    opt = dist.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), stage("dp"))
     return _train(model, opt, _data(steps), lambda t: dist.shard_tensor(t, mesh, [dist.Shard(0)]))
 
 
-def test_zero3_unit_reduces_its_gradients_in_one_collective():
+def _reference():
     model = _Wide()
-    ref_losses, _, ref_weights = _train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), _data(3))
-    block = sum(p.numel() for p in model.blocks[0].parameters()) * 4
-    head = sum(p.numel() for p in model.head.parameters()) * 4
-    for losses, logs, weights in run_dist(_zero3, 2, 3):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-        for k, v in ref_weights.items():
-            torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
-        for log in logs[1:]:  # (the first step's regions verify)
-            scatters = sorted(b for op, b in log if op == "reduce_scatter")
-            assert scatters == sorted([block // 2] * 2 + [head // 2]), log  # one per unit: half its bytes sent
+    losses, _, weights = _train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), _data(3))
+    return model, losses, weights
+
+
+def _check_numbers(got, ref):
+    losses, _, weights = got
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[1]), rtol=1e-5, atol=1e-6)
+    for k, v in ref[2].items():
+        torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def _scatters(log):
+    return sorted(b for op, b in log if op == "reduce_scatter")
+
+
+def test_zero3_unit_reduces_its_gradients_in_one_collective():
+    ref = _reference()
+    block = sum(p.numel() for p in ref[0].blocks[0].parameters()) * 4
+    head = sum(p.numel() for p in ref[0].head.parameters()) * 4
+    for got in run_dist(_zero, 2, 3, 3):
+        _check_numbers(got, ref)
+        for log in got[1][1:]:  # (the first step's regions verify)
+            assert _scatters(log) == sorted([block // 2] * 2 + [head // 2]), log  # one per unit: half its bytes
+
+
+def test_zero1_pre_step_reduces_every_gradient_in_one_collective():
+    ref = _reference()
+    total = sum(p.numel() for p in ref[0].parameters()) * 4
+    for got in run_dist(_zero, 2, 1, 3):
+        _check_numbers(got, ref)
+        for log in got[1]:
+            assert _scatters(log) == [total // 2], log
+            assert [b for op, b in log if op == "all_gather"] == [total // 2], log

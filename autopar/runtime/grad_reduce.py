@@ -107,16 +107,17 @@ def grad_plan(grad: DistSpec, target: DistSpec) -> tuple:
     return plan
 
 
-def reduce_grads(pending: list, reduce_dtype: Optional[torch.dtype] = None) -> None:
+def reduce_grads(pending: list, reduce_dtype: Optional[torch.dtype] = None, first_cap: Optional[int] = None) -> None:
     """Bring each parameter's gradient to where it is stepped, given (parameter, its
     `grad_plan`) pairs: one collective per bucket of gradients that need only that, a
-    reshard for the rest; in `reduce_dtype` (a mixed-precision policy's), cast back after."""
+    reshard for the rest; in `reduce_dtype` (a mixed-precision policy's), cast back after;
+    `first_cap`: GradReduction's."""
     # last parameter first, as a region's backward buckets them: the same flat layout sums
     # each element in the same order (a ring all-reduce's order depends on the position)
     pending = pending[::-1]
     grads = [cast_dist(p.grad, reduce_dtype) for p, _ in pending]
     plans = [plan if g is p.grad else grad_plan(g._spec, plan[2]) for g, (p, plan) in zip(grads, pending)]
-    reduction = GradReduction(grads, plans)
+    reduction = GradReduction(grads, plans, first_cap)
     _learn_landings([p for p, _ in pending], grads, reduction)
     for (p, _), (local, spec) in zip(pending, reduction.finish_pieces()):
         if local.dtype != p.grad.dtype:  # (reduced in the policy's dtype)

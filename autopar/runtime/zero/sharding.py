@@ -323,7 +323,8 @@ class OptimizerSharding:
                 plan = grad_plan(g._spec, spec)
                 if plan[0]:
                     pending.append((p, plan))
-        reduce_grads(pending, self._reduce_dtype())
+        # ZeRO-1/2 reduce here what backward left, all ready at once: no small first bucket
+        reduce_grads(pending, self._reduce_dtype(), grad_reduce.BUCKET_BYTES if self.stage in (1, 2) else None)
 
     def post_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore()
