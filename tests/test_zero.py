@@ -251,7 +251,8 @@ def _gathered_bytes(model):
     from autopar.runtime.zero import zero3
 
     gathered = [zero3.gathered_piece(p) for p in model.parameters()]
-    return sum(g.untyped_storage().nbytes() for g in gathered if g is not None)
+    # (a unit's pieces share one storage)
+    return sum({g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in gathered if g is not None}.values())
 
 
 def _zero3_memory():
