@@ -89,3 +89,34 @@ def test_zero1_pre_step_reduces_every_gradient_in_one_collective():
         for log in got[1]:
             assert _scatters(log) == [total // 2], log
             assert [b for op, b in log if op == "all_gather"] == [total // 2], log
+
+
+def _zero2_accumulating(steps, micro=2):
+    """ZeRO-2, `micro` backwards per step: per backward its collectives and whether every
+    gradient is a shard when it ends."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = dist.shard_layer(_Wide(), mesh)
+    opt = dist.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dist.ShardingStage2("dp"))
+    place = lambda t: dist.shard_tensor(t, mesh, [dist.Shard(0)])  # noqa: E731
+    logs, sharded = [], []
+    for x, y in _data(steps):
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            with dist.comm_log() as log:
+                (torch.nn.functional.mse_loss(model(place(xs)), place(ys)) / micro).backward()
+            logs.append([(r.op, r.bytes) for r in log if r.op not in ("send", "recv")])  # (the batch handed out)
+            sharded.append(all(p.grad.placements == [dist.Shard(0)] for p in model.parameters() if p.dim()))
+        opt.step()
+        opt.zero_grad()
+    return logs, sharded, {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+
+
+def test_zero2_reduces_each_backward_in_one_collective_and_adds_the_shards():
+    ref = _reference()
+    total = sum(p.numel() for p in ref[0].parameters()) * 4
+    for logs, sharded, weights in run_dist(_zero2_accumulating, 2, 3):
+        for k, v in ref[2].items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+        assert all(sharded), sharded  # no whole gradient outlives its backward
+        for log in logs:
+            assert [op for op, _ in log if op != "all_reduce"] == ["reduce_scatter"], log
+            assert _scatters(log) == [total // 2], log
