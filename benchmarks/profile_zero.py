@@ -25,6 +25,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 import profile_dp  # noqa: E402
+import profile_llama_dp  # noqa: E402
 
 import torch  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -64,12 +65,13 @@ def _time_inside() -> None:
             setattr(cls, name, timed)
 
 
-class PhasedStep:
-    """bench_zero's step with the clocks read at each phase boundary; the optimizer's hooks are
-    timed by hooks of our own around the library's (as profile_dp.PhasedStep does)."""
+class PhasedStep(profile_llama_dp.PhasedStep):
+    """profile_llama_dp's step with the optimizer's hooks timed by hooks of our own around the
+    library's (as profile_dp.PhasedStep does)."""
 
     def __init__(self, name, model, opt, batches):
-        self.name, self.model, self.opt, self.batches, self.n = name, model, opt, batches, 0
+        super().__init__(model, opt, batches)
+        self.name = name
         self.wall = {p: [] for p in PHASES + INSIDE}
         self.cpu = {p: [] for p in PHASES + INSIDE}
         self._t: dict = {}
@@ -78,21 +80,9 @@ class PhasedStep:
         opt._optimizer_step_post_hooks.move_to_end(post.id, last=False)  # before the library's post-step
 
     def step(self, record: bool = True) -> None:
-        ids = self.batches[self.n % len(self.batches)]
-        self.n += 1
         for spent in _SPENT.values():
             spent[:] = [0.0, 0.0]
-        t = [profile_dp.clock()]
-        loss = self.model(input_ids=ids, labels=ids).loss
-        t.append(profile_dp.clock())
-        loss.backward()
-        t.append(profile_dp.clock())
-        self.opt.step()
-        t.append(profile_dp.clock())
-        self.opt.zero_grad()
-        t.append(profile_dp.clock())
-        float(loss.item())
-        t.append(profile_dp.clock())
+        t = self.clocked_step()
         if not record:
             return
         pre, done = self._t["pre_done"], self._t["step_done"]
@@ -116,11 +106,7 @@ def main():
     args = p.parse_args()
     rank, k = C.setup()
     warnings.simplefilter("ignore")
-    model_args = argparse.Namespace(vocab=1024, hidden=256, ffn=512, layers=4, heads=8, seq=64, batch=8)
-    gen = torch.Generator().manual_seed(2024)
-    batches = [torch.randint(0, model_args.vocab, (model_args.batch, model_args.seq), generator=gen) for _ in range(4)]
-    per = model_args.batch // k
-    mine = [b[rank * per:(rank + 1) * per] for b in batches]
+    model_args, mine = profile_llama_dp.model_and_rows(rank, k)
 
     steps: dict = {}
     mesh = dist.ProcessMesh(list(range(k)), dim_names=["dp"])
