@@ -106,7 +106,8 @@ def gathered_bytes(model) -> int:
     from autopar.runtime.zero import zero3
 
     gathered = [zero3.gathered_piece(p) for p in model.parameters()]
-    total = sum(g.untyped_storage().nbytes() for g in gathered if g is not None)
+    # (a unit's pieces share one storage)
+    total = sum({g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in gathered if g is not None}.values())
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
         group = state()._fsdp_param_group if state is not None else None

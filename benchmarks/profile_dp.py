@@ -144,16 +144,18 @@ def top(prof: cProfile.Profile, steps: int, by: str, n: int) -> list[str]:
     return lines
 
 
-def phase_table(steps: dict, what: str, phases: tuple = PHASES) -> list[str]:
-    """Per phase, each impl's median ms (of `wall` or `cpu`) and the difference of the first two."""
-    lines = [f"  {what + ':':16s}" + "".join(f"{n:>12s}" for n in steps) + f"{'difference':>12s}"]
-    med = {n: {ph: statistics.median(getattr(r, what)[ph]) * 1e3 for ph in phases} for n, r in steps.items()}
-    totals = {n: statistics.median(map(sum, zip(*getattr(r, what).values()))) * 1e3 for n, r in steps.items()}
-    a, b = list(steps)
-    for ph in phases:
-        lines.append(f"  {ph:16s}" + "".join(f"{med[n][ph]:12.3f}" for n in steps) + f"{med[a][ph] - med[b][ph]:12.3f}")
-    lines.append(f"  {'step (median)':16s}" + "".join(f"{totals[n]:12.3f}" for n in steps)
-                 + f"{totals[a] - totals[b]:12.3f}")
+def phase_table(steps: dict, what: str, phases: tuple = PHASES, parts: tuple = ()) -> list[str]:
+    """Per phase, each impl's median ms (of `wall` or `cpu`), with two impls the difference; the
+    step is the sum of `phases`; `parts` (shares of those phases) follow it."""
+    two = len(steps) == 2
+    lines = [f"  {what + ':':16s}" + "".join(f"{n:>12s}" for n in steps) + (f"{'difference':>12s}" if two else "")]
+    med = {n: {ph: statistics.median(getattr(r, what)[ph]) * 1e3 for ph in phases + parts} for n, r in steps.items()}
+    totals = {n: statistics.median(map(sum, zip(*(getattr(r, what)[ph] for ph in phases)))) * 1e3
+              for n, r in steps.items()}
+    med = {n: {**m, "step (median)": totals[n]} for n, m in med.items()}
+    for ph in (*phases, "step (median)", *parts):
+        row = [med[n][ph] for n in steps]
+        lines.append(f"  {ph:16s}" + "".join(f"{v:12.3f}" for v in row) + (f"{row[0] - row[1]:12.3f}" if two else ""))
     return lines
 
 

@@ -42,6 +42,14 @@ class PhasedStep:
         self.cpu = {p: [] for p in PHASES}
 
     def step(self, record: bool = True) -> None:
+        t = self.clocked_step()
+        if record:
+            for k, marks in enumerate((self.wall, self.cpu)):
+                for i, phase in enumerate(PHASES):
+                    marks[phase].append(t[i + 1][k] - t[i][k])
+
+    def clocked_step(self) -> list:
+        """One step; the clocks at its start and after each of PHASES."""
         ids = self.batches[self.n % len(self.batches)]
         self.n += 1
         t = [profile_dp.clock()]
@@ -55,10 +63,7 @@ class PhasedStep:
         t.append(profile_dp.clock())
         float(loss.item())
         t.append(profile_dp.clock())
-        if record:
-            for k, marks in enumerate((self.wall, self.cpu)):
-                for i, phase in enumerate(PHASES):
-                    marks[phase].append(t[i + 1][k] - t[i][k])
+        return t
 
 
 class _CountDispatch:
@@ -78,6 +83,15 @@ class _CountDispatch:
         DistTensor.__torch_dispatch__ = classmethod(self.dispatch)
 
 
+def model_and_rows(rank: int, k: int) -> tuple:
+    """bench_zero's Llama defaults, and this rank's rows of its 4 batches."""
+    model_args = argparse.Namespace(vocab=1024, hidden=256, ffn=512, layers=4, heads=8, seq=64, batch=8)
+    gen = torch.Generator().manual_seed(2024)
+    batches = [torch.randint(0, model_args.vocab, (model_args.batch, model_args.seq), generator=gen) for _ in range(4)]
+    per = model_args.batch // k
+    return model_args, [b[rank * per:(rank + 1) * per] for b in batches]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
@@ -88,11 +102,7 @@ def main():
     args = p.parse_args()
     rank, k = C.setup()
     warnings.simplefilter("ignore")
-    model_args = argparse.Namespace(vocab=1024, hidden=256, ffn=512, layers=4, heads=8, seq=64, batch=8)
-    gen = torch.Generator().manual_seed(2024)
-    batches = [torch.randint(0, model_args.vocab, (model_args.batch, model_args.seq), generator=gen) for _ in range(4)]
-    per = model_args.batch // k
-    mine = [b[rank * per:(rank + 1) * per] for b in batches]
+    model_args, mine = model_and_rows(rank, k)
 
     def build():
         m = llama(model_args)

@@ -25,11 +25,10 @@ places do it:
   the bucket's dtype: the ready gradients are cast into it and the reduced ones cast back
   where they land, so the policy keeps the overlap.
   Gradient accumulation (a backward while the parameters still hold gradients) switches a
-  bucket to deferred reduction for good, unless it was registered to reduce every backward
-  (ZeRO-2, whose point is that no full gradient stays): the gradients it already reduced
-  become Partial again without communication, later backwards leave them Partial (summed
-  locally), and the optimizer reduces the sum once per step, where reducing every backward
-  (DDP without `no_sync`) would cost one collective per micro-batch.
+  region's buckets to deferred reduction for good: the gradients it already reduced become
+  Partial again without communication, later backwards leave them Partial (summed locally),
+  and the optimizer reduces the sum once per step, where reducing every backward (DDP
+  without `no_sync`) would cost one collective per micro-batch.
 """
 from __future__ import annotations
 
@@ -107,17 +106,18 @@ def grad_plan(grad: DistSpec, target: DistSpec) -> tuple:
     return plan
 
 
-def reduce_grads(pending: list, reduce_dtype: Optional[torch.dtype] = None) -> None:
+def reduce_grads(pending: list, reduce_dtype: Optional[torch.dtype] = None, first_cap: Optional[int] = None) -> None:
     """Bring each parameter's gradient to where it is stepped, given (parameter, its
     `grad_plan`) pairs: one collective per bucket of gradients that need only that, a
-    reshard for the rest; in `reduce_dtype` (a mixed-precision policy's), cast back after."""
+    reshard for the rest; in `reduce_dtype` (a mixed-precision policy's), cast back after;
+    `first_cap`: GradReduction's."""
     settle_all()  # (buckets a backward that raised started)
     # last parameter first, as a region's backward buckets them: the same flat layout sums
     # each element in the same order (a ring all-reduce's order depends on the position)
     pending = pending[::-1]
     grads = [cast_dist(p.grad, reduce_dtype) for p, _ in pending]
     plans = [plan if g is p.grad else grad_plan(g._spec, plan[2]) for g, (p, plan) in zip(grads, pending)]
-    reduction = GradReduction(grads, plans)
+    reduction = GradReduction(grads, plans, first_cap)
     _learn_landings([p for p, _ in pending], grads, reduction)
     for (p, _), (local, spec) in zip(pending, reduction.finish_pieces()):
         if local.dtype != p.grad.dtype:  # (reduced in the policy's dtype)
@@ -134,7 +134,9 @@ class GradReduction:
     flat buffer in its order (they landed there in backward, see `Landing`) is reduced in that
     buffer: nothing is packed or unpacked, and the gradients keep their pieces."""
 
-    def __init__(self, grads: list, plans: list):
+    def __init__(self, grads: list, plans: list, first_cap: Optional[int] = None):
+        # `first_cap`: the first bucket's (None: DDP's 1 MiB; gradients all ready at once have
+        # nothing to start early)
         self.out: list = list(grads)
         self.all_reduced: list = []  # each all-reduce bucket's (position, placed) pairs, ranks, reduce op
         filling: dict = {}  # (mesh, collective, dtype) -> the bucket being filled
@@ -147,7 +149,7 @@ class GradReduction:
             else:
                 local = g._local
                 b = _bucket_for(filling, buckets, (placed.mesh, how, g.dtype), local.numel() * local.element_size(),
-                                lambda: _Bucket(how, placed.mesh, False))
+                                lambda: _Bucket(how, placed.mesh), first_cap)
                 b.members.append((n, local, placed))
         rank = get_rank()
         self.started = []
@@ -264,7 +266,7 @@ class _Collective:
 
 
 # -- reduction in backward -------------------------------------------------------------------
-# parameter -> (the spec its gradient is reduced to, reduce every backward, the dtype it is
+# parameter -> (the spec its gradient is reduced to, the dtype it is
 # reduced in or None for its own); keyed weakly, by identity: an entry goes with its
 # parameter (a Parameter's __eq__ is elementwise)
 _IN_BACKWARD: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -276,30 +278,29 @@ def generation() -> int:
     return _GENERATION[0]
 
 
-def reduce_in_backward(targets: list, every_backward: bool = False, reduce_dtype: Optional[torch.dtype] = None) -> None:
+def reduce_in_backward(targets: list, reduce_dtype: Optional[torch.dtype] = None) -> None:
     """Let local regions reduce these (parameter, spec) pairs' gradients to the spec during
     backward: the parameters `shard_optimizer` steps, with the placements their gradients are
     stepped at (the parameter's own without ZeRO, this rank's shard with ZeRO-1/2), so
-    reducing them early changes nothing but the timing.  `every_backward`: keep reducing under
-    gradient accumulation (the reduced gradients add up) instead of deferring to the step.
-    `reduce_dtype`: the dtype the collectives run in (a mixed-precision policy's)."""
+    reducing them early changes nothing but the timing.  `reduce_dtype`: the dtype the
+    collectives run in (a mixed-precision policy's)."""
     for p, spec in targets:
         if type(p) is DistTensor:
-            _IN_BACKWARD[p] = (spec, every_backward, reduce_dtype)
+            _IN_BACKWARD[p] = (spec, reduce_dtype)
     _GENERATION[0] += 1
 
 
 def registered(p: torch.Tensor) -> Optional[tuple]:
-    """(the spec p's gradient is reduced to in backward, whether every backward, the reduce
-    dtype or None), or None when p was not given to `reduce_in_backward`."""
+    """(the spec p's gradient is reduced to in backward, the reduce dtype or None), or None
+    when p was not given to `reduce_in_backward`."""
     return _IN_BACKWARD.get(p)
 
 
 class _Bucket:
-    __slots__ = ("members", "how", "mesh", "every_backward", "nbytes", "whole", "dtype")
+    __slots__ = ("members", "how", "mesh", "nbytes", "whole", "dtype")
 
-    def __init__(self, how: tuple, mesh, every_backward: bool, dtype: Optional[torch.dtype] = None):
-        self.members, self.how, self.mesh, self.every_backward, self.nbytes = [], how, mesh, every_backward, 0
+    def __init__(self, how: tuple, mesh, dtype: Optional[torch.dtype] = None):
+        self.members, self.how, self.mesh, self.nbytes = [], how, mesh, 0
         self.dtype = dtype  # what the gradients are reduced in (a backward bucket's)
         self.whole: Optional[_Collective] = None
 
@@ -322,34 +323,34 @@ class BucketPlan:
         # backward step reduces it (where DDP does too), placing the gradients once
         self.overlap = len(buckets) > 1
         self.bucket_of = {i: b for b in buckets for i in b.members}
-        self.active: "BucketPlan" = self  # what backward still reduces (deferred buckets left out)
+        self.deferred = False  # (accumulation: the pre-step reduces the sum)
 
     @staticmethod
     def build(params: list, grad_specs: list) -> Optional["BucketPlan"]:
         """None when no parameter's gradient is reduced in backward."""
         rank = get_rank()
-        reducible = []  # (position, spec reduced to, collective, every backward, dtype), last parameter first
+        reducible = []  # (position, spec reduced to, collective, dtype), last parameter first
         for i in reversed(range(len(params))):
             p, gs = params[i], grad_specs[i]
             entry = registered(p)
             if entry is None or not p.requires_grad or rank not in p._spec.mesh:
                 continue
-            target, every_backward, reduce_dtype = entry
+            target, reduce_dtype = entry
             _, how, spec = grad_plan(gs, target)
             if how is not None and how[1]:
-                reducible.append((i, spec, how, every_backward, reduce_dtype or gs.meta.dtype))
-        nbytes = {i: params[i]._local.numel() * dtype.itemsize for i, _, _, _, dtype in reducible}
+                reducible.append((i, spec, how, reduce_dtype or gs.meta.dtype))
+        nbytes = {i: params[i]._local.numel() * dtype.itemsize for i, _, _, dtype in reducible}
         # a region whose gradients fit one DDP bucket is one bucket: no small first bucket per
         # region (a model of many small regions would send two collectives per region)
         first_cap = FIRST_BUCKET_BYTES if sum(nbytes.values()) > BUCKET_BYTES else BUCKET_BYTES
-        filling: dict = {}  # (mesh, collective, dtype, every backward) -> the bucket being filled
+        filling: dict = {}  # (mesh, collective, dtype) -> the bucket being filled
         buckets, placed = [], {}
-        for i, spec, how, every, dtype in reducible:
-            b = _bucket_for(filling, buckets, (spec.mesh, how, dtype, every), nbytes[i],
-                            lambda: _Bucket(how, spec.mesh, every, dtype), first_cap)
+        for i, spec, how, dtype in reducible:
+            b = _bucket_for(filling, buckets, (spec.mesh, how, dtype), nbytes[i],
+                            lambda: _Bucket(how, spec.mesh, dtype), first_cap)
             b.members.append(i)
             placed[i] = spec
-        if not buckets or (len(buckets) == 1 and not buckets[0].every_backward):
+        if len(buckets) <= 1:
             # one bucket has nothing to overlap: its collective would start and be waited for
             # at the region's last backward step.  Its gradients stay Partial instead, and the
             # optimizer's pre-step reduces them with every other region's in shared buckets:
@@ -358,25 +359,17 @@ class BucketPlan:
         return BucketPlan(buckets, placed)
 
     def reduction(self, params: list, grad_specs: list) -> Optional["BackwardReduction"]:
-        """The state for one forward's backward, or None once every bucket is deferred.  A
-        parameter of a deferrable bucket still holding a gradient means accumulation: defer
-        those buckets from now on, and give the gradients reduced so far back their Partial
-        placement (a local step: one rank keeps the value), so that the next gradients add to
-        them without communication."""
-        active = self.active
-        if active is not None and any(
-            params[i].grad is not None for b in active.buckets if not b.every_backward for i in b.members
-        ):
-            for b in active.buckets:
-                if b.every_backward:
-                    continue
-                for i in b.members:
-                    g, spec = params[i].grad, self.placed[i]
-                    if type(g) is DistTensor and g._spec is spec:
-                        params[i].grad = new_dist(redistribute_local(g._local, spec, grad_specs[i]), grad_specs[i])
-            kept = [b for b in active.buckets if b.every_backward]
-            self.active = BucketPlan(kept, {i: self.placed[i] for b in kept for i in b.members}) if kept else None
-        return None if self.active is None else BackwardReduction(self.active)
+        """The state for one forward's backward, or None once the buckets are deferred.  A
+        parameter still holding a gradient means accumulation: defer the buckets from now on,
+        and give the gradients reduced so far back their Partial placement (a local step: one
+        rank keeps the value), so that the next gradients add to them without communication."""
+        if not self.deferred and any(params[i].grad is not None for i in self.bucket_of):
+            for i, spec in self.placed.items():
+                g = params[i].grad
+                if type(g) is DistTensor and g._spec is spec:
+                    params[i].grad = new_dist(redistribute_local(g._local, spec, grad_specs[i]), grad_specs[i])
+            self.deferred = True
+        return None if self.deferred else BackwardReduction(self)
 
 
 class BackwardReduction:

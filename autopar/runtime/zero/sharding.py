@@ -90,6 +90,13 @@ def _grad_arrived(sharding: "weakref.ref[OptimizerSharding]", n: int, _param: to
         live.grad_arrived(n)
 
 
+def _grad_coming(sharding: "weakref.ref[OptimizerSharding]", n: int, _grad: torch.Tensor) -> None:
+    """Parameter n's gradient is about to be accumulated (a ZeRO-2 hook, as `_grad_arrived`)."""
+    live = sharding()
+    if live is not None:
+        live.grad_coming(n)
+
+
 class OptimizerSharding:
     """An optimizer's parameters under `shard` (see the module doc); `params`: one ZeroParam
     per parameter, in the order of the optimizer's groups."""
@@ -122,11 +129,12 @@ class OptimizerSharding:
         # gradients go to where they are stepped: reduce them during backward (stage 3: its layers do)
         targets = [(zp, zp.step_spec()) for zp in self.params if type(zp.param) is DistTensor]
         reduce_in_backward([(zp.param, s) for zp, s in targets if s is not None and not zero3.gathers(zp.param)],
-                           every_backward=self.stage == 2, reduce_dtype=self._reduce_dtype())
+                           reduce_dtype=self._reduce_dtype())
         self.local_step = LocalStep(optimizer, dispatch_foreach)
         self.place_states()
         reduce_pending_on_read(self)  # (held weakly: it goes with the optimizer)
         self.arrived: list = []  # ZeRO-2: parameters whose gradients backward left unreduced
+        self.carried: list = []  # ZeRO-2: (ZeroParam, its reduced gradient) set aside for a backward's to add to
         self.loading: dict = {}  # a state dict's states of parameters with masters, while it loads
         if self.stage == 2:
             # weakly: the garbage collector does not see a distributed Parameter's
@@ -135,6 +143,7 @@ class OptimizerSharding:
             sharding = weakref.ref(self)
             for n, zp in enumerate(self.params):
                 if type(zp.param) is DistTensor and zp.step_spec() is not None and zp.param.requires_grad:
+                    zp.param.register_hook(functools.partial(_grad_coming, sharding, n))
                     zp.param.register_post_accumulate_grad_hook(functools.partial(_grad_arrived, sharding, n))
 
     def _apply_policy(self, models: list, convert_in_place: Callable) -> None:
@@ -225,15 +234,32 @@ class OptimizerSharding:
 
     def grad_arrived(self, n: int) -> None:
         """ZeRO-2 keeps no whole gradient past its backward: gradients that backward left
-        unreduced (a first call of a local region runs op by op; a model outside regions) are
-        reduced in buckets where the backward ends."""
+        unreduced (local regions leave them Partial, as at ZeRO-1; a first call of a region
+        runs op by op; a model outside regions) are reduced where the backward ends, all in
+        one bucket (one collective, where reducing them region by region would wait for one
+        per region within backward)."""
         zp = self.params[n]
         g = zp.param.grad
         if type(g) is DistTensor and not grad_plan(g._spec, zp.step_spec())[0]:
             return
-        if not self.arrived:
-            torch.autograd.Variable._execution_engine.queue_callback(self.prepare_grads)
+        self._reduce_at_backward_end()
         self.arrived.append(zp)
+
+    def grad_coming(self, n: int) -> None:
+        """A gradient of parameter n is on its way while it holds a reduced one (gradient
+        accumulation): that one is set aside and added back once the new one is reduced where
+        the backward ends, so that the new one is reduced alone (not added to the shard
+        first, which would reshard each parameter's on its own)."""
+        zp = self.params[n]
+        g = zp.param.grad
+        if type(g) is DistTensor and not grad_plan(g._spec, zp.step_spec())[0]:
+            self._reduce_at_backward_end()
+            self.carried.append((zp, g))
+            zp.param.grad = None
+
+    def _reduce_at_backward_end(self) -> None:
+        if not self.arrived and not self.carried:
+            torch.autograd.Variable._execution_engine.queue_callback(self.prepare_grads)
 
     # -- float32 masters in the optimizer's state dict (Paddle's "master_weights") -------------
     def _indexed(self) -> list:
@@ -323,7 +349,14 @@ class OptimizerSharding:
                 plan = grad_plan(g._spec, spec)
                 if plan[0]:
                     pending.append((p, plan))
-        reduce_grads(pending, self._reduce_dtype())
+        # ZeRO-1/2 reduce here what backward left, all ready at once: no small first bucket
+        reduce_grads(pending, self._reduce_dtype(), grad_reduce.BUCKET_BYTES if self.stage in (1, 2) else None)
+        carried, self.carried = self.carried, []
+        with torch.no_grad():
+            for zp, g in carried:  # (ZeRO-2: the earlier backwards' sum, in place, as torch accumulates)
+                if zp.param.grad is not None:
+                    g.add_(zp.param.grad)
+                zp.param.grad = g
 
     def post_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore()

@@ -29,13 +29,16 @@ The full Parameters are placed like data-parallel ones, so the batch stays shard
 the whole model (every activation, the logits too) and a unit's layers run as local regions.
 Bytes: two all-gathers of the parameters and one reduce-scatter of the gradients, 1.5x data
 parallel's all-reduce.  Freed storage is refilled in place, so the tensors autograd saved
-(views of it) see the data again; storage is resized with `inductor.resize_storage_bytes_`,
-an op a captured program (`to_static`) records and replays.  A gathered copy is used again
+(views of it) see the data again; a unit's full pieces are views of one flat buffer (per
+dtype), whose storage is resized with `inductor.resize_storage_bytes_` (one allocation per
+use, not one per parameter: FSDP2's flat buffer), an op a captured program (`to_static`)
+records and replays.  A gathered copy is used again
 only while its shards are unchanged (their version counters); under a capture or a local
 region's verification every use gathers afresh, so that the transfer is seen.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Optional
 
@@ -49,7 +52,7 @@ from ...tensor.dtensor import new_dist
 from ..precision import MixedPrecisionPolicy, cast_dist, spec_in
 from .flat_shards import FlatShards
 from .param import ZeroParam
-from ..grad_reduce import GradReduction, grad_plan
+from ..grad_reduce import BUCKET_BYTES, GradReduction, grad_plan
 
 _resize = torch.ops.inductor.resize_storage_bytes_
 
@@ -211,13 +214,12 @@ class _Unit:
         # the garbage collector does not see a distributed Parameter's post-accumulate-grad
         # hooks: a hook holding the unit would keep it and its parameters for good
         unit = weakref.ref(self)
-        for i, zp in enumerate(params):
+        locals_ = self._full_locals(rank, param_dtype)
+        for i, (zp, local) in enumerate(zip(params, locals_)):
             p, spec = zp.param, zp.param._spec
             m = spec.mesh.dim_index(mesh_dim)
             coord = spec.mesh.coordinate(rank)
-            dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
-            local = torch.empty(zp.unsharded.local_shape(coord) if coord is not None else (0,), dtype=dtype,
-                                device=p._local.device)
+            dtype = local.dtype
             zp.unit = self
             zp.gathered = torch.nn.Parameter(new_dist(local, spec_in(zp.unsharded, dtype)), requires_grad=p.requires_grad)
             zp.gathered_local = local.data  # its own version counter: refills do not touch autograd's
@@ -241,6 +243,33 @@ class _Unit:
         layer.register_forward_pre_hook(lambda *_: self.before_forward())
         layer.register_forward_hook(lambda _m, args, kwargs, out: self.after_forward(out, (args, kwargs)), with_kwargs=True)
 
+    def _full_locals(self, rank: int, param_dtype: Optional[torch.dtype]) -> list:
+        """The full Parameters' local pieces: views of one flat buffer per dtype and device
+        (`self.storages`, whose storage is resized as the unit gathers and frees: one
+        allocation and one release per use, not one per parameter)."""
+        shapes, keys = [], []
+        for zp in self.params:
+            p = zp.param
+            coord = p._spec.mesh.coordinate(rank)
+            shapes.append(tuple(zp.unsharded.local_shape(coord)) if coord is not None else None)
+            keys.append((param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype,
+                         p._local.device))
+        sizes: dict = {}  # (dtype, device) -> elements
+        for shape, key in zip(shapes, keys):
+            if shape is not None:
+                sizes[key] = sizes.get(key, 0) + math.prod(shape)
+        flats = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+        self.storages = [flat.data for flat in flats.values()]
+        out, used = [], dict.fromkeys(flats, 0)
+        for shape, key in zip(shapes, keys):
+            if shape is None:  # (this rank holds no piece)
+                out.append(torch.empty((0,), dtype=key[0], device=key[1]))
+                continue
+            n = math.prod(shape)
+            out.append(flats[key][used[key]:used[key] + n].view(shape))
+            used[key] += n
+        return out
+
     # -- gathering --------------------------------------------------------------------------
     def _versions(self) -> list:
         return [(zp.param._local, zp.param._local._version) for zp in self.params]
@@ -255,8 +284,7 @@ class _Unit:
     def start_gather(self) -> None:
         if self.pending or self._holds_current():
             return
-        for zp in self.params:
-            w = zp.gathered_local
+        for w in self.storages:
             _resize(w, w.numel() * w.element_size())
         for idx, ranks, me, layout in self.groups:
             dtype = self.params[idx[0]].gathered_local.dtype  # (the policy's: cast before gathering)
@@ -285,8 +313,8 @@ class _Unit:
             self.gathered = None
 
     def _free_storage(self) -> None:
-        for zp in self.params:
-            _resize(zp.gathered_local, 0)
+        for w in self.storages:
+            _resize(w, 0)
 
     def _use(self, gathered: bool) -> None:
         """Put the full Parameters (or the sharded ones back) into the unit's layers."""
@@ -345,7 +373,7 @@ class _Unit:
         idx = sorted(self.grads)
         grads = [cast_dist(self.grads[i], self.reduce_dtype) for i in idx]
         plans = [grad_plan(g._spec, self.params[i].param._spec) for i, g in zip(idx, grads)]
-        self.reduction = (idx, GradReduction(grads, plans))
+        self.reduction = (idx, GradReduction(grads, plans, BUCKET_BYTES))  # (one collective per unit)
         self.grads = {}
 
     def deliver(self) -> None:
