@@ -42,9 +42,10 @@ import torch  # noqa: E402
 import bench_predict as B  # noqa: E402
 from autopar.planner import predict as P  # noqa: E402
 from autopar.planner.cost import load_profile  # noqa: E402
+from autopar.planner.profile_check import _profile_constants, measure_constants  # noqa: E402
 from autopar.runtime import local_region as R  # noqa: E402
 
-PARTS = ("fwd", "bwd_exit", "bwd_inner", "bwd_enter")
+PARTS = ("fwd", "bwd_exit", "bwd_inner", "bwd_enter")  # fwd_inner, the module's own forward, is within fwd
 _SINK: list = []  # where marks go: callables taking (kind, label)
 
 
@@ -61,8 +62,15 @@ def _install_marks() -> None:
         label = type(getattr(inner, "__self__", None)).__name__
         self.trace_label = label
         _mark("fwd_begin", label)
+
+        def marked_inner(*a, **kw):
+            _mark("inner_begin", label)
+            try:
+                return inner(*a, **kw)
+            finally:
+                _mark("inner_end", label)
         try:
-            return run(self, inner, args, kwargs)
+            return run(self, marked_inner, args, kwargs)
         finally:
             _mark("fwd_end", label)
 
@@ -111,9 +119,9 @@ def marked_step(case: str):
 # mark kind -> the part it opens, the part it closes; the step's phases (label "step") are the
 # forward up to `backward()`, the backward, and the rest (optimizer, zero_grad): one backward
 # per step (a pipeline's schedule runs several: its phases mean nothing)
-_OPENS = {"fwd_begin": "fwd", "exit_begin": "bwd_exit", "exit_end": "bwd_inner", "enter_begin": "bwd_enter",
+_OPENS = {"fwd_begin": "fwd", "inner_begin": "fwd_inner", "exit_begin": "bwd_exit", "exit_end": "bwd_inner", "enter_begin": "bwd_enter",
           "step_begin": "forward", "backward_begin": "backward", "backward_end": "optimizer"}
-_CLOSES = {"fwd_end": "fwd", "exit_end": "bwd_exit", "enter_begin": "bwd_inner", "enter_end": "bwd_enter",
+_CLOSES = {"fwd_end": "fwd", "inner_end": "fwd_inner", "exit_end": "bwd_exit", "enter_begin": "bwd_inner", "enter_end": "bwd_enter",
            "backward_begin": "forward", "backward_end": "backward", "step_end": "optimizer"}
 
 
@@ -187,6 +195,7 @@ def trace(case: str, warmup: int, steps: int) -> None:
     step = marked_step(case)
     for _ in range(warmup):
         step()
+    reference = measure_constants()  # the machine's speed now, every rank measuring at once
     clock: list = []
     _SINK.append(lambda kind, label: clock.append((kind, label, time.perf_counter(), time.thread_time())))
     per_step = []
@@ -225,7 +234,7 @@ def trace(case: str, warmup: int, steps: int) -> None:
     counts["step/all"] = [sum(e[0] == "op" for e in events), sum(e[0] == "node" for e in events)]
     if tdist.get_rank() == 0:
         median = {k: [statistics.median(s[k][j] for s in per_step) for j in (0, 1)] for k in per_step[0]}
-        print(json.dumps({"trace": median, "counts": counts}), flush=True)
+        print(json.dumps({"trace": median, "counts": counts, "reference": reference}), flush=True)
 
 
 def _measured(case: str, warmup: int, steps: int) -> dict:
@@ -252,7 +261,7 @@ def report(case: str, pred: dict, real: dict) -> str:
         wall, cpu = real["trace"].get(key, [float("nan")] * 2)
         n_real = real["counts"].get(key, ["?", "?"])[0]
         priced = sum(p["priced"].values())
-        if label != "step":
+        if label != "step" and part in PARTS:
             inside_real = [inside_real[0] + wall, inside_real[1] + cpu]
             inside_pred += priced
         cats = " ".join(f"{p['priced'].get(c, 0.0) * 1e3:8.2f}" for c in ("compute", "framework", "dispatch", "autograd"))
@@ -291,8 +300,11 @@ def main() -> None:
     pred = predicted(args.case, profile)
     real = _measured(args.case, args.warmup, args.steps)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    want = _profile_constants(profile)
+    speed = ", ".join(f"{k} {want[k] / v if k == 'kernel_latency' else v / want[k]:.2f}" for k, v in real["reference"].items())
     text = (f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')} commit {commit} profile {args.profile} "
-            f"loadavg {os.getloadavg()[0]:.2f}\n" + report(args.case, pred, real) + "\n")
+            f"loadavg {os.getloadavg()[0]:.2f}; the machine's speed against the profile's during the run "
+            f"(1: as calibrated): {speed}\n" + report(args.case, pred, real) + "\n")
     print(text)
     with open(os.path.join(HERE, "results", f"predict_regions_trace.{commit}.txt"), "a") as f:
         f.write(text + "\n")
