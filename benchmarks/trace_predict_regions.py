@@ -170,7 +170,7 @@ def predicted(case: str, profile) -> dict:
 
 
 def _add(out: dict, key, events: list, profile, slow: float) -> None:
-    plain = [e for e in events if e[0] in ("op", "node", "dist")]
+    plain = [e for e in events if e[0] in ("op", "node", "dist", "region")]
     rec = P.Recording(0, plain)
     priced: dict = {}
     for seg in P._segments(rec, profile, slow):

@@ -268,6 +268,51 @@ def test_a_training_step_records_its_autograd_nodes_and_gradient_reduction():
     assert [e[1].op for e in recordings[1].events if e[0] == "comm"][0] == "recv"
 
 
+def _region_blocks(count: int):
+    """A step of `count` blocks that data parallel runs as local regions, forward and backward."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    blocks = torch.nn.ModuleList(P._RegionBlock(16) for _ in range(count))
+    dist.parallelize(blocks, None, mesh, {"dp_config": {"sharding_level": 0}})
+    x = dist.shard_tensor(torch.randn(8, 16), mesh, [dist.Shard(0)])
+
+    def step():
+        h = x
+        for block in blocks:
+            h = block(h)
+        h.sum().backward()
+        for p in blocks.parameters():
+            p.grad = None
+    return step
+
+
+def test_a_local_regions_boundary_is_recorded_once_per_call_each_way_and_priced_as_dispatch():
+    rec = P.record_step(lambda: _region_blocks(3), 2, 0)
+    assert rec.events.count(("region", "forward")) == 3 and rec.events.count(("region", "backward")) == 3
+    # each call's forward boundary comes before the ops the call runs: the first is the step's first event
+    assert rec.events[0] == ("region", "forward")
+    with dist.local_regions(False):
+        by_op = P.record_step(lambda: _region_blocks(3), 2, 0)
+    assert by_op.count("region") == 0 and by_op.count("dist") > rec.count("dist")
+    boundaries = dataclasses.replace(UNIT, region_forward=5e-3, region_backward=7e-3)
+    p = P.job_time([_recording(0, ("region", "forward"), ("region", "backward"), ("region", "backward"))], boundaries)
+    assert p.total == pytest.approx(19e-3) and p.categories["dispatch"] == pytest.approx(19e-3)
+
+
+def test_a_cpu_profile_file_from_before_region_costs_takes_the_shipped_ones(tmp_path):
+    fields = dataclasses.asdict(dataclasses.replace(CPU, region_forward=1.0, region_backward=2.0))
+    del fields["region_forward"], fields["region_backward"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(fields))
+    old = load_profile(str(path))
+    assert (old.region_forward, old.region_backward) == (CPU.region_forward, CPU.region_backward)
+
+
+def test_region_costs_measures_a_boundary_each_way():
+    with cost._one_thread():
+        forward, backward = P.region_costs(CPU)
+    assert 0 < forward < 0.01 and 0 < backward < 0.01  # microseconds to a fraction of a millisecond here
+
+
 def _recording(rank, *events):
     rec = P.Recording(rank)
     for e in events:
@@ -311,6 +356,7 @@ def test_calibration_writes_a_profile_that_loads(tmp_path, monkeypatch):
     loaded = load_profile(str(path))
     assert loaded == profile and isinstance(loaded, DeviceProfile)
     assert loaded.cores >= 1 and loaded.op_latency > 0 and loaded.dispatch_overhead >= 0
+    assert loaded.region_forward >= 0 and loaded.region_backward >= 0
     assert [n for n, _ in loaded.gemm_curve] == sorted(n for n, _ in loaded.gemm_curve)
     assert {name for name, _ in loaded.element_costs} >= {"aten::exp", "aten::silu"}
     # host work with every core busy, against one rank alone
