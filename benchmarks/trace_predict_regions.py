@@ -74,25 +74,19 @@ def _install_marks() -> None:
         finally:
             _mark("fwd_end", label)
 
-    def marked_exit(ctx, *grads):
-        label = getattr(ctx.call.region, "trace_label", "?")
-        _mark("exit_begin", label)
-        try:
-            return exit_bwd(ctx, *grads)
-        finally:
-            _mark("exit_end", label)
-
-    def marked_enter(ctx, *grads):
-        label = getattr(ctx.call.region, "trace_label", "?")
-        _mark("enter_begin", label)
-        try:
-            return enter_bwd(ctx, *grads)
-        finally:
-            _mark("enter_end", label)
+    def marked_backward_part(backward, begin: str, end: str):
+        def marked(ctx, *grads):
+            label = getattr(ctx.call.region, "trace_label", "?")
+            _mark(begin, label)
+            try:
+                return backward(ctx, *grads)
+            finally:
+                _mark(end, label)
+        return staticmethod(marked)
 
     R.Region.run = marked_run
-    R._Exit.backward = staticmethod(marked_exit)
-    R._Enter.backward = staticmethod(marked_enter)
+    R._Exit.backward = marked_backward_part(exit_bwd, "exit_begin", "exit_end")
+    R._Enter.backward = marked_backward_part(enter_bwd, "enter_begin", "enter_end")
     backward = torch.autograd.backward
 
     def marked_backward(*args, **kwargs):
@@ -238,15 +232,8 @@ def trace(case: str, warmup: int, steps: int) -> None:
 
 
 def _measured(case: str, warmup: int, steps: int) -> dict:
-    ranks = B._ranks(B.CASES[case][0])
-    cmd = [sys.executable, "-m", "autopar.launch", "--nproc_per_node", str(ranks), os.path.abspath(__file__),
-           "--trace", case, "--warmup", str(warmup), "--steps", str(steps)]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
-    for line in out.stdout.splitlines():
-        line = line.split("]: ", 1)[-1]
-        if line.startswith('{"trace"'):
-            return json.loads(line)
-    raise RuntimeError(f"{case}: the traced run printed nothing\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    args = ["--trace", case, "--warmup", str(warmup), "--steps", str(steps)]
+    return B.launched(case, os.path.abspath(__file__), args, "trace")
 
 
 def report(case: str, pred: dict, real: dict) -> str:
