@@ -15,6 +15,7 @@ for the sender of what it receives (pipeline bubbles included).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import os
 import time
@@ -261,7 +262,8 @@ def strided_access(func, args) -> bool:
 class Recording:
     """One rank's step, in order: ("op", name, flops, bytes, flops of each matrix product,
     elements of its first input, `strided_access`) for an aten op on plain tensors,
-    ("dist",) for a DistTensor dispatch, ("node",) for an autograd node first seen running,
+    ("dist", whether this rank is on the mesh of its first DistTensor) for a DistTensor
+    dispatch (off the mesh, a pipeline's other stages, it only wraps empty pieces), ("node",) for an autograd node first seen running,
     ("region", "forward" or "backward") for a local region call's boundary (its ops are
     recorded as plain ops), ("start", op, ranks) where a collective starts to overlap with
     what follows, and ("comm", CommRecord) for a collective or transfer (an overlapped one
@@ -307,6 +309,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from ..comm.fake import filling
+        from ..tensor import dispatch
         from ..tensor.dtensor import DistTensor
 
         kwargs = kwargs or {}
@@ -317,7 +320,8 @@ class _Recorder(TorchDispatchMode):
             self.nodes.add(node)
             self._note(("node",))
         if DistTensor in types:
-            self._note(("dist",))
+            first = next(t for t in _tensors((args, kwargs.values()), []) if type(t) is DistTensor)
+            self._note(("dist", dispatch._rank() in first._spec.mesh))
             with self:
                 return DistTensor.__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **kwargs)
@@ -411,7 +415,7 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
                                     - framework) * slow))
             run.append(("framework", framework * slow))
         elif kind == "dist":
-            run.append(("dispatch", profile.dispatch_overhead * slow))
+            run.append(("dispatch", (profile.dispatch_overhead if len(e) == 1 or e[1] else profile.off_mesh_dispatch) * slow))
         elif kind == "region":
             boundary = profile.region_forward if e[1] == "forward" else profile.region_backward
             run.append(("dispatch", boundary * slow))
@@ -684,8 +688,6 @@ def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
     the per-op cost (Python, modules, dispatcher, allocation); a plain training step (AdamW)
     the per-node cost; the same step on a 2-rank Megatron split (one rank simulated) the
     per-dispatch cost."""
-    import dataclasses
-
     from ..api.parallelize import parallelize
     from ..api.plans import ColWiseParallel, RowWiseParallel
     from ..tools.simulate import simulate
@@ -715,6 +717,37 @@ def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
         seconds, rec, compute = _reference_cost(training(model, opt), profile)
     busy = compute + op * rec.count("op") + node * rec.count("node")
     return op, node, max(seconds - busy, 0.0) / max(rec.count("dist"), 1)
+
+
+def off_mesh_costs(profile: DeviceProfile) -> float:
+    """Seconds per DistTensor dispatch off this rank's mesh (a pipeline's other stages: the
+    op only wraps empty pieces) beyond the ops it runs: the Megatron-split training step of
+    `framework_costs` on a mesh of the other rank (rank 0 of 2 simulated), less its price on
+    `profile` (ops, nodes), per dispatch."""
+    from ..api.parallelize import parallelize
+    from ..api.plans import ColWiseParallel, RowWiseParallel
+    from ..tools.simulate import simulate
+    from ..mesh import ProcessMesh
+
+    x = torch.randn(4, 16)
+    with simulate(2, 0):
+        model = _reference_model()
+        opt = torch.optim.AdamW(model.parameters())
+        plan = {"1": ColWiseParallel(), "3": RowWiseParallel()}
+        model, opt = parallelize(model, opt, ProcessMesh([1], dim_names=["mp"]), {"mp_config": {"parallelize_plan": plan}})
+
+        def step():
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        for _ in range(2):
+            step()
+        seconds = min(median_time(step, 9, clock=time.thread_time) for _ in range(5))
+        priced, rec = _price(step, dataclasses.replace(profile, off_mesh_dispatch=0.0))
+    dispatches = rec.events.count(("dist", False))
+    if not dispatches:
+        raise RuntimeError("off_mesh_costs: the reference step dispatched nothing off its mesh")
+    return max(seconds - priced, 0.0) / dispatches
 
 
 
@@ -753,8 +786,6 @@ def region_costs(profile: DeviceProfile, counts: tuple = (2, 10), rounds: int = 
     this thread's CPU time (other programs' work only adds, and a shared machine's
     preemptions are not ours).  `profile` prices the ops, nodes and dispatches (its
     own region costs are not used)."""
-    import dataclasses
-
     from ..api.parallelize import parallelize
     from ..api.tensors import shard_tensor
     from ..mesh import ProcessMesh
