@@ -285,6 +285,33 @@ def _region_blocks(count: int):
     return step
 
 
+def test_a_recorded_step_runs_the_ops_the_step_runs_outside_a_simulation():
+    """simulate's memory accounting (saved-tensor hooks) makes autograd detach each saved
+    tensor it unpacks; the recording leaves it off."""
+    def make_step():
+        torch.manual_seed(0)
+        linear, x = torch.nn.Linear(8, 16), torch.randn(4, 8)
+
+        def step():
+            a, b = linear(x).chunk(2, -1)
+            (torch.nn.functional.silu(a) * b).sum().backward()
+            linear.zero_grad(set_to_none=True)
+        return step
+
+    recorded = P.record_step(make_step, 1, 0)
+    step, alone = make_step(), P.Recording(0)
+    step()
+    with P._Recorder(alone):
+        step()
+    assert [e[1] for e in recorded.events if e[0] == "op"] == [e[1] for e in alone.events if e[0] == "op"]
+    with dist.simulate(1, 0):  # with the accounting on, three more
+        step, tracked = make_step(), P.Recording(0)
+        step()
+        with P._Recorder(tracked):
+            step()
+    assert tracked.count("op") == alone.count("op") + 3
+
+
 def test_a_local_regions_boundary_is_recorded_once_per_call_each_way_and_priced_as_dispatch():
     rec = P.record_step(lambda: _region_blocks(3), 2, 0)
     assert rec.events.count(("region", "forward")) == 3 and rec.events.count(("region", "backward")) == 3

@@ -344,7 +344,7 @@ def record_step(make_step: Callable[[], Callable[[], object]], world_size: int, 
     from ..tools.simulate import simulate
 
     recording = Recording(rank)
-    with simulate(world_size, rank):
+    with simulate(world_size, rank, activations=False):
         step = make_step()
         previous = None
         for i in range(max(warmup, settle)):
