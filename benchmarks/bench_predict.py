@@ -114,17 +114,22 @@ def measure(case: str, warmup: int, reps: int) -> None:
         print(json.dumps({"measured": times, "cpu": cpu}), flush=True)
 
 
-def _measured(case: str, warmup: int, reps: int) -> list:
-    ranks = _ranks(CASES[case][0])
-    cmd = [sys.executable, "-m", "autopar.launch", "--nproc_per_node", str(ranks), os.path.abspath(__file__),
-           "--measure", case, "--warmup", str(warmup), "--reps", str(reps)]
+def launched(case: str, script: str, args: list, key: str) -> dict:
+    """The JSON line starting with `key` that `script` prints when launched with `args` on
+    `case`'s ranks (`python -m autopar.launch`)."""
+    cmd = [sys.executable, "-m", "autopar.launch", "--nproc_per_node", str(_ranks(CASES[case][0])), script, *args]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     for line in out.stdout.splitlines():
         line = line.split("]: ", 1)[-1]
-        if line.startswith('{"measured"'):
-            found = json.loads(line)
-            return found["measured"], found["cpu"]
-    raise RuntimeError(f"{case}: the measured run printed no times\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+        if line.startswith('{"' + key + '"'):
+            return json.loads(line)
+    raise RuntimeError(f"{case}: the launched run printed no {key}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def _measured(case: str, warmup: int, reps: int) -> list:
+    found = launched(case, os.path.abspath(__file__),
+                     ["--measure", case, "--warmup", str(warmup), "--reps", str(reps)], "measured")
+    return found["measured"], found["cpu"]
 
 
 def main() -> None:

@@ -48,6 +48,13 @@ class DeviceProfile:
     op_latency: float = 5e-6
     dispatch_overhead: float = 10e-6
     autograd_node: float = 5e-6
+    # each local region call's boundary beyond its ops (runtime/local_region.py: unwrapping, its
+    # autograd Functions, wrapping), forward and backward; a DistTensor dispatch off the rank's
+    # mesh (a pipeline's other stages: empty pieces wrapped) beyond its ops.  The defaults: the
+    # shipped cpu profile's
+    region_forward: float = 22e-6
+    region_backward: float = 84e-6
+    off_mesh_dispatch: float = 5e-6
     cores: int = 0
     # the host issues ops while the device runs earlier ones (GPUs); False: the host computes them
     # itself (a CPU), so host and compute time add
@@ -134,8 +141,16 @@ CPU = DeviceProfile(
               ("all_to_all", 7.28e-4, 1.89e9)),
     host_overlaps=False, calibrated_on="the development machine (2 cores, 24 GiB; its processor not recorded)",
     calibrated_at="2026-11-25",
+    # measured later (2026-11-28) on a second machine of the same kind (Intel Xeon, 2 cores,
+    # 24 GiB), whose host work costs twice this one's (op_latency 5.9 against 3.0 us, dispatch 23
+    # against 11, in its calibration benchmarks/results/cpu_profile.8fad37c.json): half of what
+    # `predict.region_costs` and `predict.off_mesh_costs` measured there (45, 168 and 9.5 us)
+    region_forward=2.2e-5, region_backward=8.4e-5, off_mesh_dispatch=4.8e-6,
 )
 PROFILES = {p.name: p for p in (H100, H200, A100)}
+# constants a cpu profile file calibrated before they were measured takes: those measured on the
+# second machine against its profile (benchmarks/results/cpu_profile.8fad37c.json), 2026-11-28
+_MEASURED_LATER = {"region_forward": 4.5e-5, "region_backward": 1.68e-4, "off_mesh_dispatch": 9.5e-6}
 CPU_PROFILE_ENV = "AUTOPAR_CPU_PROFILE"  # path of a calibrated profile JSON for "cpu"
 
 
@@ -155,6 +170,9 @@ def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
         for curve in ("gemm_curve", "memory_curve", "element_costs", "strided_costs", "shared_links", "shared_host",
                       "op_links"):
             fields[curve] = tuple(tuple(p) for p in fields.get(curve, ()))
+        if fields.get("name") == "cpu":  # a file from before these were calibrated
+            for name, value in _MEASURED_LATER.items():
+                fields.setdefault(name, value)
         return DeviceProfile(**fields)
     raise ValueError(f"unknown device {device!r}: use one of {sorted(PROFILES) + ['cpu']} or a profile JSON file")
 
@@ -294,18 +312,20 @@ def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, 
     tdist.destroy_process_group()
 
 
-def median_time(fn, repeats: int = 7) -> float:
+def median_time(fn, repeats: int = 7, clock=None) -> float:
     """Median seconds of `fn` over `repeats` calls after one untimed call (per-op costs and
-    steps: the machine as it runs, other work included)."""
+    steps: the machine as it runs, other work included), on `clock` (default
+    `time.perf_counter`)."""
     import statistics
     import time
 
+    clock = clock or time.perf_counter
     fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -505,7 +525,8 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
     element-wise ops (and of element-wise ops on strided inputs), its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
     from small training steps the per-op, per-autograd-node and per-DistTensor-dispatch host
-    costs (`predict.framework_costs`).  Collectives are timed as a step meets them, after
+    costs (`predict.framework_costs`), a local region call's boundary, forward and backward
+    (`predict.region_costs`), and a dispatch off the rank's mesh (`predict.off_mesh_costs`).  Collectives are timed as a step meets them, after
     compute and averaged (`_measure_collective`); all_gather, reduce_scatter and all_to_all
     like all_reduce (`op_links`); all_reduce also on `crowding` times as many ranks as cores
     (`shared_links`), and a small step's host time with all cores busy and so crowded, against
@@ -513,7 +534,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     inputs cycle through `working_set` bytes."""
     import torch
 
-    from .predict import framework_costs
+    from .predict import framework_costs, off_mesh_costs, region_costs
 
     with _one_thread():
         a, b = torch.ones(1), torch.ones(1)
@@ -544,7 +565,10 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     )
     with _one_thread():
         op, node, dispatch = framework_costs(profile)
-    return dataclasses.replace(profile, op_latency=op, dispatch_overhead=dispatch, autograd_node=node)
+        profile = dataclasses.replace(profile, op_latency=op, dispatch_overhead=dispatch, autograd_node=node)
+        forward, backward = region_costs(profile)
+        off_mesh = off_mesh_costs(profile)
+    return dataclasses.replace(profile, region_forward=forward, region_backward=backward, off_mesh_dispatch=off_mesh)
 
 
 def machine_cores() -> int:

@@ -15,8 +15,10 @@ for the sender of what it receives (pipeline bubbles included).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -25,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..comm.collectives import gathered_all_reduce
+from ..runtime import local_region
 from .cost import _RING, DeviceProfile, load_profile, machine_cores, median_time, op_link
 from .profile_check import check_profile
 
@@ -259,10 +262,12 @@ def strided_access(func, args) -> bool:
 class Recording:
     """One rank's step, in order: ("op", name, flops, bytes, flops of each matrix product,
     elements of its first input, `strided_access`) for an aten op on plain tensors,
-    ("dist",) for a DistTensor dispatch, ("node",) for an autograd node first seen running,
-    ("start", op, ranks) where a collective starts to overlap with what follows, and
-    ("comm", CommRecord) for a collective or transfer (an overlapped one where it is waited
-    for)."""
+    ("dist", whether this rank is on the mesh of its first DistTensor) for a DistTensor
+    dispatch (off the mesh, a pipeline's other stages, it only wraps empty pieces), ("node",) for an autograd node first seen running,
+    ("region", "forward" or "backward") for a local region call's boundary (its ops are
+    recorded as plain ops), ("start", op, ranks) where a collective starts to overlap with
+    what follows, and ("comm", CommRecord) for a collective or transfer (an overlapped one
+    where it is waited for)."""
 
     rank: int
     events: list = field(default_factory=list)
@@ -282,13 +287,19 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, recording: Recording, log=None):
         super().__init__()
         self.recording, self.log, self.seen_comm, self.nodes = recording, log, 0, set()
+        self.region_calls = local_region.calls()
 
     def _note(self, event) -> None:
-        """Append `event` after the collectives logged since the last one (they ran before it)."""
+        """Append `event` after the collectives logged and the local region calls begun since
+        the last one (they ran before it)."""
         events = self.recording.events
         while self.log is not None and self.seen_comm < len(self.log.records):
             events.append(("comm", self.log.records[self.seen_comm]))
             self.seen_comm += 1
+        calls = local_region.calls()
+        for direction, before, now in zip(("forward", "backward"), self.region_calls, calls):
+            events.extend([("region", direction)] * (now - before))
+        self.region_calls = calls
         if event is not None:
             events.append(event)
 
@@ -298,6 +309,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from ..comm.fake import filling
+        from ..tensor import dispatch
         from ..tensor.dtensor import DistTensor
 
         kwargs = kwargs or {}
@@ -308,7 +320,8 @@ class _Recorder(TorchDispatchMode):
             self.nodes.add(node)
             self._note(("node",))
         if DistTensor in types:
-            self._note(("dist",))
+            first = next(t for t in _tensors((args, kwargs.values()), []) if type(t) is DistTensor)
+            self._note(("dist", dispatch._rank() in first._spec.mesh))
             with self:
                 return DistTensor.__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **kwargs)
@@ -331,7 +344,7 @@ def record_step(make_step: Callable[[], Callable[[], object]], world_size: int, 
     from ..tools.simulate import simulate
 
     recording = Recording(rank)
-    with simulate(world_size, rank):
+    with simulate(world_size, rank, activations=False):
         step = make_step()
         previous = None
         for i in range(max(warmup, settle)):
@@ -357,8 +370,8 @@ CATEGORIES = ("compute", "framework", "dispatch", "autograd", "comm", "wait")
 class Prediction:
     """Predicted seconds of one step: `total` (the slowest rank's finish), and that rank's
     seconds per category: compute (FLOPs and bytes of aten ops), framework (their per-op
-    latency), dispatch (DistTensor dispatches), autograd (nodes), comm (collectives' own
-    time), wait (blocked on peers: skew, pipeline bubbles)."""
+    latency), dispatch (DistTensor dispatches and local regions' boundaries), autograd
+    (nodes), comm (collectives' own time), wait (blocked on peers: skew, pipeline bubbles)."""
 
     total: float
     categories: dict
@@ -402,7 +415,10 @@ def _segments(recording: Recording, profile: DeviceProfile, slow: float) -> list
                                     - framework) * slow))
             run.append(("framework", framework * slow))
         elif kind == "dist":
-            run.append(("dispatch", profile.dispatch_overhead * slow))
+            run.append(("dispatch", (profile.dispatch_overhead if len(e) == 1 or e[1] else profile.off_mesh_dispatch) * slow))
+        elif kind == "region":
+            boundary = profile.region_forward if e[1] == "forward" else profile.region_backward
+            run.append(("dispatch", boundary * slow))
         elif kind == "node":
             run.append(("autograd", profile.autograd_node * slow))
         elif kind == "start":
@@ -672,8 +688,6 @@ def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
     the per-op cost (Python, modules, dispatcher, allocation); a plain training step (AdamW)
     the per-node cost; the same step on a 2-rank Megatron split (one rank simulated) the
     per-dispatch cost."""
-    import dataclasses
-
     from ..api.parallelize import parallelize
     from ..api.plans import ColWiseParallel, RowWiseParallel
     from ..tools.simulate import simulate
@@ -704,3 +718,124 @@ def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
     busy = compute + op * rec.count("op") + node * rec.count("node")
     return op, node, max(seconds - busy, 0.0) / max(rec.count("dist"), 1)
 
+
+def off_mesh_costs(profile: DeviceProfile) -> float:
+    """Seconds per DistTensor dispatch off this rank's mesh (a pipeline's other stages: the
+    op only wraps empty pieces) beyond the ops it runs: the Megatron-split training step of
+    `framework_costs` on a mesh of the other rank (rank 0 of 2 simulated), less its price on
+    `profile` (ops, nodes), per dispatch."""
+    from ..api.parallelize import parallelize
+    from ..api.plans import ColWiseParallel, RowWiseParallel
+    from ..tools.simulate import simulate
+    from ..mesh import ProcessMesh
+
+    x = torch.randn(4, 16)
+    with simulate(2, 0):
+        model = _reference_model()
+        opt = torch.optim.AdamW(model.parameters())
+        plan = {"1": ColWiseParallel(), "3": RowWiseParallel()}
+        model, opt = parallelize(model, opt, ProcessMesh([1], dim_names=["mp"]), {"mp_config": {"parallelize_plan": plan}})
+
+        def step():
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        for _ in range(2):
+            step()
+        seconds = min(median_time(step, 9, clock=time.thread_time) for _ in range(5))
+        priced, rec = _price(step, dataclasses.replace(profile, off_mesh_dispatch=0.0))
+    dispatches = rec.events.count(("dist", False))
+    if not dispatches:
+        raise RuntimeError("off_mesh_costs: the reference step dispatched nothing off its mesh")
+    return max(seconds - priced, 0.0) / dispatches
+
+
+
+class _RegionBlock(torch.nn.Module):
+    """A residual MLP block (layer norm, two Linears, GELU): enough ops that data parallel
+    runs it as a local region."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))) * 0.5
+
+
+def _price(step, profile: DeviceProfile) -> tuple[float, Recording]:
+    """(the host price of one call of `step` on `profile`, its recording)."""
+    recording = Recording(0)
+    recorder = _Recorder(recording)
+    with recorder:
+        step()
+    recorder._note(None)
+    return sum(sum(s[1].values()) for s in _segments(recording, profile, 1.0) if s[0] == "busy"), recording
+
+
+def region_costs(profile: DeviceProfile, counts: tuple = (2, 10), rounds: int = 15, steps: int = 5) -> tuple[float, float]:
+    """(seconds per local region call's forward boundary, per its backward boundary): the
+    host work a region call adds beyond the ops it runs (unwrapping, its autograd Functions,
+    wrapping; in backward the gradients' placing and landing), which dispatches no op.
+    Measured as the growth, from `counts[0]` to `counts[1]` blocks (`_RegionBlock`, tiny
+    tensors), of a data-parallel rank's time less its price (simulated: `simulate(2, 0)`),
+    less the same growth of the blocks run as plain torch: first for the forward (with
+    gradients, graph dropped), then for forward and backward.  The eight steps take turns
+    for `rounds` rounds, each timed as the least of its rounds' medians of `steps` calls, in
+    this thread's CPU time (other programs' work only adds, and a shared machine's
+    preemptions are not ours).  `profile` prices the ops, nodes and dispatches (its
+    own region costs are not used)."""
+    from ..api.parallelize import parallelize
+    from ..api.tensors import shard_tensor
+    from ..mesh import ProcessMesh
+    from ..placement import Shard
+    from ..tools.simulate import simulate
+
+    profile = dataclasses.replace(profile, region_forward=0.0, region_backward=0.0)
+
+    def variants(blocks, x) -> dict:
+        def forward():
+            h = x
+            for block in blocks:
+                h = block(h)
+            return h
+
+        def training():
+            forward().sum().backward()
+            for p in blocks.parameters():
+                p.grad = None
+        return {"forward": forward, "training": training}
+
+    with simulate(2, 0):
+        mesh = ProcessMesh([0, 1], dim_names=["dp"])
+        runs = {}  # (as regions?, blocks, part) -> step
+        for k in counts:
+            torch.manual_seed(0)
+            plain = torch.nn.ModuleList(_RegionBlock(16) for _ in range(k))
+            runs.update({(False, k, part): step for part, step in variants(plain, torch.randn(4, 16)).items()})
+            regions = torch.nn.ModuleList(_RegionBlock(16) for _ in range(k))
+            parallelize(regions, None, mesh, {"dp_config": {"sharding_level": 0}})
+            x = shard_tensor(torch.randn(8, 16), mesh, [Shard(0)])
+            runs.update({(True, k, part): step for part, step in variants(regions, x).items()})
+        seconds = dict.fromkeys(runs, math.inf)
+        for _ in range(rounds):
+            for key, step in runs.items():
+                seconds[key] = min(seconds[key], median_time(step, steps, clock=time.thread_time))
+        priced = {key: _price(step, profile) for key, step in runs.items()}
+    unpriced = {key: seconds[key] - priced[key][0] for key in runs}
+    low, high = counts
+
+    def growth(part: str) -> float:
+        return (unpriced[(True, high, part)] - unpriced[(True, low, part)]
+                - unpriced[(False, high, part)] + unpriced[(False, low, part)])
+
+    def calls(direction: str) -> int:
+        return sum(s * priced[(True, k, "training")][1].events.count(("region", direction))
+                   for s, k in ((1, high), (-1, low)))
+
+    forward_calls, backward_calls = calls("forward"), calls("backward")
+    if min(forward_calls, backward_calls) <= 0:
+        raise RuntimeError("region_costs: the reference blocks did not run as local regions")
+    forward = max(growth("forward"), 0.0) / forward_calls
+    return forward, max(growth("training") - forward * forward_calls, 0.0) / backward_calls

@@ -57,7 +57,14 @@ from ..spmd.registry import DRAWS_RANDOM, KERNEL_PLAIN_WHEN, MODULE_RULES
 
 MIN_OPS = 8  # below this many ops the boundary costs more than the dispatch it saves
 
-_STATE = {"enabled": True, "inside": 0}
+# region calls run so far in this process, forward and backward (`calls`)
+_STATE = {"enabled": True, "inside": 0, "forward": 0, "backward": 0}
+
+
+def calls() -> tuple[int, int]:
+    """How many region calls have run their forward and their backward in this process: a
+    step's recording (`planner.predict`) prices each call's boundary, which dispatches no op."""
+    return _STATE["forward"], _STATE["backward"]
 
 
 @contextlib.contextmanager
@@ -535,6 +542,7 @@ class Region:
         return True
 
     def run(self, inner, args, kwargs):
+        _STATE["forward"] += 1
         dist_in = [a for a in _arguments(args, kwargs) if type(a) is DistTensor]
         grad = torch.is_grad_enabled() and (
             any(t.requires_grad for t in dist_in) or any(p.requires_grad for p in self.params)
@@ -614,6 +622,7 @@ class _Enter(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
+        _STATE["backward"] += 1
         call = ctx.call
         region = call.region
         n = len(region.in_grad_specs)

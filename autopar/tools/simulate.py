@@ -181,7 +181,7 @@ def rank_roles(mesh, alike=None) -> dict:
 
 
 @contextlib.contextmanager
-def simulate(world_size: int, rank: int):
+def simulate(world_size: int, rank: int, activations: bool = True):
     """Run the body as rank `rank` of a `world_size`-rank job, with no communication.
 
     >>> import torch, autopar as dist
@@ -203,7 +203,10 @@ def simulate(world_size: int, rank: int):
 
     It yields a `Simulation`: `sim.memory(model, optimizer)` gives the rank's bytes of
     parameters, gradients and optimizer states and the peak of what autograd saved for
-    backward during the body (`MemoryReport`).
+    backward during the body (`MemoryReport`).  With `activations=False` that peak is not
+    tracked: its saved-tensor hooks make autograd run ops the real job does not (a detach
+    per saved tensor unpacked), which a recording of the step's ops (`predict.record_step`)
+    must not see.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"simulate: rank {rank} is not in a world of {world_size} ranks")
@@ -221,7 +224,7 @@ def simulate(world_size: int, rank: int):
     backend.SIMULATING[0] = True
     sim = Simulation(world_size, rank)
     try:
-        with sim.activations:
+        with sim.activations if activations else contextlib.nullcontext():
             yield sim
     finally:
         backend.SIMULATING[0] = False
