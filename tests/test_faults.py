@@ -1,7 +1,9 @@
 """What a rank is told when the job goes wrong: a bad AUTOPAR_TIMEOUT, a collective some ranks
 never reach, a value read made on some ranks only (and not when the peer died), and mismatched
 collectives under AUTOPAR_DEBUG_COLLECTIVES=1; and that value reads made by every rank stay right."""
+import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -126,6 +128,43 @@ def test_a_value_read_whose_peer_died_names_it_without_the_value_read_hint():
     assert msg is not None and "over ranks [0, 1] (value reads) failed on rank 0" in msg, msg
     assert "Ranks that did not arrive: rank 1 has died of an exception." in msg, msg
     assert "value reads are collective" not in msg, msg
+
+
+def _peer_left_with_sockets_open(how):
+    """Rank 1 records that it left, as a leaving rank's exit handler does, and stays away with
+    its sockets open (what an exited NCCL peer looks like: nothing fails): rank 0, waiting for
+    it in an all_reduce, must fail within seconds, not at AUTOPAR_TIMEOUT.  Then rank 1 joins
+    that all_reduce late, so that nothing is left in flight."""
+    os.environ["AUTOPAR_TIMEOUT"] = "60"
+    comm.reset_groups()
+    me = dist.get_rank()
+    comm.group_for((0, 1))  # (the group made: both ranks' watchdogs watch before rank 1 leaves)
+    torch.distributed.barrier()
+    store, done = faults._store(), f"test/left-with-sockets-open/{how}/{comm.backend._GENERATION[0]}"
+    msg = seconds = None
+    if me == 1:
+        faults.record_left(store, how)
+        store.wait([done], datetime.timedelta(seconds=60))
+        comm.all_reduce(torch.ones(3), (0, 1))
+    else:
+        start = time.monotonic()
+        msg = _caught(lambda: comm.all_reduce(torch.ones(3), (0, 1)))
+        seconds = time.monotonic() - start
+        store.set(done, "")
+    torch.distributed.barrier()
+    comm.reset_groups()
+    return msg, seconds
+
+
+@pytest.mark.parametrize("how,named", [("failed", "has died of an exception"), ("exited", "has exited")])
+def test_a_peer_that_left_is_seen_through_the_store_within_seconds(how, named):
+    """Its watchdog wakes on the exit announced in the store and the waiting rank raises,
+    naming the rank: at once for a rank that failed, after the 3 s a clean exit leaves its
+    peers to finish; AUTOPAR_TIMEOUT is 60 s."""
+    msg, seconds = run_dist(_peer_left_with_sockets_open, 2, how)[0]
+    assert msg is not None and msg.startswith("all_reduce #1 over ranks [0, 1] failed on rank 0: rank 1 left the program"), msg
+    assert f"Ranks that did not arrive: rank 1 {named}." in msg, msg
+    assert seconds < 10, seconds
 
 
 def _reads_between_training_collectives():

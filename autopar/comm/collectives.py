@@ -17,6 +17,7 @@ from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, Broadc
 
 from ..placement import ReduceType
 from .backend import SIMULATING, current_device, get_rank, group_for
+from .exits import wait_for
 from .faults import arrive, check_signature, debugging, fail
 from .log import blocked_since, record
 from .fake import filling_outputs, plausible
@@ -148,7 +149,7 @@ def all_gather_into(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
     if len(ranks) == 1:
         return t
     t, out, n = _all_gather_buffers(t, len(ranks))
-    _wire("all_gather", ranks, lambda o, i: group_for(ranks)._allgather_base(_real(o), _real(i)).wait(), (out, t),
+    _wire("all_gather", ranks, lambda o, i: wait_for(group_for(ranks)._allgather_base(_real(o), _real(i)), ranks), (out, t),
           n, n, tuple(t.shape))
     return out
 
@@ -226,12 +227,12 @@ def all_reduce(
     moved = _all_reduce_bytes(out, k)
     terms = _gathered_terms(out, k)
     if terms is not None:
-        _wire("all_reduce", ranks, lambda g, o: _gather_terms(ranks, g, o).wait(), (terms, out), moved, moved,
+        _wire("all_reduce", ranks, lambda g, o: wait_for(_gather_terms(ranks, g, o), ranks), (terms, out), moved, moved,
               tuple(out.shape))
         return _reduce_terms(terms, out, reduce_type, k)
     opts = _all_reduce_options(reduce_type)
     keep = _KeepNaN.needed(out, reduce_type, ranks)
-    _wire("all_reduce", ranks, lambda o: _post_all_reduce(ranks, o, opts, keep).wait(), (out,), moved, moved,
+    _wire("all_reduce", ranks, lambda o: wait_for(_post_all_reduce(ranks, o, opts, keep), ranks), (out,), moved, moved,
           tuple(out.shape), after=None if keep is None else keep.restore)
     return _all_reduced(out, reduce_type, k)
 
@@ -288,7 +289,7 @@ class _KeepNaN:
             flags = torch.zeros(places.shape, dtype=torch.uint8, device=out.device)
         else:
             flags = nan.view(-1)[places].to(torch.uint8)
-        self.group.allreduce([flags], _all_reduce_options(ReduceType.MAX)).wait()
+        wait_for(self.group.allreduce([flags], _all_reduce_options(ReduceType.MAX)), self.ranks)
         out.view(-1)[places[flags.bool()]] = math.nan
         moved = _all_reduce_bytes(flags, len(self.ranks))
         record("all_reduce", self.ranks, moved, moved, tuple(flags.shape))
@@ -336,7 +337,7 @@ class Pending:
             work, self.work = self.work, None
             start = time.perf_counter()
             try:
-                work.wait()
+                wait_for(work, self.ranks)
             except RuntimeError as e:
                 fail(self.op, self.ranks, self.seq, e)
             blocked_since(start)
@@ -450,7 +451,7 @@ def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Redu
     if reduce_type in (ReduceType.SUM, ReduceType.AVG):
         opts = _reduce_scatter_options(reduce_type)
         _wire("reduce_scatter", ranks,
-              lambda o, i: group_for(ranks)._reduce_scatter_base(_real(o), _real(i), opts).wait(),
+              lambda o, i: wait_for(group_for(ranks)._reduce_scatter_base(_real(o), _real(i), opts), ranks),
               (out, t), moved, moved, tuple(t.shape))
         if reduce_type is ReduceType.AVG:
             out.div_(k)
@@ -459,7 +460,7 @@ def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Redu
         # which moves the same bytes (and keeps a NaN, as torch.amax does).
         pieces = torch.empty_like(t)
         _wire("reduce_scatter", ranks,
-              lambda o, i: group_for(ranks).alltoall_base(o, i, [], [], AllToAllOptions()).wait(),
+              lambda o, i: wait_for(group_for(ranks).alltoall_base(o, i, [], [], AllToAllOptions()), ranks),
               (pieces, t), moved, moved, tuple(t.shape))
         red = torch.amax if reduce_type is ReduceType.MAX else torch.amin
         out = red(pieces.reshape((k,) + tuple(out.shape)), dim=0)
@@ -476,7 +477,8 @@ def all_to_all(t: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[in
     recv, send = list(recv_rows), list(send_rows)
     row = _row_bytes(t)
     _wire("all_to_all", ranks,
-          lambda o, i: group_for(ranks).alltoall_base(_real(o), _real(i), recv, send, AllToAllOptions()).wait(),
+          lambda o, i: wait_for(group_for(ranks).alltoall_base(_real(o), _real(i), recv, send, AllToAllOptions()),
+                               ranks),
           (out, t),
           row * (sum(send_rows) - send_rows[me]), row * (sum(recv_rows) - recv_rows[me]), tuple(t.shape))
     return out
@@ -497,7 +499,7 @@ def broadcast(t: torch.Tensor, src: int, ranks: tuple) -> torch.Tensor:
     opts = BroadcastOptions()
     opts.rootRank = ranks.index(src)
     me = get_rank()
-    _wire("broadcast", ranks, lambda x: group_for(ranks).broadcast([_real(x)], opts).wait(), (t,),
+    _wire("broadcast", ranks, lambda x: wait_for(group_for(ranks).broadcast([_real(x)], opts), ranks), (t,),
           _nbytes(t) * (len(ranks) - 1) if me == src else 0, 0 if me == src else _nbytes(t), tuple(t.shape))
     return t
 
@@ -513,7 +515,7 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
         ops = [tdist.P2POp(tdist.isend, _real(t), p) for t, p in zip(ts, dsts)]
         ops += [tdist.P2POp(tdist.irecv, _real(b), p) for b, p in zip(ts[len(dsts):], srcs)]
         for work in tdist.batch_isend_irecv(ops):
-            work.wait()
+            work.wait()  # (unsliced: a timed wait ends a gloo send or receive for good, see `exits`)
 
     me = get_rank()
     logs = tuple(("send", (me, p), _nbytes(t), 0, tuple(t.shape)) for t, p in zip(tensors, dsts))
