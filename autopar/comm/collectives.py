@@ -337,7 +337,7 @@ class Pending:
             work, self.work = self.work, None
             start = time.perf_counter()
             try:
-                wait_for(work, self.ranks)
+                wait_for(work, self.ranks, self.seq)
             except RuntimeError as e:
                 fail(self.op, self.ranks, self.seq, e)
             blocked_since(start)

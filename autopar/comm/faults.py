@@ -32,13 +32,15 @@ _ARRIVED: dict[str, int] = {}  # group name -> collectives this rank entered on 
 _ARRIVED_GENERATION = [0]  # `reset_groups` makes new groups: their counts start again
 _FAILED = [False]
 _EXIT_STATUS: list = [None]  # the status this rank leaves with, when the launcher's worker knows it
-_GRACE = exits.CLEAN_EXIT_GRACE  # seconds to wait for peers' reports after a failure, and for peers at exit
+_GRACE = 3.0  # seconds to wait for peers' reports after a failure, and for peers at exit
 _NAMES: dict = {}  # (ranks, value read?) -> the group's name in messages and reports
 _RAISED: dict = {}  # (generation, mesh ranks) -> how many ops raised on this rank while running on that mesh
 
 
-def _group_name(ranks) -> str:
-    key = (tuple(ranks), reading() is not None)
+def _group_name(ranks, read: bool | None = None) -> str:
+    """The group's name in messages, reports and counts: the one over `ranks`, or its value
+    reads' own (`read`; default: whether a value read is running)."""
+    key = (tuple(ranks), reading() is not None if read is None else read)
     name = _NAMES.get(key)
     if name is None:
         name = _NAMES[key] = f"ranks {list(ranks)}" + (" (value reads)" if key[1] else "")
@@ -47,6 +49,16 @@ def _group_name(ranks) -> str:
 
 def _key(what: str, rank: int) -> str:
     return f"autopar/faults/{backend._GENERATION[0]}/{what}/{rank}"
+
+
+def _entered_here() -> dict:
+    """{group name: collectives this rank entered on it} for the groups of this generation."""
+    return dict(_ARRIVED) if _ARRIVED_GENERATION[0] == backend._GENERATION[0] else {}
+
+
+def entered(ranks, read: bool | None = None) -> int:
+    """How many collectives this rank entered on the group over `ranks` (see `_group_name`)."""
+    return _entered_here().get(_group_name(ranks, read), 0)
 
 
 def arrive(ranks) -> int:
@@ -268,7 +280,8 @@ def check_signature(op: str, ranks, t: torch.Tensor) -> None:
     sig = _signature(op, t)
     out = torch.empty(len(ranks) * sig.numel(), dtype=torch.int64)
     try:
-        exits.wait_for(channel_group(tuple(ranks), "debug-signatures")._allgather_base(out, sig), ranks)
+        exits.wait_for(channel_group(tuple(ranks), "debug-signatures")._allgather_base(out, sig), ranks,
+                       entered(ranks) + 1)
     except RuntimeError as e:
         raise CommError(f"checking {op} over ranks {list(ranks)} (AUTOPAR_DEBUG_COLLECTIVES=1) failed on rank "
                         f"{get_rank()}: {e}. A peer did not reach a collective over these ranks.") from e
@@ -307,7 +320,7 @@ def record_left(store, how: str) -> None:
     watchdogs wake (`exits`), so that one waiting for it fails within seconds on any backend."""
     me = get_rank()
     store.set(_key("left", me), how)
-    exits.announce(store, me, how)
+    exits.announce(store, me, how, _entered_here())
 
 
 def _leave() -> None:
