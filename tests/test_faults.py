@@ -169,6 +169,38 @@ def test_a_peer_that_left_is_seen_through_the_store_within_seconds(how, named):
     assert seconds < 2, seconds
 
 
+def _entering_after_a_peer_left():
+    """Rank 1 announces a clean exit having entered nothing on the group; rank 0, once its
+    watchdog has seen it, enters all_reduce #1 over [0, 1]: it fails there, posting nothing."""
+    os.environ["AUTOPAR_TIMEOUT"] = "60"
+    comm.reset_groups()
+    me = dist.get_rank()
+    comm.group_for((0, 1))
+    torch.distributed.barrier()
+    msg = seconds = None
+    if me == 1:
+        faults.record_left(faults._store(), "exited")
+    else:
+        deadline = time.monotonic() + 30
+        while 1 not in exits._GONE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = time.monotonic()
+        msg = _caught(lambda: comm.all_reduce(torch.ones(3), (0, 1)))
+        seconds = time.monotonic() - start
+    torch.distributed.barrier()
+    comm.reset_groups()
+    return msg, seconds
+
+
+def test_a_collective_entered_after_a_peer_left_before_it_fails_at_once():
+    msg, seconds = run_dist(_entering_after_a_peer_left, 2)[0]
+    assert msg is not None and msg.startswith(
+        "all_reduce #1 over ranks [0, 1] failed on rank 0: rank 1 left the program (its exit was announced in the "
+        "store) before it entered this collective"), msg
+    assert "Ranks that did not arrive: rank 1 has exited." in msg, msg
+    assert seconds < 0.2, seconds
+
+
 def _peer_left_after_entering_it(delay):
     """Rank 1 announces a clean exit having entered all_reduce #1, then sends its part `delay`
     seconds late (a starved rank's collective still completing after its peer left): rank 0's

@@ -16,6 +16,7 @@ import torch.distributed as tdist
 from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 
 from ..placement import ReduceType
+from . import exits
 from .backend import SIMULATING, current_device, get_rank, group_for
 from .exits import wait_for
 from .faults import arrive, check_signature, debugging, fail
@@ -83,7 +84,12 @@ def _enter(op: str, ranks, t: torch.Tensor) -> int:
         return 0
     if debugging():
         check_signature(op, ranks, t)
-    return arrive(ranks)
+    seq = arrive(ranks)
+    if exits._GONE:  # (a peer left the program: one that left before this collective never comes)
+        gone = exits.left_before(ranks, seq)
+        if gone is not None:
+            fail(op, ranks, seq, gone)
+    return seq
 
 
 def reading_values(what: str) -> None:

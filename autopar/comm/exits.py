@@ -17,8 +17,7 @@ waits for a rank that left only when that rank entered fewer than n collectives 
 wait of a correct job can fail on its account, however slowly this rank finishes the
 collectives they shared.  (The first version marked a cleanly leaving rank gone after a
 3-second grace measured here: a wait still completing after that, on a starved rank, failed
-in a correct job.  That is the only way found in which the watchdog could fail a clean job;
-the one stress failure it was backed out for was never reproduced, see docs/failures.md.)
+in a correct job; see docs/failures.md for the stress failure it was backed out for.)
 Woken, the thread:
 
 - aborts this rank's NCCL groups that hold the gone rank where it waits for the gone rank
@@ -35,9 +34,10 @@ The thread never raises, prints or sleeps: a store that fails under it (its host
 it quietly (torch's C++ store client logs one warning line of its own for the closed socket,
 as it does for the main thread's store calls then).
 
-Point-to-point transfers wait unsliced: gloo ends a send or receive whose timed wait expires
-for good (the work completes with the timeout, and the transfer's next wait never returns).
-The NCCL path is written against torch's API but has not run on a GPU.
+Point-to-point transfers wait unsliced: a timed gloo send or receive wait that expires closes
+the pair ("Application timeout caused pair closure"), and gloo's point-to-point works have no
+future and report completion only once waited for.  The NCCL path is written against torch's
+API but has not run on a GPU.
 """
 from __future__ import annotations
 
@@ -144,6 +144,16 @@ def missing(ranks, seq: int) -> list:
     return out
 
 
+def left_before(ranks, seq: int) -> RuntimeError | None:
+    """The error of collective #`seq` over `ranks` when a rank of them left the program before
+    entering it (raised where a collective is entered or waited for), else None."""
+    gone = missing(ranks, seq)
+    if not gone:
+        return None
+    return RuntimeError(f"rank {gone[0]} left the program (its exit was announced in the store) before it "
+                        f"entered this collective")
+
+
 def wait_for(work, ranks, seq: int | None = None) -> None:
     """`work.wait()` for collective #`seq` over `ranks` (default: the last one this rank
     entered on them); on a host (gloo) job in slices, between which a rank of `ranks` that
@@ -163,7 +173,6 @@ def wait_for(work, ranks, seq: int | None = None) -> None:
         if _GONE:
             from .faults import entered
 
-            gone = missing(ranks, entered(ranks) if seq is None else seq)
-            if gone:
-                raise RuntimeError(f"rank {gone[0]} left the program (its exit was announced in the store) "
-                                   f"before it entered this collective")
+            gone = left_before(ranks, entered(ranks) if seq is None else seq)
+            if gone is not None:
+                raise gone
