@@ -182,7 +182,7 @@ def _entering_after_a_peer_left():
         faults.record_left(faults._store(), "exited")
     else:
         deadline = time.monotonic() + 30
-        while 1 not in exits._GONE and time.monotonic() < deadline:
+        while exits._GONE.get(1, (None,))[0] != comm.backend._GENERATION[0] and time.monotonic() < deadline:
             time.sleep(0.01)
         start = time.monotonic()
         msg = _caught(lambda: comm.all_reduce(torch.ones(3), (0, 1)))

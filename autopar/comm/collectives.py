@@ -155,8 +155,8 @@ def all_gather_into(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
     if len(ranks) == 1:
         return t
     t, out, n = _all_gather_buffers(t, len(ranks))
-    _wire("all_gather", ranks, lambda o, i: wait_for(group_for(ranks)._allgather_base(_real(o), _real(i)), ranks), (out, t),
-          n, n, tuple(t.shape))
+    _wire("all_gather", ranks, lambda o, i: wait_for(group_for(ranks)._allgather_base(_real(o), _real(i)), ranks),
+          (out, t), n, n, tuple(t.shape))
     return out
 
 
@@ -521,7 +521,7 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
         ops = [tdist.P2POp(tdist.isend, _real(t), p) for t, p in zip(ts, dsts)]
         ops += [tdist.P2POp(tdist.irecv, _real(b), p) for b, p in zip(ts[len(dsts):], srcs)]
         for work in tdist.batch_isend_irecv(ops):
-            work.wait()  # (unsliced: a timed wait ends a gloo send or receive for good, see `exits`)
+            work.wait()  # (unsliced: a timed gloo send or receive wait closes the pair, see `exits`)
 
     me = get_rank()
     logs = tuple(("send", (me, p), _nbytes(t), 0, tuple(t.shape)) for t, p in zip(tensors, dsts))

@@ -58,7 +58,9 @@ def _entered_here() -> dict:
 
 def entered(ranks, read: bool | None = None) -> int:
     """How many collectives this rank entered on the group over `ranks` (see `_group_name`)."""
-    return _entered_here().get(_group_name(ranks, read), 0)
+    if _ARRIVED_GENERATION[0] != backend._GENERATION[0]:
+        return 0
+    return _ARRIVED.get(_group_name(ranks, read), 0)
 
 
 def arrive(ranks) -> int:
