@@ -5,7 +5,8 @@ without an active exception", exit status 1 or SIGABRT) when ranks left at diffe
 Starting 100 ranks through the launcher would spend minutes importing torch, so a parent that
 imported torch and autopar once forks the ranks: each forked rank runs the job script and
 leaves through the launcher's worker code (`autopar.launch._worker`), exactly as a launched
-rank does.
+rank does.  Rank 0 hosts each job's store, on a port picked below the ephemeral range (see
+`free_port` in the forking parent).
 """
 from __future__ import annotations
 
@@ -19,18 +20,30 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve().parent / "launch_scripts" / "clean_exit.py"
 
 FORKER = r'''
-import json, os, socket, sys
+import json, os, random, socket, sys
 import torch, autopar  # imported once: the ranks fork from here
 import torch._dynamo, torch.distributed.tensor  # torch's meta kernels import these on first use
 from autopar.launch import _worker
 
 script, runs, concurrent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+EPHEMERAL = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range, which rank 0's store will listen on.  A port the
+    OS picks (bind to port 0) comes from that range, and any socket opened meanwhile (a gloo
+    listener or a store connection of a concurrent job) can take it before rank 0 binds it:
+    the job then fails with EADDRINUSE."""
+    while True:
+        port = random.randrange(EPHEMERAL - 10000, EPHEMERAL)
+        if abs(port - 29500) < 100:  # torchrun's and the launcher's default
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def start(port):

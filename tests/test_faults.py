@@ -1,14 +1,16 @@
 """What a rank is told when the job goes wrong: a bad AUTOPAR_TIMEOUT, a collective some ranks
 never reach, a value read made on some ranks only (and not when the peer died), and mismatched
 collectives under AUTOPAR_DEBUG_COLLECTIVES=1; and that value reads made by every rank stay right."""
+import datetime
 import os
+import time
 
 import pytest
 import torch
 
 import autopar as dist
 from autopar import comm
-from autopar.comm import faults
+from autopar.comm import collectives, exits, faults
 from autopar.comm.backend import timeout_seconds
 from distpool import run_dist
 
@@ -126,6 +128,155 @@ def test_a_value_read_whose_peer_died_names_it_without_the_value_read_hint():
     assert msg is not None and "over ranks [0, 1] (value reads) failed on rank 0" in msg, msg
     assert "Ranks that did not arrive: rank 1 has died of an exception." in msg, msg
     assert "value reads are collective" not in msg, msg
+
+
+def _peer_left_with_sockets_open(how):
+    """Rank 0 waits in all_reduce #1 over [0, 1]; then rank 1 records that it left, as a
+    leaving rank's exit handler does, and stays away with its sockets open (what an exited NCCL
+    peer looks like: nothing fails): rank 0 must fail within a slice of its wait, not at
+    AUTOPAR_TIMEOUT.  Then rank 1 joins that all_reduce late, so that nothing is left in flight."""
+    os.environ["AUTOPAR_TIMEOUT"] = "60"
+    comm.reset_groups()
+    me = dist.get_rank()
+    comm.group_for((0, 1))  # (the group made: both ranks' watchdogs watch before rank 1 leaves)
+    torch.distributed.barrier()
+    store, key = faults._store(), f"test/left-with-sockets-open/{how}/{comm.backend._GENERATION[0]}"
+    msg = seconds = None
+    if me == 1:
+        store.wait([key + "/posted"], datetime.timedelta(seconds=60))
+        faults.record_left(store, how)
+        store.wait([key + "/done"], datetime.timedelta(seconds=60))
+        comm.all_reduce(torch.ones(3), (0, 1))
+    else:
+        wait_for = collectives.wait_for
+        collectives.wait_for = lambda *args: (store.set(key + "/posted", ""), wait_for(*args))[1]
+        try:
+            start = time.monotonic()
+            msg = _caught(lambda: comm.all_reduce(torch.ones(3), (0, 1)))
+            seconds = time.monotonic() - start
+        finally:
+            collectives.wait_for = wait_for
+        store.set(key + "/done", "")
+    torch.distributed.barrier()
+    comm.reset_groups()
+    return msg, seconds
+
+
+@pytest.mark.parametrize("how,named", [("failed", "has died of an exception"), ("exited", "has exited")])
+def test_a_peer_that_left_is_seen_through_the_store_within_seconds(how, named):
+    """Its watchdog wakes on the exit announced in the store and the waiting rank raises,
+    naming the rank, within a slice of its wait (a quarter second) whether the rank failed
+    or left cleanly: it left before it entered this collective; AUTOPAR_TIMEOUT is 60 s."""
+    msg, seconds = run_dist(_peer_left_with_sockets_open, 2, how)[0]
+    assert msg is not None and msg.startswith(
+        "all_reduce #1 over ranks [0, 1] failed on rank 0: rank 1 left the program (its exit was announced in the "
+        "store) before it entered this collective"), msg
+    assert f"Ranks that did not arrive: rank 1 {named}." in msg, msg
+    assert seconds < 2, seconds
+
+
+def _entering_after_a_peer_left():
+    """Rank 1 announces a clean exit having entered nothing on the group; rank 0, once its
+    watchdog has seen it, enters all_reduce #1 over [0, 1]: it fails there, posting nothing."""
+    os.environ["AUTOPAR_TIMEOUT"] = "60"
+    comm.reset_groups()
+    me = dist.get_rank()
+    comm.group_for((0, 1))
+    torch.distributed.barrier()
+    msg = seconds = None
+    if me == 1:
+        faults.record_left(faults._store(), "exited")
+    else:
+        deadline = time.monotonic() + 30
+        while exits._GONE.get(1, (None,))[0] != comm.backend._GENERATION[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        posted, wait_for = [], collectives.wait_for
+        collectives.wait_for = lambda *args: (posted.append(args), wait_for(*args))[1]
+        try:
+            start = time.monotonic()
+            msg = _caught(lambda: comm.all_reduce(torch.ones(3), (0, 1)))
+            seconds = time.monotonic() - start
+        finally:
+            collectives.wait_for = wait_for
+        assert not posted, posted
+    torch.distributed.barrier()
+    comm.reset_groups()
+    return msg, seconds
+
+
+def test_a_collective_entered_after_a_peer_left_before_it_fails_at_once():
+    """It fails where it is entered: nothing is posted, nothing waited for."""
+    msg, seconds = run_dist(_entering_after_a_peer_left, 2)[0]
+    assert msg is not None and msg.startswith(
+        "all_reduce #1 over ranks [0, 1] failed on rank 0: rank 1 left the program (its exit was announced in the "
+        "store) before it entered this collective"), msg
+    assert "Ranks that did not arrive: rank 1 has exited." in msg, msg
+    assert seconds < 2, seconds
+
+
+def _peer_left_after_entering_it(delay):
+    """Rank 1 announces a clean exit having entered all_reduce #1, then sends its part `delay`
+    seconds late (a starved rank's collective still completing after its peer left): rank 0's
+    wait for #1 must complete with the sum, not fail on the exit."""
+    os.environ["AUTOPAR_TIMEOUT"] = "60"
+    comm.reset_groups()
+    me = dist.get_rank()
+    comm.group_for((0, 1))
+    torch.distributed.barrier()
+    start = time.monotonic()
+    if me == 1:
+        exits.announce(faults._store(), 1, "exited", {"ranks [0, 1]": 1})
+        time.sleep(delay)
+    out = comm.all_reduce(torch.full((3,), float(me + 1)), (0, 1))
+    seconds = time.monotonic() - start
+    torch.distributed.barrier()
+    comm.reset_groups()
+    return out, seconds, dict(exits._GONE)
+
+
+def test_a_peer_that_left_after_entering_a_collective_does_not_fail_it():
+    """The verdict is a count, not a clock: the first version marked a cleanly leaving rank
+    gone 3 s after its exit and failed any wait on it still going on then, so a correct job
+    whose last collective completed late on a starved rank failed.  The delay here is longer
+    than that grace."""
+    out, seconds, gone = run_dist(_peer_left_after_entering_it, 2, 3.5)[0]
+    assert torch.equal(out, torch.full((3,), 3.0)), out
+    assert seconds >= 3.5, seconds
+    assert 1 in gone and gone[1][1:] == ("exited", {"ranks [0, 1]": 1}), gone
+
+
+class _LateWork:
+    """A gloo work that completes `after` seconds from now (its timed waits raise until then)."""
+
+    def __init__(self, after):
+        self.done_at = time.monotonic() + after
+
+    def is_completed(self):
+        return time.monotonic() >= self.done_at
+
+    def wait(self, timeout=None):
+        if timeout is not None and not self.is_completed():
+            time.sleep(min(timeout.total_seconds(), max(0.0, self.done_at - time.monotonic())))
+            if not self.is_completed():
+                raise RuntimeError("Operation timed out!")
+        return True
+
+
+@pytest.mark.parametrize("entered,fails", [(0, True), (1, False), (2, False)])
+def test_a_sliced_wait_fails_only_on_a_rank_gone_before_entering_it(monkeypatch, entered, fails):
+    """`exits.wait_for` for collective #1 over ranks [0, 1], rank 1 gone having entered
+    `entered` collectives on the group: it raises within a slice when rank 1 never entered #1,
+    and waits for the work however late it completes otherwise."""
+    monkeypatch.setitem(exits._STATE, "sliced", True)
+    monkeypatch.setattr(exits, "_GONE", {1: (comm.backend._GENERATION[0], "exited", {"ranks [0, 1]": entered})})
+    start = time.monotonic()
+    if fails:
+        with pytest.raises(RuntimeError, match="rank 1 left the program .* before it entered this collective"):
+            exits.wait_for(_LateWork(5.0), (0, 1), 1)
+        assert time.monotonic() - start < 1.0
+    else:
+        exits.wait_for(_LateWork(0.8), (0, 1), 1)
+        assert time.monotonic() - start >= 0.8
 
 
 def _reads_between_training_collectives():

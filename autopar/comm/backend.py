@@ -187,17 +187,34 @@ def group_for(ranks: tuple):
 def _make_backend(store, ranks: tuple, on_host: bool = False):
     from torch._C import _distributed_c10d as c10d
 
+    from . import exits
     from .faults import meet
 
     group_rank, size = ranks.index(tdist.get_rank()), len(ranks)
     if SIMULATING[0]:  # `simulate`: a group that records, sends nothing
         return c10d.FakeProcessGroup._create_internal(group_rank, size)
     meet(store, ranks)
+    exits.start(tdist.distributed_c10d._get_default_store())  # (once: the watchdog of peers that leave)
     if tdist.get_backend() == "nccl" and not on_host:
         opts = c10d.ProcessGroupNCCL.Options()
         opts._timeout = _timeout()
         return c10d.ProcessGroupNCCL(store, group_rank, size, opts)
     return c10d.ProcessGroupGloo(store, group_rank, size, _timeout())
+
+
+def abort_device_groups_with(rank: int, waits_for) -> None:
+    """Abort this rank's NCCL groups that `rank` is a member of and that `waits_for(key)`
+    (`key`: the group's ranks, or (ranks, channel name)) says wait for it: it left the program,
+    and the kernels waiting for it end.  Host (gloo) groups stay: their waits are sliced
+    instead (`exits.wait_for`), for gloo's abort does not wake a waiter."""
+    from torch._C import _distributed_c10d as c10d
+
+    nccl = getattr(c10d, "ProcessGroupNCCL", None)
+    for key, pg in list(_GROUPS.items()):
+        ranks = key[0] if isinstance(key[-1], str) else key
+        if nccl is not None and isinstance(pg, nccl) and rank in ranks and waits_for(key):
+            with contextlib.suppress(Exception):
+                pg.abort()
 
 
 def forget_job() -> None:

@@ -16,7 +16,9 @@ import torch.distributed as tdist
 from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 
 from ..placement import ReduceType
+from . import exits
 from .backend import SIMULATING, current_device, get_rank, group_for
+from .exits import wait_for
 from .faults import arrive, check_signature, debugging, fail
 from .log import blocked_since, record
 from .fake import filling_outputs, plausible
@@ -82,7 +84,12 @@ def _enter(op: str, ranks, t: torch.Tensor) -> int:
         return 0
     if debugging():
         check_signature(op, ranks, t)
-    return arrive(ranks)
+    seq = arrive(ranks)
+    if exits._GONE:  # (a peer left the program: one that left before this collective never comes)
+        gone = exits.left_before(ranks, seq)
+        if gone is not None:
+            fail(op, ranks, seq, gone)
+    return seq
 
 
 def reading_values(what: str) -> None:
@@ -148,8 +155,8 @@ def all_gather_into(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
     if len(ranks) == 1:
         return t
     t, out, n = _all_gather_buffers(t, len(ranks))
-    _wire("all_gather", ranks, lambda o, i: group_for(ranks)._allgather_base(_real(o), _real(i)).wait(), (out, t),
-          n, n, tuple(t.shape))
+    _wire("all_gather", ranks, lambda o, i: wait_for(group_for(ranks)._allgather_base(_real(o), _real(i)), ranks),
+          (out, t), n, n, tuple(t.shape))
     return out
 
 
@@ -226,12 +233,12 @@ def all_reduce(
     moved = _all_reduce_bytes(out, k)
     terms = _gathered_terms(out, k)
     if terms is not None:
-        _wire("all_reduce", ranks, lambda g, o: _gather_terms(ranks, g, o).wait(), (terms, out), moved, moved,
+        _wire("all_reduce", ranks, lambda g, o: wait_for(_gather_terms(ranks, g, o), ranks), (terms, out), moved, moved,
               tuple(out.shape))
         return _reduce_terms(terms, out, reduce_type, k)
     opts = _all_reduce_options(reduce_type)
     keep = _KeepNaN.needed(out, reduce_type, ranks)
-    _wire("all_reduce", ranks, lambda o: _post_all_reduce(ranks, o, opts, keep).wait(), (out,), moved, moved,
+    _wire("all_reduce", ranks, lambda o: wait_for(_post_all_reduce(ranks, o, opts, keep), ranks), (out,), moved, moved,
           tuple(out.shape), after=None if keep is None else keep.restore)
     return _all_reduced(out, reduce_type, k)
 
@@ -288,7 +295,7 @@ class _KeepNaN:
             flags = torch.zeros(places.shape, dtype=torch.uint8, device=out.device)
         else:
             flags = nan.view(-1)[places].to(torch.uint8)
-        self.group.allreduce([flags], _all_reduce_options(ReduceType.MAX)).wait()
+        wait_for(self.group.allreduce([flags], _all_reduce_options(ReduceType.MAX)), self.ranks)
         out.view(-1)[places[flags.bool()]] = math.nan
         moved = _all_reduce_bytes(flags, len(self.ranks))
         record("all_reduce", self.ranks, moved, moved, tuple(flags.shape))
@@ -336,7 +343,7 @@ class Pending:
             work, self.work = self.work, None
             start = time.perf_counter()
             try:
-                work.wait()
+                wait_for(work, self.ranks, self.seq)
             except RuntimeError as e:
                 fail(self.op, self.ranks, self.seq, e)
             blocked_since(start)
@@ -465,7 +472,7 @@ def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Redu
     if reduce_type in (ReduceType.SUM, ReduceType.AVG) and not _on_host(t):
         opts = _reduce_scatter_options(reduce_type)
         _wire("reduce_scatter", ranks,
-              lambda o, i: group_for(ranks)._reduce_scatter_base(_real(o), _real(i), opts).wait(),
+              lambda o, i: wait_for(group_for(ranks)._reduce_scatter_base(_real(o), _real(i), opts), ranks),
               (out, t), moved, moved, tuple(t.shape))
         return _all_reduced(out, reduce_type, k)
     # gloo's reduce_scatter copies its input and all-reduces the whole of it (twice a
@@ -474,7 +481,7 @@ def reduce_scatter(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = Redu
     # 1.6-2x faster than gloo's for 1-12 MB on this machine, the same bits) and keeps a NaN,
     # as torch.amax does
     pieces = torch.empty_like(t)
-    _wire("reduce_scatter", ranks, lambda o, i: _swap_pieces(ranks, o, i).wait(), (pieces, t), moved, moved,
+    _wire("reduce_scatter", ranks, lambda o, i: wait_for(_swap_pieces(ranks, o, i), ranks), (pieces, t), moved, moved,
           tuple(t.shape))
     return _reduce_terms(pieces.view((k,) + tuple(out.shape)), out, reduce_type, k)
 
@@ -489,7 +496,8 @@ def all_to_all(t: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[in
     recv, send = list(recv_rows), list(send_rows)
     row = _row_bytes(t)
     _wire("all_to_all", ranks,
-          lambda o, i: group_for(ranks).alltoall_base(_real(o), _real(i), recv, send, AllToAllOptions()).wait(),
+          lambda o, i: wait_for(group_for(ranks).alltoall_base(_real(o), _real(i), recv, send, AllToAllOptions()),
+                               ranks),
           (out, t),
           row * (sum(send_rows) - send_rows[me]), row * (sum(recv_rows) - recv_rows[me]), tuple(t.shape))
     return out
@@ -510,7 +518,7 @@ def broadcast(t: torch.Tensor, src: int, ranks: tuple) -> torch.Tensor:
     opts = BroadcastOptions()
     opts.rootRank = ranks.index(src)
     me = get_rank()
-    _wire("broadcast", ranks, lambda x: group_for(ranks).broadcast([_real(x)], opts).wait(), (t,),
+    _wire("broadcast", ranks, lambda x: wait_for(group_for(ranks).broadcast([_real(x)], opts), ranks), (t,),
           _nbytes(t) * (len(ranks) - 1) if me == src else 0, 0 if me == src else _nbytes(t), tuple(t.shape))
     return t
 
@@ -526,7 +534,7 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
         ops = [tdist.P2POp(tdist.isend, _real(t), p) for t, p in zip(ts, dsts)]
         ops += [tdist.P2POp(tdist.irecv, _real(b), p) for b, p in zip(ts[len(dsts):], srcs)]
         for work in tdist.batch_isend_irecv(ops):
-            work.wait()
+            work.wait()  # (unsliced: a timed gloo send or receive wait closes the pair, see `exits`)
 
     me = get_rank()
     logs = tuple(("send", (me, p), _nbytes(t), 0, tuple(t.shape)) for t, p in zip(tensors, dsts))

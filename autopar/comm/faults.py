@@ -5,7 +5,9 @@ the store while the job is healthy).  When a collective fails, the rank publishe
 and where it waits in the rendezvous store, reads its peers' reports for a few seconds, and
 names the ranks that did not arrive.  A rank leaving the program records that it left (and
 whether it died of an exception), so that its peers can say so, and it does not wait for them
-longer than a few seconds: an exit ends the job at once.
+longer than a few seconds: an exit ends the job at once.  Its exit also wakes every peer's
+watchdog (`exits.py`), so that one waiting for it fails within seconds under NCCL too, where
+no socket closes.
 
 An op that raises while it runs on this rank's pieces (`raised`) is reported there too; when
 some ranks of its mesh did not raise it, they would wait for this rank in their next
@@ -23,7 +25,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from . import backend
+from . import backend, exits
 from .backend import CommError, channel_group, destroy_groups, get_rank, get_world_size, reading, timeout_seconds
 
 _ARRIVED: dict[str, int] = {}  # group name -> collectives this rank entered on it
@@ -35,8 +37,10 @@ _NAMES: dict = {}  # (ranks, value read?) -> the group's name in messages and re
 _RAISED: dict = {}  # (generation, mesh ranks) -> how many ops raised on this rank while running on that mesh
 
 
-def _group_name(ranks) -> str:
-    key = (tuple(ranks), reading() is not None)
+def _group_name(ranks, read: bool | None = None) -> str:
+    """The group's name in messages, reports and counts: the one over `ranks`, or its value
+    reads' own (`read`; default: whether a value read is running)."""
+    key = (tuple(ranks), reading() is not None if read is None else read)
     name = _NAMES.get(key)
     if name is None:
         name = _NAMES[key] = f"ranks {list(ranks)}" + (" (value reads)" if key[1] else "")
@@ -45,6 +49,18 @@ def _group_name(ranks) -> str:
 
 def _key(what: str, rank: int) -> str:
     return f"autopar/faults/{backend._GENERATION[0]}/{what}/{rank}"
+
+
+def _entered_here() -> dict:
+    """{group name: collectives this rank entered on it} for the groups of this generation."""
+    return dict(_ARRIVED) if _ARRIVED_GENERATION[0] == backend._GENERATION[0] else {}
+
+
+def entered(ranks, read: bool | None = None) -> int:
+    """How many collectives this rank entered on the group over `ranks` (see `_group_name`)."""
+    if _ARRIVED_GENERATION[0] != backend._GENERATION[0]:
+        return 0
+    return _ARRIVED.get(_group_name(ranks, read), 0)
 
 
 def arrive(ranks) -> int:
@@ -266,7 +282,8 @@ def check_signature(op: str, ranks, t: torch.Tensor) -> None:
     sig = _signature(op, t)
     out = torch.empty(len(ranks) * sig.numel(), dtype=torch.int64)
     try:
-        channel_group(tuple(ranks), "debug-signatures")._allgather_base(out, sig).wait()
+        exits.wait_for(channel_group(tuple(ranks), "debug-signatures")._allgather_base(out, sig), ranks,
+                       entered(ranks) + 1)
     except RuntimeError as e:
         raise CommError(f"checking {op} over ranks {list(ranks)} (AUTOPAR_DEBUG_COLLECTIVES=1) failed on rank "
                         f"{get_rank()}: {e}. A peer did not reach a collective over these ranks.") from e
@@ -299,14 +316,24 @@ def leaving_with(status: int) -> None:
     _EXIT_STATUS[0] = status
 
 
+def record_left(store, how: str) -> None:
+    """Say in the store that this rank left the program (`how`: "exited", "failed", "exited
+    with code N"): its peers name it when a collective with it fails (`_absence`), and their
+    watchdogs wake (`exits`), so that one waiting for it fails within seconds on any backend."""
+    me = get_rank()
+    store.set(_key("left", me), how)
+    exits.announce(store, me, how, _entered_here())
+
+
 def _leave() -> None:
     if not tdist.is_initialized():
         return
     store, me, world = _store(), get_rank(), get_world_size()
     status = _EXIT_STATUS[0]
     how = "failed" if _FAILED[0] else f"exited with code {status}" if status else "exited"
+    exits.stop()
     try:
-        store.set(_key("left", me), how)
+        record_left(store, how)
         if _FAILED[0] or status:
             return
         # Peers still computing get a few seconds to finish; a peer blocked in a collective
