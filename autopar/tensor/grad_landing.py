@@ -8,7 +8,8 @@ region's backward, or by the parameter's gradient hook for gradients computed op
 the next pre-step finds the bucket packed and reduces the buffer in place: no packing, no
 unpacking, no new tensors.
 
-A round of slots runs from one pre-step to the next: within it each slot is written once (a
+A round of slots runs from one pre-step to the next (for a bucket reduced in backward, until
+its gradients are let go, at `zero_grad`): within it each slot is written once (a
 second gradient of the same parameter, under accumulation, adds to the first as torch does,
 outside the buffer).  A new round writes the same buffer again only if nothing outside the
 Landing holds any part of it (the gradients handed out last time are gone, no view of it is
@@ -22,7 +23,8 @@ reduced to, so the pre-step finds nothing to do.  A gradient that arrives for a 
 written (a weight used in two places, accumulation over micro-batches) waits for the
 reduction and makes its value Partial again with no communication (one rank keeps the sum, the
 others zeros), so that it adds up as before and the pre-step reduces the total; that bucket
-stays with the pre-step from then on.
+stays with the pre-step from then on, as do buckets holding a weight known to be tied or used
+twice (`IN_PARTS`).
 """
 from __future__ import annotations
 
