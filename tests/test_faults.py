@@ -148,18 +148,24 @@ def _peer_left_with_sockets_open(how):
         store.wait([key + "/done"], datetime.timedelta(seconds=60))
         comm.all_reduce(torch.ones(3), (0, 1))
     else:
-        wait_for = collectives.wait_for
-        collectives.wait_for = lambda *args: (store.set(key + "/posted", ""), wait_for(*args))[1]
-        try:
-            start = time.monotonic()
-            msg = _caught(lambda: comm.all_reduce(torch.ones(3), (0, 1)))
-            seconds = time.monotonic() - start
-        finally:
-            collectives.wait_for = wait_for
+        msg, seconds = _all_reduce_timed(lambda *args: store.set(key + "/posted", ""))
         store.set(key + "/done", "")
     torch.distributed.barrier()
     comm.reset_groups()
     return msg, seconds
+
+
+def _all_reduce_timed(on_wait) -> tuple:
+    """(the error message or None, seconds) of an all_reduce over [0, 1], calling
+    `on_wait(work, ranks, ...)` as each posted collective starts to be waited for."""
+    wait_for = collectives.wait_for
+    collectives.wait_for = lambda *args: (on_wait(*args), wait_for(*args))[1]
+    try:
+        start = time.monotonic()
+        msg = _caught(lambda: comm.all_reduce(torch.ones(3), (0, 1)))
+        return msg, time.monotonic() - start
+    finally:
+        collectives.wait_for = wait_for
 
 
 @pytest.mark.parametrize("how,named", [("failed", "has died of an exception"), ("exited", "has exited")])
@@ -190,14 +196,8 @@ def _entering_after_a_peer_left():
         deadline = time.monotonic() + 30
         while exits._GONE.get(1, (None,))[0] != comm.backend._GENERATION[0] and time.monotonic() < deadline:
             time.sleep(0.01)
-        posted, wait_for = [], collectives.wait_for
-        collectives.wait_for = lambda *args: (posted.append(args), wait_for(*args))[1]
-        try:
-            start = time.monotonic()
-            msg = _caught(lambda: comm.all_reduce(torch.ones(3), (0, 1)))
-            seconds = time.monotonic() - start
-        finally:
-            collectives.wait_for = wait_for
+        posted = []
+        msg, seconds = _all_reduce_timed(lambda *args: posted.append(args))
         assert not posted, posted
     torch.distributed.barrier()
     comm.reset_groups()
