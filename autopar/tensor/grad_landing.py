@@ -91,22 +91,27 @@ class Landing:
         p = self.reduce.params[i]()
         return p is not None and p.grad is not None and _is(p.grad._local, self.slots[i])
 
+    def _grads_in_slots(self, specs: list) -> list:
+        """Each member's `.grad` where it is its slot placed at `specs`' spec, else None."""
+        out = []
+        for ref, slot, spec in zip(self.reduce.params, self.slots, specs):
+            p = ref()
+            g = None if p is None else p.grad
+            out.append(g if g is not None and g._spec == spec and _is(g._local, slot) else None)
+        return out
+
     def startable(self) -> bool:
         """Every slot holds this round's gradient, and each is its parameter's `.grad` as
         placed when it landed (not a gradient handed to `autograd.grad`, not replaced; a hook's
         gradient only once autograd has made it `.grad`, which may copy it)."""
-        r = self.reduce
-        for ref, slot, spec in zip(r.params, self.slots, r.specs):
-            p = ref()
-            g = None if p is None else p.grad
-            if g is None or g._spec != spec or not _is(g._local, slot):
-                return False
-        return True
+        return None not in self._grads_in_slots(self.reduce.specs)
+
+    def _flat(self) -> torch.Tensor:
+        """The whole buffer the slots tile."""
+        return self.slots[0].as_strided((self.numel,), (1,), 0)
 
     def start(self) -> None:
-        first = self.slots[0]
-        flat = first.as_strided((self.numel,), (1,), 0)
-        self.flight = all_reduce_start(flat, self.reduce.ranks, self.reduce.op)
+        self.flight = all_reduce_start(self._flat(), self.reduce.ranks, self.reduce.op)
         _IN_FLIGHT.append(self)
 
     def settle(self) -> None:
@@ -114,10 +119,8 @@ class Landing:
         flight, self.flight = self.flight, None
         flight.wait()
         r = self.reduce
-        for ref, slot, spec, placed in zip(r.params, self.slots, r.specs, r.placed):
-            p = ref()
-            g = None if p is None else p.grad
-            if g is not None and g._spec == spec and _is(g._local, slot):
+        for g, placed in zip(self._grads_in_slots(r.specs), r.placed):
+            if g is not None:
                 keep_reduced(g, g._local, placed)
         self.settled = True
 
@@ -133,13 +136,11 @@ class Landing:
         if self.flight is not None:
             self.flight.wait()
             self.flight = None
-        for ref, slot, spec, placed in zip(r.params, self.slots, r.specs, r.placed):
-            q = ref()
-            g = None if q is None else q.grad
-            if g is not None and g._spec == placed and _is(g._local, slot):
+        for g, spec in zip(self._grads_in_slots(r.placed), r.specs):
+            if g is not None:
                 keep_reduced(g, g._local, spec)
-        if r.keeper != get_rank():
-            self.slots[0].as_strided((self.numel,), (1,), 0).zero_()
+        if r.ranks[0] != get_rank():  # (the first rank keeps the sum)
+            self._flat().zero_()
         self.settled = False
         r.early = False  # (for good: the pre-step reduces this bucket)
 
@@ -151,14 +152,13 @@ class Landing:
 
 class Reduce:
     """A bucket's all-reduce, as the pre-step runs it: its members (weakly), their gradients'
-    specs before and after, the ranks, the reduce op, the rank that keeps the sum when it
-    must be Partial again, and whether it starts in backward."""
+    specs before and after, the ranks, the reduce op, and whether it starts in backward."""
 
-    __slots__ = ("params", "specs", "placed", "ranks", "op", "keeper", "early")
+    __slots__ = ("params", "specs", "placed", "ranks", "op", "early")
 
     def __init__(self, params: list, specs: list, placed: list, ranks: tuple, op, early: bool):
         self.params = [weakref.ref(p) for p in params]
-        self.specs, self.placed, self.ranks, self.op, self.keeper = specs, placed, tuple(ranks), op, ranks[0]
+        self.specs, self.placed, self.ranks, self.op = specs, placed, tuple(ranks), op
         self.early = early  # started in backward once its gradients have landed
 
 
