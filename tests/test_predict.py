@@ -69,10 +69,15 @@ def test_a_collective_costs_a_latency_per_ring_step_plus_its_bytes_over_the_link
     assert P.shared_link(crowded, 1.0) == (1e-3, 1e9)
     assert P.shared_link(crowded, 3.0) == pytest.approx((5e-3, 7.5e8))
     assert P.comm_time("all_gather", 2, 0, 0, crowded, crowding=4.0) == pytest.approx(7e-3)
-    slow_scatter = dataclasses.replace(crowded, op_links=(("reduce_scatter", 2e-3, 5e8),))
-    assert P.comm_time("reduce_scatter", 4, 1e6, 0, slow_scatter) == pytest.approx(3 * 2e-3 + 2e-3)
-    assert P.comm_time("reduce_scatter", 2, 0, 0, slow_scatter, crowding=2.0) == pytest.approx(6e-3)
-    assert P.comm_time("all_gather", 4, 1e6, 0, slow_scatter) == P.comm_time("all_gather", 4, 1e6, 0, UNIT)
+    slow = dataclasses.replace(crowded, op_links=(("all_to_all", 2e-3, 5e8),))
+    assert P.comm_time("all_to_all", 4, 1e6, 0, slow) == pytest.approx(3 * 2e-3 + 2e-3)
+    assert P.comm_time("all_to_all", 2, 0, 0, slow, crowding=2.0) == pytest.approx(6e-3)
+    assert P.comm_time("all_gather", 4, 1e6, 0, slow) == P.comm_time("all_gather", 4, 1e6, 0, UNIT)
+    # a host's reduce-scatter runs as an all-to-all of the pieces and a local sum: priced so;
+    # a device's as its own collective
+    assert P.comm_time("reduce_scatter", 4, 1e6, 0, slow) == P.comm_time("all_to_all", 4, 1e6, 0, slow)
+    device = dataclasses.replace(slow, host_overlaps=True, op_links=(("reduce_scatter", 3e-3, 2.5e8),))
+    assert P.comm_time("reduce_scatter", 4, 1e6, 0, device) == pytest.approx(3 * 3e-3 + 4e-3)
 
 
 def test_a_pairs_small_all_reduce_on_a_host_is_priced_as_the_all_gather_it_runs():

@@ -405,3 +405,64 @@ def _hooks_survive_conversion():
 def test_gradient_hooks_survive_conversion_in_place():
     for seen in run_dist(_hooks_survive_conversion, 2):
         assert sorted(seen) == [("accumulated", "DistTensor"), ("tensor", "DistTensor")], seen
+
+
+def _raising_backward(mesh=None):
+    """A step whose backward raises where it reaches layers[1]'s output (the head's and the
+    last two layers' gradients are in, the first two layers' are not)."""
+    def run(model, opt, x, y):
+        def hook(_module, _args, out):
+            out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("the backward raised")))
+        handle = model.layers[1].register_forward_hook(hook)
+        place = (lambda t: t) if mesh is None else (lambda t: dist.shard_tensor(t, mesh, [S0]))
+        loss = torch.nn.functional.mse_loss(model(place(x)), place(y))
+        handle.remove()
+        with pytest.raises(RuntimeError, match="the backward raised"):
+            loss.backward()
+    return run
+
+
+def _after_a_raised_backward(model, opt, data, then, mesh=None):
+    """The first step's backward raises; then either the gradients are zeroed (the step
+    skipped) or the step is taken on what that backward reached; then two ordinary steps.
+    Also the gradients' placements right after the next backward (before its step)."""
+    _raising_backward(mesh)(model, opt, *data[0][0])
+    if then == "step":
+        opt.step()
+    opt.zero_grad()
+    placements = {}
+    if mesh is not None:
+        x, y = data[1][0]
+        loss = torch.nn.functional.mse_loss(model(dist.shard_tensor(x, mesh, [S0])), dist.shard_tensor(y, mesh, [S0]))
+        loss.backward()
+        placements = {name: tuple(p.grad.placements) for name, p in model.named_parameters()}
+        opt.zero_grad()
+    return _steps(model, opt, data[1:], mesh), placements
+
+
+def _raised_backward_dist(level, then):
+    import warnings
+    model, opt, mesh = _zero_mlp(level, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, placements = _after_a_raised_backward(model, opt, _data(4), then, mesh)
+    return losses, _weights(model), placements, [str(w.message) for w in caught if "raised" in str(w.message)]
+
+
+@pytest.mark.parametrize("then", ["zero_grad", "step"])
+def test_a_backward_that_raised_leaves_the_next_steps_exact(then):
+    """A backward that raises never reaches its end: the next backward still reduces its
+    gradients where it ends (ZeRO-2 and 3 shard them there), and the steps match a single
+    process that did the same, whether the failed step's gradients are zeroed or stepped on."""
+    model = _Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_losses, _ = _after_a_raised_backward(model, opt, _data(4), then)
+    ref_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for level in LEVELS:
+        for losses, weights, placements, warned in run_dist(_raised_backward_dist, 4, level, then):
+            np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+            for k, v in ref_weights.items():
+                torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5, msg=f"level {level}: {k}")
+            if level in (2, 3):
+                assert set(placements.values()) == {(S0,)}, (level, placements)
+            assert (len(warned) == 1) == (level == 3), (level, warned)

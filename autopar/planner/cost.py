@@ -137,8 +137,7 @@ CPU = DeviceProfile(
                    ("aten::add.Tensor", 4.06e-10), ("aten::stack", 6.79e-10), ("aten::cat", 6.71e-10)),
     shared_links=((2.0, 1.01e-3, 1.35e9), (4.0, 1.48e-3, 5.91e8)),
     shared_host=((1.0, 1.08), (2.0, 1.2), (4.0, 1.32)),
-    op_links=(("all_gather", 9.25e-4, 1.53e9), ("reduce_scatter", 1.63e-3, 5.94e8),
-              ("all_to_all", 7.28e-4, 1.89e9)),
+    op_links=(("all_gather", 9.25e-4, 1.53e9), ("all_to_all", 7.28e-4, 1.89e9)),
     host_overlaps=False, calibrated_on="the development machine (2 cores, 24 GiB; its processor not recorded)",
     calibrated_at="2026-11-25",
     # measured later (2026-11-28) on a second machine of the same kind (Intel Xeon, 2 cores,
@@ -212,7 +211,11 @@ def link(profile: DeviceProfile, group_size: int, stride: int) -> tuple[float, f
 def op_link(profile: DeviceProfile, op: str, latency: float, bandwidth: float) -> tuple[float, float]:
     """(latency, bandwidth) of collective `op` on a link measured as (latency, bandwidth) for
     all_reduce: scaled as the profile measured `op` against all_reduce (`op_links`; gloo's
-    reduce_scatter is 3x slower per byte on this machine), unchanged where it did not."""
+    all-to-all is slower per byte on this machine), unchanged where it did not.  A host
+    profile's reduce_scatter is the all-to-all autopar runs for it (`collectives.reduce_scatter`:
+    the same bytes, the sum a local op)."""
+    if op == "reduce_scatter" and not profile.host_overlaps:
+        op = "all_to_all"
     for name, op_latency, op_bandwidth in profile.op_links:
         if name == op:
             return latency * op_latency / profile.intra_latency, bandwidth * op_bandwidth / profile.intra_bandwidth
@@ -256,9 +259,6 @@ def _collective(op: str, t, world: int):
     if op == "all_gather":
         gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
         return lambda: gather(t, piece)
-    if op == "reduce_scatter":
-        scatter = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
-        return lambda: scatter(piece.clone(), t)
     if op == "all_to_all":
         out = torch.empty_like(t)
         return lambda: tdist.all_to_all_single(out, t)
@@ -527,7 +527,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     from small training steps the per-op, per-autograd-node and per-DistTensor-dispatch host
     costs (`predict.framework_costs`), a local region call's boundary, forward and backward
     (`predict.region_costs`), and a dispatch off the rank's mesh (`predict.off_mesh_costs`).  Collectives are timed as a step meets them, after
-    compute and averaged (`_measure_collective`); all_gather, reduce_scatter and all_to_all
+    compute and averaged (`_measure_collective`); all_gather and all_to_all
     like all_reduce (`op_links`); all_reduce also on `crowding` times as many ranks as cores
     (`shared_links`), and a small step's host time with all cores busy and so crowded, against
     one rank alone (`shared_host`, the median of `repeats` alternating runs); element-wise
@@ -551,8 +551,9 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     crowded = sorted(w for w in {cores * k for k in crowding} if w > cores)
     # ranks sharing cores are never faster than ranks with a core each (a noisy fit can say so)
     shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth)) for w in crowded for lat, bw in [_gloo_link(w)])
-    # gloo's other collectives against all_reduce (its reduce_scatter and all-to-all are slower)
-    ops = tuple((op, *_gloo_link(world, op)) for op in ("all_gather", "reduce_scatter", "all_to_all"))
+    # gloo's other collectives against all_reduce (its all-to-all is slower; a host
+    # reduce-scatter runs as an all-to-all)
+    ops = tuple((op, *_gloo_link(world, op)) for op in ("all_gather", "all_to_all"))
     host = _host_factors([cores] + crowded, cores, repeats)
     peak = max(rate for _, rate in gemm)
     profile = DeviceProfile(

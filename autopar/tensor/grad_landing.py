@@ -36,6 +36,7 @@ import torch
 
 from ..comm import all_reduce_start, get_rank
 from ..comm.observers import capture_running
+from .backward_end import AtBackwardEnd
 from .dispatch import keep_reduced
 
 LANDING = "_grad_landing"  # a parameter's attribute: (its Landing, its slot)
@@ -83,7 +84,7 @@ class Landing:
         self.filled.add(i)
         if len(self.filled) == len(self.sizes) and self.reduce is not None and self.reduce.early:
             _COMPLETE.append(self)
-            _queue_settle()
+            _SETTLE.queue()
         return self.slots[i]
 
     def _holds(self, i: int) -> bool:
@@ -178,28 +179,19 @@ def start_complete() -> None:
             landing.start()
 
 
-def _queue_settle() -> None:
-    """Have the running backward settle its buckets when it ends (once per backward: a
-    backward that raised never ran its callback, the next one queues its own)."""
-    task = torch._C._current_graph_task_id()
-    if _QUEUED[0] != task:
-        _QUEUED[0] = task
-        torch.autograd.Variable._execution_engine.queue_callback(settle_all)
-
-
-_QUEUED = [None]  # the backward (graph task) settle_all is queued on
-
-
 def settle_all() -> None:
     """Start the complete buckets that can start, and settle every bucket in flight (the end
     of a backward; the pre-step, for a backward that raised); the rest are the pre-step's."""
-    _QUEUED[0] = None
     start_complete()  # (a hook's gradient, the backward's last, is `.grad` by now)
     _COMPLETE.clear()
     while _IN_FLIGHT:
         landing = _IN_FLIGHT.pop(0)
         if landing.flight is not None:
             landing.settle()
+
+
+# settle_all where each backward that lands a gradient ends (the pre-step settles one that raised)
+_SETTLE = AtBackwardEnd(settle_all)
 
 
 def _holders(slots: list) -> tuple:

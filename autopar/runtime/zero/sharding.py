@@ -39,6 +39,7 @@ import torch
 
 from ...comm import all_gather_into, get_rank
 from ...tensor.dtensor import DistTensor, new_dist
+from ...tensor.backward_end import AtBackwardEnd
 from ...tensor.observers import reduce_pending_on_read
 from .. import grad_reduce
 from ..grad_reduce import grad_plan, reduce_grads, reduce_in_backward
@@ -133,7 +134,8 @@ class OptimizerSharding:
         self.local_step = LocalStep(optimizer, dispatch_foreach)
         self.place_states()
         reduce_pending_on_read(self)  # (held weakly: it goes with the optimizer)
-        self.arrived: list = []  # ZeRO-2: parameters whose gradients backward left unreduced
+        # ZeRO-2: the gradients a backward left unreduced, reduced where it ends
+        self.backward_end = AtBackwardEnd(self.prepare_grads)
         self.carried: list = []  # ZeRO-2: (ZeroParam, its reduced gradient) set aside for a backward's to add to
         self.loading: dict = {}  # a state dict's states of parameters with masters, while it loads
         if self.stage == 2:
@@ -240,10 +242,8 @@ class OptimizerSharding:
         per region within backward)."""
         zp = self.params[n]
         g = zp.param.grad
-        if type(g) is DistTensor and not grad_plan(g._spec, zp.step_spec())[0]:
-            return
-        self._reduce_at_backward_end()
-        self.arrived.append(zp)
+        if type(g) is not DistTensor or grad_plan(g._spec, zp.step_spec())[0]:
+            self.backward_end.queue()
 
     def grad_coming(self, n: int) -> None:
         """A gradient of parameter n is on its way while it holds a reduced one (gradient
@@ -253,13 +253,9 @@ class OptimizerSharding:
         zp = self.params[n]
         g = zp.param.grad
         if type(g) is DistTensor and not grad_plan(g._spec, zp.step_spec())[0]:
-            self._reduce_at_backward_end()
+            self.backward_end.queue()
             self.carried.append((zp, g))
             zp.param.grad = None
-
-    def _reduce_at_backward_end(self) -> None:
-        if not self.arrived and not self.carried:
-            torch.autograd.Variable._execution_engine.queue_callback(self.prepare_grads)
 
     # -- float32 masters in the optimizer's state dict (Paddle's "master_weights") -------------
     def _indexed(self) -> list:
@@ -307,6 +303,8 @@ class OptimizerSharding:
     # -- the step ---------------------------------------------------------------------------
     def pre_step(self, optimizer, args, kwargs) -> None:
         self.local_step.restore(stepped=False)  # a step that raised left its swap behind: the groups hold stand-ins
+        if self.stage == 3:
+            zero3.settle_raised_backwards(self.params)
         self.prepare_grads()
         for zp in self.masters:
             zp.refresh_master()
@@ -336,7 +334,6 @@ class OptimizerSharding:
         """Bring every gradient to where its parameter is stepped (Partial ones reduced, in
         buckets).  Idempotent: the static mode runs it inside the captured program, then the
         step's own call finds nothing to do."""
-        self.arrived = []
         pending = []
         for _, zps in self.groups():
             for zp in zps:

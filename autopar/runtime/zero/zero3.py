@@ -39,6 +39,7 @@ region's verification every use gathers afresh, so that the transfer is seen.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import Optional
 
@@ -48,6 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...comm import all_gather_start, get_rank
 from ...comm.observers import capture_running
+from ...tensor.backward_end import AtBackwardEnd
 from ...tensor.dtensor import new_dist
 from ..precision import MixedPrecisionPolicy, cast_dist, spec_in
 from .flat_shards import FlatShards
@@ -78,6 +80,12 @@ def gathered_piece(p: torch.Tensor) -> Optional[torch.Tensor]:
     data only around the unit's use), or None."""
     zp = _gathered(p)
     return None if zp is None else zp.gathered_local
+
+
+def settle_raised_backwards(zero_params: list) -> None:
+    """Before a step: the units' models whose last backward raised settle what it reached."""
+    for model in {id(zp.unit.model): zp.unit.model for zp in zero_params if zp.unit is not None}.values():
+        model.settle_raised_backward()
 
 
 def install(zero_params: list, mesh_dim, models: list, policy: Optional[MixedPrecisionPolicy] = None) -> None:
@@ -144,11 +152,13 @@ class _Model:
         self.last: Optional[_Unit] = None  # the unit whose forward ends last (kept for backward)
         self.recording = True
         self.ends: list = []
-        self.in_backward = False
+        self.backward_end = AtBackwardEnd(self.backward_done)
         model.register_forward_hook(lambda *_: self.forward_done())
 
     # -- forward ----------------------------------------------------------------------------
     def forward_started(self, unit: "_Unit") -> None:
+        if self.backward_end.abandoned():
+            self.drop_raised_backward()
         if self.recording and unit not in self.order:
             self.order.append(unit)
         self._prefetch(unit, 1)
@@ -177,22 +187,47 @@ class _Model:
 
     # -- backward ---------------------------------------------------------------------------
     def backward_started(self, unit: "_Unit") -> None:
-        if not self.in_backward:
-            self.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
+        if not self.backward_end.queued():  # (once per backward, a reentrant one within it included)
+            self.backward_end.queue()
         if unit is not None:
             self._prefetch(unit, -1)
 
     def backward_done(self) -> None:
         """End of backward: reduce what is left (parameters that got no gradient leave their
         unit incomplete), add the reduced shards to the parameters' gradients, free all."""
-        self.in_backward = False
         for unit in self.units:
             unit.reduce()
         for unit in self.units:
             unit.deliver()
             unit.keep = False
             unit.free()
+
+
+    def drop_raised_backward(self) -> None:
+        """A new forward after a backward that raised: what that backward collected or reduced
+        is dropped (FSDP2's `reset_iter_state`, done where it is seen; a single process would
+        have kept the gradients it reached in `.grad`), and the units freed."""
+        self.backward_end.forget()
+        dropped = sum(len(unit.grads) + (len(unit.reduction[0]) if unit.reduction else 0) for unit in self.units)
+        for unit in self.units:
+            unit.grads = {}
+            if unit.reduction is not None:
+                unit.reduction[1].finish()  # (every rank started it: finished, not abandoned)
+                unit.reduction = None
+            unit.keep = False
+            unit.free()
+        warnings.warn(f"ZeRO-3: a backward raised before it ended; the {dropped} gradients it had reached are "
+                      f"dropped at this forward, not added to .grad (call zero_grad() after a failed backward)",
+                      stacklevel=4)
+
+    def settle_raised_backward(self) -> None:
+        """The step after a backward that raised (no forward since): its gradients, as far as
+        it reached, added to `.grad` (as a single process has them)."""
+        if self.backward_end.abandoned():
+            self.backward_end.forget()
+            warnings.warn("ZeRO-3: a backward raised before it ended; this step uses the gradients it reached",
+                          stacklevel=4)
+            self.backward_done()
 
 
 class _Unit:
