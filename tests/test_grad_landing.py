@@ -12,6 +12,7 @@ import autopar as dist
 from autopar.runtime import grad_reduce
 from autopar.tensor import grad_landing
 from distpool import run_dist
+from example_scripts import example
 import hf_llama
 
 
@@ -58,6 +59,44 @@ def test_gradients_land_in_their_bucket_reduced_in_backward_and_train_as_one_pro
         assert in_backward[0] == [] and [op for op, _ in in_step[0]] == ["all_reduce"], (in_backward, in_step)
         # the same bucket, whole: the bytes the pre-step sent at step 1, now sent in backward
         assert all(b == in_step[0] and s == [] for b, s in zip(in_backward[1:], in_step[1:])), (in_backward, in_step)
+
+
+def _gpt_dp_on_mp_of_one(steps: int = 5, distributed: bool = True):
+    """The examples' GPT, its Megatron plan on a (dp, mp) mesh whose mp dim holds one rank
+    (2 x 1), or in one process: per step the collectives of backward and of the step, the
+    losses, the weights."""
+    gpt = example("train_gpt")
+    args = gpt.argparse.Namespace(vocab=64, dim=32, heads=4, layers=2, seq=8, batch=4, lr=1e-6, seed=0)
+    mesh = dist.ProcessMesh([[0], [1]], dim_names=["dp", "mp"]) if distributed else None
+    model, opt = gpt.build(args, mesh)
+    place = (lambda t: dist.shard_tensor(t, mesh, [dist.Shard(0), dist.Replicate()])) if distributed else (lambda t: t)
+    in_backward, in_step, losses = [], [], []
+    for x, y in gpt.batches(args, steps):
+        loss = torch.nn.functional.cross_entropy(model(place(x)).reshape(-1, args.vocab), place(y).reshape(-1))
+        with dist.comm_log() as log:
+            loss.backward()
+        in_backward.append([(r.op, r.bytes) for r in log])
+        with dist.comm_log() as log:
+            opt.step()
+        in_step.append([(r.op, r.bytes) for r in log])
+        opt.zero_grad()
+        losses.append(loss.item())
+    weights = {k: dist.unshard_dtensor(v.detach()) if distributed else v for k, v in model.state_dict().items()}
+    return in_backward, in_step, losses, weights
+
+
+def test_on_a_mesh_with_a_dim_of_one_rank_buckets_are_reduced_in_backward_too():
+    """The first step's gradients (op by op, while the region verifies) are placed otherwise
+    on a mesh dim of one rank than the region's later ones (any placement is the same values
+    there): the bucket learns them again at the next pre-step and is reduced in backward from
+    step 3 on."""
+    _, _, ref_losses, ref_weights = _gpt_dp_on_mp_of_one(distributed=False)
+    for in_backward, in_step, losses, weights in run_dist(_gpt_dp_on_mp_of_one, 2):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for k, v in ref_weights.items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5)
+        assert [op for op, _ in in_step[0]] == ["all_reduce"], in_step
+        assert all(b == in_step[0] and s == [] for b, s in zip(in_backward[2:], in_step[2:])), (in_backward, in_step)
 
 
 def _accumulating(steps: int = 3, micro: int = 2):

@@ -5,6 +5,7 @@ import torch
 
 import autopar as dist
 from distpool import run_dist
+from example_scripts import example
 import hf_llama
 
 
@@ -71,26 +72,12 @@ def test_auto_refuses_other_strings_and_no_mesh():
         dist.set_mesh(saved)
 
 
-def _example(name):
-    """An examples/ script as a module (its classes; its main does not run)."""
-    import importlib.util
-    import os
-    import sys
-
-    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-    sys.path.insert(0, examples)  # their own helpers (_check)
-    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(examples, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _gpt(mesh_names=None):
     """The examples' GPT trained 3 steps; with mesh dim names, under config="auto" on 2 ranks."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    model = _example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=2, seq=8)
+    model = example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=2, seq=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if mesh_names:
         model, opt = dist.parallelize(model, opt, dist.ProcessMesh([0, 1], dim_names=mesh_names), config="auto")
@@ -121,13 +108,13 @@ def test_auto_on_the_examples_gpt(mesh_names):
 def test_describe_reads_the_examples_models_and_hf_llama():
     from autopar.planner import describe
 
-    gpt, names = describe(_example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=3, seq=8))
+    gpt, names = describe(example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=3, seq=8))
     assert (gpt.layers, gpt.hidden, gpt.heads, gpt.kv_heads, gpt.ffn, gpt.vocab, gpt.seq) == (3, 32, 4, 4, 128, 64, 8)
     assert not gpt.gated and gpt.bias and gpt.positions == 8 and not gpt.tied
-    assert gpt.params() == sum(p.numel() for p in _example("train_gpt").GPT(64, 32, 4, 3, 8).parameters())
+    assert gpt.params() == sum(p.numel() for p in example("train_gpt").GPT(64, 32, 4, 3, 8).parameters())
     assert (names.layers, names.column, names.row, names.embedding, names.head) == (
         "blocks", ("q", "k", "v", "fc1"), ("proj", "fc2"), "tok", "head")
-    llama, names = describe(_example("parallelize_llama").LlamaForCausalLM(128, 64, 96, 4, 2, 16))
+    llama, names = describe(example("parallelize_llama").LlamaForCausalLM(128, 64, 96, 4, 2, 16))
     assert (llama.ffn, llama.kv_heads, llama.gated, llama.positions) == (96, 4, True, 16)
     assert names.column == ("self_attn.qkv_proj", "mlp.gate_up_proj") and names.head == "lm_head"
     hf = hf_llama.tiny_llama(layers=3, tie=True)
@@ -143,7 +130,7 @@ def test_plan_takes_the_sequence_from_the_sample_batch_when_the_model_has_no_tab
     class Rotary(torch.nn.Module):  # a GPT without a position table
         def __init__(self):
             super().__init__()
-            gpt = _example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=2, seq=8)
+            gpt = example("train_gpt").GPT(vocab=64, d=32, heads=4, layers=2, seq=8)
             self.tok, self.blocks, self.head = gpt.tok, gpt.blocks, gpt.head
 
     from autopar.planner import describe
@@ -200,7 +187,7 @@ def _seed_llama_steps(planned_vpp):
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    model = _example("parallelize_llama").LlamaForCausalLM(64, 32, 64, 4, 4, 8)
+    model = example("parallelize_llama").LlamaForCausalLM(64, 32, 64, 4, 4, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, 64, (4, 9), generator=g) for _ in range(3)]

@@ -211,6 +211,7 @@ def _learn_landings(params: list, grads: list, reduction: GradReduction) -> None
         if any(grads[n] is not params[n].grad for n in members):
             continue  # (cast to a policy's reduce dtype: the cast is the packing)
         key = tuple((id(params[n]), grads[n]._local.shape) for n in members)
+        specs = [grads[n]._spec for n in members]
         entry = params[members[0]].__dict__.get(LANDING)
         if entry is None or entry[0].key != key:
             landing = Landing(key, [grads[n]._local for n in members])
@@ -218,10 +219,17 @@ def _learn_landings(params: list, grads: list, reduction: GradReduction) -> None
                 params[n].__dict__[LANDING] = (landing, i)
             early = all(params[n]._post_accumulate_grad_hooks is None and IN_PARTS not in params[n].__dict__
                         for n in members)
-            landing.reduce = Reduce([params[n] for n in members], [grads[n]._spec for n in members],
-                                    [placed for _, placed in entries], ranks, op, early)
         else:
-            entry[0].new_round()
+            landing = entry[0]
+            landing.new_round()
+            if landing.reduce.specs == specs:
+                continue
+            # placed otherwise than when learned: the first step's gradients ran op by op (a
+            # local region verifying), and on a mesh dim of one rank any placement is the same
+            # values; learned again, or the bucket would never start in backward
+            early = landing.reduce.early
+        landing.reduce = Reduce([params[n] for n in members], specs, [placed for _, placed in entries], ranks, op,
+                                early)
 
 
 def _bucket_for(filling: dict, buckets: list, key, nbytes: int, new, first_cap: Optional[int] = None) -> "_Bucket":

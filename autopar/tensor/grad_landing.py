@@ -105,7 +105,7 @@ class Landing:
         """Every slot holds this round's gradient, and each is its parameter's `.grad` as
         placed when it landed (not a gradient handed to `autograd.grad`, not replaced; a hook's
         gradient only once autograd has made it `.grad`, which may copy it)."""
-        return None not in self._grads_in_slots(self.reduce.specs)
+        return all(g is not None for g in self._grads_in_slots(self.reduce.specs))  # (`in` would call Tensor.__eq__)
 
     def _flat(self) -> torch.Tensor:
         """The whole buffer the slots tile."""
