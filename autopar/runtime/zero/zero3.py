@@ -202,7 +202,6 @@ class _Model:
             unit.keep = False
             unit.free()
 
-
     def drop_raised_backward(self) -> None:
         """A new forward after a backward that raised: what that backward collected or reduced
         is dropped (FSDP2's `reset_iter_state`, done where it is seen; a single process would
@@ -216,16 +215,16 @@ class _Model:
                 unit.reduction = None
             unit.keep = False
             unit.free()
-        warnings.warn(f"ZeRO-3: a backward raised before it ended; the {dropped} gradients it had reached are "
-                      f"dropped at this forward, not added to .grad (call zero_grad() after a failed backward)",
-                      stacklevel=4)
+        warnings.warn(f"ZeRO-3: the last backward raised before it ended; the {dropped} gradients it had "
+                      f"reached are dropped at this forward, not added to .grad (a single process keeps them "
+                      f"until zero_grad())", stacklevel=4)
 
     def settle_raised_backward(self) -> None:
         """The step after a backward that raised (no forward since): its gradients, as far as
         it reached, added to `.grad` (as a single process has them)."""
         if self.backward_end.abandoned():
             self.backward_end.forget()
-            warnings.warn("ZeRO-3: a backward raised before it ended; this step uses the gradients it reached",
+            warnings.warn("ZeRO-3: the last backward raised before it ended; this step uses the gradients it reached",
                           stacklevel=4)
             self.backward_done()
 
