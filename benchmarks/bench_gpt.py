@@ -8,6 +8,10 @@ cross-entropy, backward, optimizer step, zero_grad, loss.item().
   autopar_dp   : train_gpt.build on a 4x1 (dp, mp) mesh (mp=1: pure data parallel); the model
                  is one local region (verified on the first step, then plain torch ops).
   autopar_dp_op_by_op : the same with local regions off (every op through the dispatch).
+  autopar_dp_sum : autopar_dp with the loss as cross_entropy(reduction="sum") / the global
+                 count of targets (known here: none is ignored), as docs/training.md offers
+                 when the count is known: the loss stays Partial, no collective before
+                 backward (the exact mean's count all-reduce is the one DDP does not make).
   ddp          : torch DistributedDataParallel, each rank feeds its 2-sequence batch slice.
   autopar_dptp : train_gpt.build on a 2x2 (dp, mp) mesh (Megatron plan, incl. vocab-sharded
                  tok embedding and head).
@@ -105,8 +109,9 @@ class Runner:
     context of the first k-1 backwards (DDP's no_sync)."""
 
     def __init__(self, name, model, opt, data, vocab, after_backward=None, loss_fn=None, regions=True, k=1,
-                 quiet=None):
+                 quiet=None, count=None):
         self.name, self.model, self.opt, self.data, self.vocab, self.k = name, model, opt, data, vocab, k
+        self.count = count  # the global count of targets: the loss as their sum over it
         self.after_backward = after_backward
         self.loss_fn = loss_fn or (lambda loss: float(loss.item()))
         self.regions = regions
@@ -118,7 +123,11 @@ class Runner:
             for j in range(self.k):
                 x, y = self.data[len(self.losses) % len(self.data)]
                 with self.quiet() if j < self.k - 1 else contextlib.nullcontext():
-                    loss = F.cross_entropy(self.model(x).reshape(-1, self.vocab), y.reshape(-1))
+                    logits = self.model(x).reshape(-1, self.vocab)
+                    if self.count is None:
+                        loss = F.cross_entropy(logits, y.reshape(-1))
+                    else:
+                        loss = F.cross_entropy(logits, y.reshape(-1), reduction="sum") / self.count
                     (loss if self.k == 1 else loss / self.k).backward()
                 self.losses.append(self.loss_fn(loss))
             if self.after_backward is not None:
@@ -152,6 +161,9 @@ def main():
     m, o = G.build(args, mesh_dp)
     sh = lambda t, mesh: dist.shard_tensor(t, mesh, [dist.Shard(0), dist.Replicate()])  # noqa: E731
     runners["autopar_dp"] = Runner("autopar_dp", m, o, [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data], args.vocab)
+    m, o = G.build(args, mesh_dp)
+    runners["autopar_dp_sum"] = Runner("autopar_dp_sum", m, o, [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data],
+                                       args.vocab, count=data[0][1].numel())
     m, o = G.build(args, mesh_dp)
     runners["autopar_dp_op_by_op"] = Runner("autopar_dp_op_by_op", m, o,
                                             [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data], args.vocab,
@@ -210,7 +222,7 @@ def main():
     # single process
     pm, po = G.build(args, None)
     runners["plain"] = Runner("plain", pm, po, data, args.vocab)
-    peer = {"autopar_dp": ("ddp",), "autopar_dp_op_by_op": ("ddp",), "autopar_dp_static": ("ddp",),
+    peer = {"autopar_dp": ("ddp",), "autopar_dp_sum": ("ddp", "autopar_dp"), "autopar_dp_op_by_op": ("ddp",), "autopar_dp_static": ("ddp",),
             "autopar_dptp": ("dtensor_dptp",), "autopar_dptp_static": ("dtensor_dptp",)}
     report(runners, peer, rank, k, args, "gpt_step")
 
