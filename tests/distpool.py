@@ -684,7 +684,17 @@ class _Pool:
         self._close_handles()
 
     def send_stop(self):
-        for c in self.conns:
+        """Ranks 1.. first, rank 0 once they are gone (or 5 s): rank 0 holds the job's store,
+        and a rank that outlives it has torch log its exit watchdog's broken wait."""
+        self._send_stop(self.conns[1:])
+        t_end = time.monotonic() + 5
+        for p in self.procs[1:]:
+            p.join(max(0.0, t_end - time.monotonic()))
+        self._send_stop(self.conns[:1])
+
+    @staticmethod
+    def _send_stop(conns):
+        for c in conns:
             try:
                 c.send_bytes(pickle.dumps(("stop",)))
             except OSError:
