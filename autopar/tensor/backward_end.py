@@ -8,6 +8,7 @@ any backward, that the one it was queued on raised.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -21,7 +22,8 @@ class AtBackwardEnd:
     __slots__ = ("fn", "task")
 
     def __init__(self, fn: Callable[[], None]):
-        self.fn = fn
+        # a method of the object that holds this one, weakly: no cycle keeps the owner alive
+        self.fn = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
         self.task: Optional[int] = None  # the graph task it is queued on, until it runs
 
     def queue(self) -> None:
@@ -45,4 +47,6 @@ class AtBackwardEnd:
 
     def _run(self) -> None:
         self.task = None
-        self.fn()
+        fn = self.fn()
+        if fn is not None:
+            fn()
