@@ -224,10 +224,11 @@ def _deepseek_plan():
 
 
 def deepseek_rank() -> dict:
-    """The first rank of the DeepSeek-V3 plan's second stage, simulated with CPU tensors (the
-    routing's split sizes are values, which meta tensors have not) on a DeepSeek-V3 of small
-    matrices and one MoE layer: its experts' pieces, and its collectives as [op, group size,
-    bytes, shape] over one micro-batch (a 4K sequence) forward and backward and the step."""
+    """The first rank of the DeepSeek-V3 plan's second stage, simulated on meta (the routing
+    taken as balanced, the planner's assumption: meta tensors have no values to route by) on
+    a DeepSeek-V3 of small matrices and one MoE layer: its experts' pieces, and its
+    collectives as [op, group size, bytes, shape] over one micro-batch (a 4K sequence) forward
+    and backward and the step."""
     import numpy as np
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -237,12 +238,14 @@ def deepseek_rank() -> dict:
     sub = dist.ProcessMesh(ids.reshape(-1).tolist(), dim_names=["dp"])  # the stage's dp ranks (mp 1)
     seq, dp = PRESETS["deepseek-v3"].seq, plan.degrees["dp"]
     config = {k: v for k, v in plan.config.items() if k != "pp_config"}
+    cfg = DeepseekV3Config(max_position_embeddings=seq, **SMALL_DEEPSEEK)
+    _unmasked_sdpa(cfg)
     with dist.simulate(1024, int(ids.flat[0])):
-        torch.manual_seed(0)
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(max_position_embeddings=seq, attn_implementation="sdpa",
-                                                       **SMALL_DEEPSEEK))
+        with torch.device("meta"):
+            model = DeepseekV3ForCausalLM(cfg)
         model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), sub, config)
-        tokens = dist.dtensor_from_local(torch.randint(0, 128, (1, seq)), sub, [dist.Shard(0)], shape=(dp, seq))
+        tokens = dist.dtensor_from_local(torch.zeros(1, seq, dtype=torch.long, device="meta"), sub, [dist.Shard(0)],
+                                         shape=(dp, seq))
         with dist.comm_log() as log:
             model(input_ids=tokens, labels=tokens).loss.backward()
             opt.step()
@@ -268,12 +271,13 @@ def test_a_rank_of_the_planned_deepseek_v3_expert_parallel_job_sends_each_token_
     assert all(s[0] == experts // ep for s in pieces.values()), pieces
     assert sum(torch.Size(s).numel() for s in pieces.values()) == spec.layer_expert_params() / ep
     # each token's hidden state to its top-k experts' ranks and back, forward and backward:
-    # four all-to-alls of the rank's tokens x k rows (the rows for its own experts stay)
+    # four all-to-alls of the rank's tokens x k rows, of which the rows for its own experts
+    # (1 / ep of them, routed balanced) stay
     log = got["log"]
     moved = [(b, s) for o, n, b, s in log if o == "all_to_all" and len(s) == 2 and s[1] == h]
     assert len(moved) == 4 and all(s[0] == spec.seq * k for _, s in moved), moved
     assert sum(s[0] * h * 4 for _, s in moved) == terms.micro_bytes["all_to_all"].at(1, 0)
-    assert all(0 < b < s[0] * h * 4 for b, s in moved)
+    assert all(b == s[0] * h * 4 * (ep - 1) // ep for b, s in moved), moved
     # besides them only the per-expert counts, and ZeRO-1 over dp of the other parameters: an
     # expert's gradient lives on its one rank (dp / ep = 1), nothing gathers or reduces it
     assert [s for o, n, b, s in log if o == "all_to_all" and (b, s) not in moved] == [[experts]]
