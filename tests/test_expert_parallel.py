@@ -222,6 +222,19 @@ def test_bad_expert_counts_are_refused_by_name(variant, dim, match):
         assert msg.startswith(match), msg
 
 
+def test_an_expert_count_a_data_parallel_dim_does_not_divide_is_told_how_to_split_the_dim():
+    """ExpertParallel folded on "dp": where dp does not divide the experts, the error names the
+    split of the dim into dp x ep that does (torchtitan's dp2ep over part of dp)."""
+    from autopar.runtime.experts import check_experts
+
+    with pytest.raises(ValueError, match=r"6 experts do not divide over mesh dim 'dp' of size 4 .*split the dim "
+                                         r"in two, 2 x 2, and name the second 'ep': the experts go over its 2 "
+                                         r"ranks \(3 a rank\) and data parallel stays over all 4"):
+        check_experts(6, 2, dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"]), 0, "ExpertParallel on 'moe'")
+    with pytest.raises(ValueError, match="no ep size above 1 divides both 3 and 4"):
+        check_experts(3, 2, dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"]), 0, "ExpertParallel on 'moe'")
+
+
 # -- local_map, LocalLayer, moe_sub_mesh_tensors / moe_global_mesh_tensor ------------------------
 VALUES = [3., -1., 4., -1., 5., 9., -2., 6., 5.]  # 9 rows: uneven halves (5, 4)
 

@@ -24,6 +24,7 @@ runs; an expert that receives no token gets a zero gradient.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -241,9 +242,13 @@ def check_experts(num_experts: int, top_k: Optional[int], mesh, ep: int, what: s
     """Refuse an expert count the mesh dim does not divide, or a top-k above the expert count."""
     size = mesh.shape[ep]
     if num_experts % size:
+        part = math.gcd(num_experts, size)
+        fix = (f"split the dim in two, {size // part} x {part}, and name the second 'ep': the experts go over "
+               f"its {part} ranks ({num_experts // part} a rank) and data parallel stays over all {size}"
+               if part > 1 else f"no ep size above 1 divides both {num_experts} and {size}")
         raise ValueError(
             f"{what}: {num_experts} experts do not divide over mesh dim {mesh.dim_names[ep]!r} of size {size} "
-            f"(mesh {mesh}, placement Shard(0)): each rank must hold the same number of experts")
+            f"(mesh {mesh}, placement Shard(0)): each rank must hold the same number of experts; {fix}")
     if top_k is not None and top_k > num_experts:
         raise ValueError(f"{what}: top-k {top_k} is larger than the expert count {num_experts}")
 
