@@ -197,6 +197,52 @@ def test_a_replaced_parameter_is_used():
     assert run_dist(_replaced_parameter, 4) == [True] * 4
 
 
+def _normalized(_module, _args, out):
+    """A user's hook that changes a sublayer's output by a value over all of it (its norm)."""
+    return out / out.norm()
+
+
+def _scaling_its_gradient(_module, _args, out):
+    """A user's hook that has the sublayer's output gradient scaled by a sum over all of it."""
+    out.register_hook(lambda g: g * g.sum())
+
+
+def _hooked_after_verification():
+    """Net trained under dp 4, a user's forward hook added to its sublayer once the model is a
+    verified region (and a gradient hook inside it, registered by a forward hook)."""
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Net(), mesh)
+    x, y = (dist.shard_tensor(t, mesh, [S0]) for t in _batches(1)[0])
+    torch.nn.functional.mse_loss(model(x), y).backward()  # (verified: a region from here on)
+    was_region = _regions(model) == [True]
+    model.zero_grad()
+    model.mlp.register_forward_hook(_normalized)
+    model.mlp.fc1.register_forward_hook(_scaling_its_gradient)
+    out = model(x)
+    torch.nn.functional.mse_loss(out, y).backward()
+    return was_region, dist.unshard_dtensor(out.detach()), {k: dist.unshard_dtensor(p.grad) for k, p in
+                                                            model.named_parameters()}
+
+
+def test_a_users_hook_on_a_sublayer_sees_and_changes_what_one_process_does():
+    """Inside a region a sublayer's hook would run on the local pieces (a norm over a rank's
+    rows; a gradient hook in backward, where nothing verifies): a module with a user's hook on
+    a sublayer runs op by op, and the output and gradients are one process's."""
+    torch.manual_seed(0)
+    model = Net()
+    x, y = _batches(1)[0]
+    model.mlp.register_forward_hook(_normalized)
+    model.mlp.fc1.register_forward_hook(_scaling_its_gradient)
+    out = model(x)
+    torch.nn.functional.mse_loss(out, y).backward()
+    for was_region, got, grads in run_dist(_hooked_after_verification, 4):
+        assert was_region
+        torch.testing.assert_close(got, out.detach(), rtol=1e-5, atol=1e-6)
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(grads[k], p.grad, rtol=1e-5, atol=1e-6)
+
+
 def _inference():
     mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
     torch.manual_seed(0)

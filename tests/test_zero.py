@@ -424,10 +424,18 @@ def _raising_backward(mesh=None):
 
 def _after_a_raised_backward(model, opt, data, then, mesh=None):
     """The first step's backward raises; then either the gradients are zeroed (the step
-    skipped) or the step is taken on what that backward reached; then two ordinary steps.
+    skipped), or the step is taken on what that backward reached, or on that and a second
+    graph's backward (its forward made before the first backward); then two ordinary steps.
     Also the gradients' placements right after the next backward (before its step)."""
+    place = (lambda t: t) if mesh is None else (lambda t: dist.shard_tensor(t, mesh, [S0]))
+    second = None
+    if then == "backward_again":
+        x, y = data[0][0]
+        second = torch.nn.functional.mse_loss(model(place(x * 2)), place(y))
     _raising_backward(mesh)(model, opt, *data[0][0])
-    if then == "step":
+    if second is not None:
+        second.backward()
+    if then in ("step", "backward_again"):
         opt.step()
     opt.zero_grad()
     placements = {}
@@ -449,11 +457,12 @@ def _raised_backward_dist(level, then):
     return losses, _weights(model), placements, [str(w.message) for w in caught if "raised" in str(w.message)]
 
 
-@pytest.mark.parametrize("then", ["zero_grad", "step"])
+@pytest.mark.parametrize("then", ["zero_grad", "step", "backward_again"])
 def test_a_backward_that_raised_leaves_the_next_steps_exact(then):
     """A backward that raises never reaches its end: the next backward still reduces its
     gradients where it ends (ZeRO-2 and 3 shard them there), and the steps match a single
-    process that did the same, whether the failed step's gradients are zeroed or stepped on."""
+    process that did the same, whether the failed step's gradients are zeroed, stepped on, or
+    added to by another graph's backward before the step."""
     model = _Stack()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ref_losses, _ = _after_a_raised_backward(model, opt, _data(4), then)

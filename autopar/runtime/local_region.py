@@ -112,6 +112,7 @@ class RegionForward:
             or not _STATE["enabled"]
             or (capture_running() and not self._vouched(args, kwargs))
             or _saved_tensor_hooks()
+            or _users_module_hooks(self.module)
         ):
             return self.inner(*args, **kwargs)
         key = _call_key(self.module, args, kwargs)
@@ -143,6 +144,36 @@ class RegionForward:
 
 
 _UNSEEN = object()
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, f"_global{name}") for name in _HOOKS)
+
+
+def _users_module_hooks(module: torch.nn.Module) -> bool:
+    """A module hook of the user's on a sublayer, or a global one: inside a region it would run
+    on the local pieces, where a hook that reads or changes values (or registers gradient
+    hooks) sees what one process's would not, and after verification, or in backward, nothing
+    checks it; such a call goes op by op.  Hooks on the module itself run outside its region;
+    autopar's own (placement plans, ZeRO-3's gathers) are known to verification."""
+    return any(_GLOBAL_HOOKS) or _hooked_below(module)
+
+
+def _hooked_below(module: torch.nn.Module) -> bool:
+    for sub in module._modules.values():  # (a plain walk: `modules()` costs twice as much)
+        if sub is None:
+            continue
+        attrs = sub.__dict__
+        for name in _HOOKS:
+            hooks = attrs.get(name)
+            if hooks and not all(_ours(h) for h in hooks.values()):
+                return True
+        if sub._modules and _hooked_below(sub):
+            return True
+    return False
+
+
+def _ours(hook) -> bool:
+    """A hook defined in autopar's code (a function, a method or a partial of one)."""
+    return (getattr(getattr(hook, "func", hook), "__module__", None) or "").startswith("autopar.")
 # a saved-tensor pack function with this attribute set only observes (`simulate`'s memory
 # accounting): the hooks are taken for absent, a region runs as without them
 OBSERVES_ONLY = "observes_only"

@@ -199,6 +199,11 @@ class _Model:
             unit.reduce()
         for unit in self.units:
             unit.deliver()
+        for unit in self.units:  # collected while an earlier reduction was pending (after a backward that raised)
+            if unit.grads:
+                unit.reduce()
+                unit.deliver()
+        for unit in self.units:
             unit.keep = False
             unit.free()
 
@@ -393,7 +398,9 @@ class _Unit:
 
     def grad_ready(self, i: int) -> None:
         full = self.params[i].gathered
-        self.grads[i], full.grad = full.grad, None
+        g, full.grad = full.grad, None
+        # (one gradient per backward; a second one here comes after a backward that raised)
+        self.grads[i] = g if i not in self.grads else self.grads[i] + g
         self.model.backward_started(None)
         if len(self.grads) == self.trainable:
             self.reduce()
