@@ -243,6 +243,35 @@ def test_a_users_hook_on_a_sublayer_sees_and_changes_what_one_process_does():
             torch.testing.assert_close(grads[k], p.grad, rtol=1e-5, atol=1e-6)
 
 
+def _forward_replaced_after_verification():
+    """Net under dp 4, its sublayer's forward replaced by a non-local one once the model is a
+    verified region."""
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Net(), mesh)
+    x = dist.shard_tensor(_batches(1)[0][0], mesh, [S0])
+    model(x)
+    model(x)
+    was_region = _regions(model) == [True]
+    _normalize_forward(model.mlp)
+    return was_region, dist.unshard_dtensor(model(x).detach())
+
+
+def _normalize_forward(layer):
+    own = layer.forward
+    layer.forward = lambda x: (lambda out: out / out.norm())(own(x))
+
+
+def test_a_sublayers_forward_replaced_after_verification_is_verified_again():
+    torch.manual_seed(0)
+    model = Net()
+    _normalize_forward(model.mlp)
+    expect = model(_batches(1)[0][0]).detach()
+    for was_region, got in run_dist(_forward_replaced_after_verification, 4):
+        assert was_region
+        torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6)
+
+
 def _inference():
     mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
     torch.manual_seed(0)
