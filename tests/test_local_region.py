@@ -272,6 +272,45 @@ def test_a_sublayers_forward_replaced_after_verification_is_verified_again():
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6)
 
 
+def _sublayer_replaced_after_verification():
+    """Net trained 3 steps under dp 4; after the first, its head replaced by a fresh plain
+    Linear (as a user swapping a layer)."""
+    mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = dist.shard_layer(Net(), mesh)
+    return _swap_head_and_train(model, mesh)
+
+
+def _swap_head_and_train(model, mesh=None):
+    losses = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(_batches()):
+        if i == 1:
+            torch.manual_seed(1)
+            model.head = torch.nn.Linear(8, 4)
+            opt.add_param_group({"params": list(model.head.parameters())})
+        if mesh is not None:
+            x, y = (dist.shard_tensor(t, mesh, [S0]) for t in (x, y))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: dist.unshard_dtensor(v.detach()) if type(v) is not torch.Tensor else v.detach()
+                    for k, v in model.state_dict().items()}
+
+
+def test_a_sublayer_replaced_after_verification_is_verified_again():
+    """The new layer's plain parameters are global values, their gradients reduced over the
+    ranks (inside the old region they got one rank's part)."""
+    torch.manual_seed(0)
+    ref_losses, ref_params = _swap_head_and_train(Net())
+    for losses, params in run_dist(_sublayer_replaced_after_verification, 4):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6)
+
+
 def _inference():
     mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
     torch.manual_seed(0)

@@ -369,13 +369,16 @@ def _refuses_pieces(err: Exception) -> bool:
 
 
 def _settings(module) -> list:
-    """Every plain setting of the module and its sublayers (`p` of a dropout, a flag...), and
-    each sublayer's own `forward` (a replaced one runs code the region never verified): the
-    forward may branch on them, so a region holds only while they keep their values."""
-    return [
-        (sub.__dict__, k, v) for sub in module.modules() for k, v in sub.__dict__.items()
-        if (isinstance(v, (bool, int, float, str, type(None))) and not k.startswith("_")) or k == "forward"
-    ]
+    """Every plain setting of the module and its sublayers (`p` of a dropout, a flag...), each
+    sublayer's own `forward` and each sublayer itself (a replaced one runs code, and holds
+    parameters, the region never verified): the forward may branch on them, so a region holds
+    only while they keep their values."""
+    out = []
+    for sub in module.modules():
+        out += [(sub.__dict__, k, v) for k, v in sub.__dict__.items()
+                if (isinstance(v, (bool, int, float, str, type(None))) and not k.startswith("_")) or k == "forward"]
+        out += [(sub._modules, k, v) for k, v in sub._modules.items()]
+    return out
 
 
 def _tensors(module) -> tuple[list, list]:
