@@ -86,10 +86,10 @@ def test_interleaving_cuts_the_fill_by_vpp_and_holds_what_its_order_holds():
     assert pipeline_time([t] * p, [0.0] * p, m, v) == pytest.approx((m + (p - 1) / v) * t)
     plain = _layout(pp=p, micro_batches=m).shape
     inter = _layout(pp=p, micro_batches=m, vpp=v).shape
-    assert held_micro_batches(plain) == [4, 3, 2, 1]
+    assert [held_micro_batches(plain, s) for s in range(p)] == [4, 3, 2, 1]
     peaks = orders.peak_held(orders.interleaved(p, v, m))  # chunk activations held, per rank
-    assert held_micro_batches(inter) == [k / v for k in peaks]
-    assert held_micro_batches(inter)[0] > held_micro_batches(plain)[0]  # the price of a smaller bubble
+    assert [held_micro_batches(inter, s) for s in range(p)] == [k / v for k in peaks]
+    assert held_micro_batches(inter, 0) > held_micro_batches(plain, 0)  # the price of a smaller bubble
 
 
 def test_single_rank_step_time_is_flops_at_the_device_rate():

@@ -284,7 +284,7 @@ def stage_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, sta
     the activations of the micro-batches it holds."""
     first, last = stage == 0, stage == shape.pp - 1
     role = role_terms(spec, profile, shape, first, last) if role is None else role
-    inflight = held_micro_batches(shape)[stage]
+    inflight = held_micro_batches(shape, stage)
     full, ckpt = _activation_bytes(spec, shape)
     act = Affine(0.0, inflight * full, -inflight * (full - ckpt))
     if first:
@@ -539,12 +539,12 @@ def crowding(shape: Shape, profile: DeviceProfile) -> float:
     return max(1.0, min(shape.world, profile.ranks_per_node) / profile.cores)
 
 
-def held_micro_batches(shape: Shape) -> list:
-    """Per stage, how many micro-batches' activations of all its layers it holds at the
-    peak under the shape's schedule (interleaved: in chunk units over v)."""
+def held_micro_batches(shape: Shape, stage: int) -> float:
+    """How many micro-batches' activations of all its layers stage `stage` holds at the peak
+    under the shape's schedule (interleaved: in chunk units over v)."""
     if shape.vpp == 1:
-        return [min(shape.pp - s, shape.micro_batches) for s in range(shape.pp)]
-    return list(_interleaved_peaks(shape.pp, shape.vpp, shape.micro_batches))
+        return min(shape.pp - stage, shape.micro_batches)
+    return _interleaved_peaks(shape.pp, shape.vpp, shape.micro_batches)[stage]
 
 
 @functools.lru_cache(maxsize=None)
