@@ -496,8 +496,8 @@ def _llama_steps(backend, device="cpu", steps=2, layout=([0, 1], ["sep"])):
     return logs
 
 
-@pytest.mark.parametrize("backend,world", [("p2p", 2), ("all2all", 2), ("p2p", 8)],
-                         ids=["ring", "ulysses", "ring-cp-tp-dp"])
+@pytest.mark.parametrize("backend,world", [("p2p", 2), ("all2all", 2), ("p2p", 8), ("all2all", 8)],
+                         ids=["ring", "ulysses", "ring-cp-tp-dp", "ulysses-cp-tp-dp"])
 def test_simulate_on_meta_sends_what_the_real_context_parallel_run_sends(backend, world):
     """`dist.simulate` of each rank with the HF Llama and its batches on the meta device: HF
     builds no attention mask under the plans (reading an all-ones mask or the positions, as

@@ -21,6 +21,9 @@ import numpy as np
 import torch.distributed as tdist
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+from torch.overrides import TorchFunctionMode
 
 from ..comm import backend
 from ..runtime.local_region import OBSERVES_ONLY
@@ -224,7 +227,7 @@ def simulate(world_size: int, rank: int, activations: bool = True):
     backend.SIMULATING[0] = True
     sim = Simulation(world_size, rank)
     try:
-        with sim.activations if activations else contextlib.nullcontext():
+        with sim.activations if activations else contextlib.nullcontext(), _FusedAttentionOnMeta():
             yield sim
     finally:
         backend.SIMULATING[0] = False
@@ -235,6 +238,38 @@ def simulate(world_size: int, rank: int, activations: bool = True):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    """`F.scaled_dot_product_attention` on meta tensors as on the CPU.  Torch picks sdpa's
+    kernel by the tensors' device: on meta, the math decomposition, whose matmuls and softmax
+    the rules may shard with collectives the real run never makes; the real CPU run calls the
+    fused flash kernel (local on its heads).  Where torch's own choice for these shapes on the
+    CPU is that kernel, the simulation calls it too (its meta function gives the shapes)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and args[0].is_meta \
+                and backend.current_device().type == "cpu":
+            return _flash_on_cpu(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _flash_on_cpu(sdpa, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """sdpa on meta q, k, v through the kernel torch chooses for CPU tensors of these shapes
+    (as the real run's F.scaled_dot_product_attention does)."""
+    def like(t):  # a CPU stand-in of t's shape and dtype, one row allocated
+        return None if t is None else torch.zeros(t.shape[-1], dtype=t.dtype).expand(t.shape)
+
+    choice = torch._fused_sdp_choice(like(q), like(k), like(v), like(attn_mask), dropout_p, is_causal, scale=scale,
+                                     enable_gqa=enable_gqa)
+    if choice != int(SDPBackend.FLASH_ATTENTION):
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # (as torch converts it first)
+        attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(attn_mask.logical_not(), float("-inf"))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                     attn_mask=attn_mask, scale=scale)[0]
 
 
 def _forget_job() -> None:
