@@ -514,7 +514,7 @@ class SdpaOnSep(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args and type(args[0]) is DistTensor \
+        if func is torch._C._nn.scaled_dot_product_attention and args and type(args[0]) is DistTensor \
                 and args[0]._spec.mesh == self.mesh:
             keep = _KEY_PADDING[-1] if _KEY_PADDING else None
             return self.algorithm(self.mesh, self.load_balanced, keep, *args, **kwargs)

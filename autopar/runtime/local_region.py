@@ -112,21 +112,20 @@ class RegionForward:
             or not _STATE["enabled"]
             or (capture_running() and not self._vouched(args, kwargs))
             or _saved_tensor_hooks()
-            or _users_module_hooks(self.module)
         ):
             return self.inner(*args, **kwargs)
         key = _call_key(self.module, args, kwargs)
         if key is None:
             return self.inner(*args, **kwargs)
         region = self.regions.get(key, _UNSEEN)
-        if region is not None and region is not _UNSEEN and not region.still_valid():
+        if region is None or _users_module_hooks(self.module):  # (a refused module needs no look for hooks)
+            return self.inner(*args, **kwargs)
+        if region is not _UNSEEN and not region.still_valid():
             region = _UNSEEN  # a parameter or a setting changed since: verify again
         if region is _UNSEEN:
             self.regions[key] = None  # re-entrant calls during verification go op by op
             out, self.regions[key] = _verify(self.module, self.inner, args, kwargs)
             return out
-        if region is None:
-            return self.inner(*args, **kwargs)
         return region.run(self.inner, args, kwargs)
 
     def _vouched(self, args, kwargs) -> bool:

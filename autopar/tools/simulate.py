@@ -23,7 +23,6 @@ import torch.distributed as tdist
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
-from torch.overrides import TorchFunctionMode
 
 from ..comm import backend
 from ..runtime.local_region import OBSERVES_ONLY
@@ -227,7 +226,7 @@ def simulate(world_size: int, rank: int, activations: bool = True):
     backend.SIMULATING[0] = True
     sim = Simulation(world_size, rank)
     try:
-        with sim.activations if activations else contextlib.nullcontext(), _FusedAttentionOnMeta():
+        with sim.activations if activations else contextlib.nullcontext(), _sdpa_on_meta_as_on_cpu():
             yield sim
     finally:
         backend.SIMULATING[0] = False
@@ -240,19 +239,29 @@ def simulate(world_size: int, rank: int, activations: bool = True):
                 os.environ[k] = v
 
 
-class _FusedAttentionOnMeta(TorchFunctionMode):
+@contextlib.contextmanager
+def _sdpa_on_meta_as_on_cpu():
     """`F.scaled_dot_product_attention` on meta tensors as on the CPU.  Torch picks sdpa's
     kernel by the tensors' device: on meta, the math decomposition, whose matmuls and softmax
     the rules may shard with collectives the real run never makes; the real CPU run calls the
     fused flash kernel (local on its heads).  Where torch's own choice for these shapes on the
-    CPU is that kernel, the simulation calls it too (its meta function gives the shapes)."""
+    CPU is that kernel, the simulation calls it too (its meta function gives the shapes).
+    The function itself stands in for torch's while simulating (a torch-function mode would
+    tax every call, and `--calibrate` times calls under `simulate`); a call made while a mode
+    is active (context parallel's) goes to the mode first, whose own call comes back here."""
+    original = torch._C._nn.scaled_dot_product_attention
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args and args[0].is_meta \
+    def sdpa(*args, **kwargs):
+        if len(args) >= 3 and args[0].is_meta and not torch._C._is_torch_function_mode_enabled() \
                 and backend.current_device().type == "cpu":
-            return _flash_on_cpu(func, *args, **kwargs)
-        return func(*args, **kwargs)
+            return _flash_on_cpu(original, *args, **kwargs)
+        return original(*args, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 def _flash_on_cpu(sdpa, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
