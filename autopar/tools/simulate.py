@@ -248,8 +248,12 @@ def _sdpa_on_meta_as_on_cpu():
     CPU is that kernel, the simulation calls it too (its meta function gives the shapes).
     The function itself stands in for torch's while simulating (a torch-function mode would
     tax every call, and `--calibrate` times calls under `simulate`); a call made while a mode
-    is active (context parallel's) goes to the mode first, whose own call comes back here."""
+    is active (context parallel's) goes to the mode first, whose own call comes back here.
+    A function someone else put there (routing to other kernels) is left in place."""
     original = torch._C._nn.scaled_dot_product_attention
+    if F.scaled_dot_product_attention is not original:
+        yield
+        return
 
     def sdpa(*args, **kwargs):
         if len(args) >= 3 and args[0].is_meta and not torch._C._is_torch_function_mode_enabled() \
