@@ -405,8 +405,8 @@ def _inputs():
 
 def _train(model, opt, loss_fn, static, batches):
     """SGD steps over `batches` (the model's input, then the loss's other arguments), eager or
-    as a `to_static` program (captured at the first step, replayed after): the losses and the
-    last step's comm_log."""
+    as a `to_static` program (captured at the first step, replayed after): the losses, the
+    last step's comm_log and the program (None when eager)."""
     import autopar as dist
 
     step = dist.to_static(model, None, loss_fn, opt) if static else None
@@ -421,7 +421,7 @@ def _train(model, opt, loss_fn, static, batches):
                 opt.step()
                 opt.zero_grad()
         losses.append(float(loss))
-    return losses, [(c.op, c.ranks, c.bytes) for c in log]
+    return losses, [(c.op, c.ranks, c.bytes) for c in log], step.dist_main_program() if static else None
 
 
 def _attention_steps(backend, static):
@@ -434,8 +434,9 @@ def _attention_steps(backend, static):
     plan = {"0": dist.ContextParallel(backend)}
     model, opt = dist.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh,
                                   {"mp_config": {"parallelize_plan": plan}})
-    losses, log = _train(model, opt, _squares, static, [(dist.shard_sequence(x, mesh, 1, backend),) for x in _inputs()])
-    return losses, {k: dist.unshard_dtensor(v).detach() for k, v in model.state_dict().items()}, log
+    losses, log, program = _train(model, opt, _squares, static,
+                                  [(dist.shard_sequence(x, mesh, 1, backend),) for x in _inputs()])
+    return losses, {k: dist.unshard_dtensor(v).detach() for k, v in model.state_dict().items()}, log, program
 
 
 @pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
@@ -443,8 +444,9 @@ def test_to_static_replays_context_parallel_attention(backend):
     """`to_static` of a step whose attention is the ring or Ulysses: the captured program
     gives the eager step's losses and weights bit for bit (and one process's to rtol 1e-5)
     and sends what the eager step sends: the ring's K/V block once in the forward and K/V
-    and their gradients in the backward (1 + 3 sends of this rank's K and V, each a blocking
-    exchange in the program), Ulysses's four all-to-alls each way."""
+    and their gradients in the backward (1 + 3 sends of this rank's K and V), Ulysses's four
+    all-to-alls each way.  The program overlaps the ring's transfers as the eager step does:
+    each send and receive is posted before a block's attention and arrives after it."""
     model = torch.nn.Sequential(_SelfAttention())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = []
@@ -456,7 +458,7 @@ def test_to_static_replays_context_parallel_attention(backend):
         ref.append(loss.item())
     local_kv = 2 * B * HEADS * SEQ // 2 * DIM * 4
     eager, static = run_dist(_attention_steps, 2, backend, False), run_dist(_attention_steps, 2, backend, True)
-    for rank, ((losses, weights, log), (s_losses, s_weights, s_log)) in enumerate(zip(eager, static)):
+    for rank, ((losses, weights, log, _), (s_losses, s_weights, s_log, program)) in enumerate(zip(eager, static)):
         assert s_losses == losses and s_log == log, (rank, s_log, log)
         np.testing.assert_allclose(s_losses, ref, rtol=1e-5)
         for k, v in model.state_dict().items():
@@ -466,8 +468,24 @@ def test_to_static_replays_context_parallel_attention(backend):
         if backend == "p2p":
             assert moved == [("send", local_kv), ("recv", 0)] * 4, s_log
             assert {r for op, r, _ in s_log if op == "send"} == {(rank, 1 - rank)}
+            _assert_posted_around_attention(program, posts=4)
         else:
             assert moved == [("all_to_all", local_kv // 4)] * 8, s_log
+
+
+def _assert_posted_around_attention(program: str, posts: int, layers: int = 1) -> None:
+    """`program` posts its `posts` sends and receives, each arriving after some attention
+    kernel (forward or backward) ran since it was posted: the transfers overlap the ring's
+    blocks; all but each layer's last hop of the gradients home, after its last block."""
+    lines = program.splitlines()
+    assert f"send x{posts}, recv x{posts}" in lines[0], lines[0]
+    for op in ("send", "recv"):
+        posted = [n for n, line in enumerate(lines) if line.startswith(f"post {op}(")]
+        arrived = [n for n, line in enumerate(lines) if line.startswith(f"arrive {op}(")]
+        assert len(posted) == len(arrived) == posts, (op, posted, arrived)
+        bare = [(p, a) for p, a in zip(posted, arrived)
+                if not any("scaled_dot_product_flash_attention" in line for line in lines[p:a])]
+        assert all(p < a for p, a in zip(posted, arrived)) and len(bare) == layers, bare
 
 
 _CP_TP_DP = ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["dp", "sep", "mp"])
@@ -547,9 +565,10 @@ def test_to_static_replays_hf_llama_under_the_context_parallel_plans(backend):
     ref = hf_llama.reference(hf_llama.batches(5, batch=2), attention="sdpa")[0]
     kv = 2 * (2 * hf_llama.KV_HEADS * hf_llama.SEQ // 2 * (hf_llama.HIDDEN // hf_llama.HEADS) * 4)  # batch 2, fp32
     eager, static = run_dist(_llama_static_steps, 2, backend, False), run_dist(_llama_static_steps, 2, backend, True)
-    for (losses, log), (s_losses, s_log) in zip(eager, static):
+    for (losses, log, _), (s_losses, s_log, program) in zip(eager, static):
         assert s_losses == losses and s_log == log, (s_log, log)
         np.testing.assert_allclose(s_losses, ref, rtol=1e-5)
         assert ("all_to_all" in {op for op, *_ in log}) == (backend == "all2all")
         if backend == "p2p":  # per layer: K/V once in the forward, K/V and their gradients in the backward
             assert [b for op, _, b in log if op == "send" and b == kv] == [kv] * 4 * 2, log
+            _assert_posted_around_attention(program, posts=4 * 2, layers=2)

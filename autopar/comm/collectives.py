@@ -16,13 +16,13 @@ import torch.distributed as tdist
 from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 
 from ..placement import ReduceType
-from . import exits
 from .backend import SIMULATING, current_device, get_rank, group_for
 from .exits import wait_for
-from .faults import arrive, check_signature, debugging, fail
+from .faults import enter, fail
 from .log import blocked_since, record
 from .fake import filling_outputs, plausible
-from .observers import _CAPTURES, _STARTS, capture_running  # (read on every transfer)
+from .inflight import Arrival, Post
+from .observers import _CAPTURES, seen_whole  # (read on every transfer)
 
 _TORCH_OP = {
     ReduceType.SUM: tdist.ReduceOp.SUM,
@@ -76,22 +76,6 @@ def _check_ordered(op: str, t: torch.Tensor, reduce_type: ReduceType, ranks) -> 
         )
 
 
-def _enter(op: str, ranks, t: torch.Tensor) -> int:
-    """Count this rank into the collective (see `faults`); under AUTOPAR_DEBUG_COLLECTIVES=1
-    first check that every member calls the same op on the same shapes.  Point-to-point
-    transfers (whose rank lists differ between the sides) are neither counted nor checked."""
-    if op == "send/recv":
-        return 0
-    if debugging():
-        check_signature(op, ranks, t)
-    seq = arrive(ranks)
-    if exits._GONE:  # (a peer left the program: one that left before this collective never comes)
-        gone = exits.left_before(ranks, seq)
-        if gone is not None:
-            fail(op, ranks, seq, gone)
-    return seq
-
-
 def reading_values(what: str) -> None:
     """A distributed tensor's values are about to be read into Python (`.tolist()`,
     `.numpy()`): an attached capture refuses, as it cannot replay a value-dependent step."""
@@ -106,12 +90,13 @@ class Wire:
     them).  Kept whole so that a captured program can replay it."""
 
     __slots__ = ("op", "ranks", "run", "logs", "after")
+    half = ""  # (whole: see `inflight` for the transfers made in two halves)
 
     def __init__(self, op: str, ranks, run, logs: tuple, after=None):
         self.op, self.ranks, self.run, self.logs, self.after = op, tuple(ranks), run, logs, after
 
     def __call__(self, *tensors) -> None:
-        seq = _enter(self.op, self.ranks, tensors[-1])
+        seq = enter(self.op, self.ranks, tensors[-1])
         start = time.perf_counter()
         try:
             if SIMULATING[0]:  # the fake group copies the input to the outputs: the transfer's bytes
@@ -135,19 +120,8 @@ class Wire:
 
 def _wire(op: str, ranks, run, tensors: tuple, sent: int = 0, received: int = 0, shape: tuple = (),
           logs: tuple | None = None, after=None) -> None:
-    wire = Wire(op, ranks, run, ((op, tuple(ranks), sent, received, shape),) if logs is None else logs, after)
-    if not _CAPTURES:
-        wire(*tensors)
-        return
-    for capture in _CAPTURES:
-        capture.enter_wire()
-    try:
-        wire(*tensors)
-    finally:
-        for capture in _CAPTURES:
-            capture.exit_wire()
-    for capture in _CAPTURES:
-        capture.wire(wire, tensors)
+    seen_whole(Wire(op, ranks, run, ((op, tuple(ranks), sent, received, shape),) if logs is None else logs, after),
+               tensors)
 
 
 def all_gather_into(t: torch.Tensor, ranks: tuple) -> torch.Tensor:
@@ -328,103 +302,70 @@ def _reduce_terms(terms: torch.Tensor, out: torch.Tensor, reduce_type: ReduceTyp
 
 class Pending:
     """A collective in flight (`all_reduce_start`, `reduce_scatter_start`, `all_gather_start`):
-    `wait()` returns its result, logged once it has arrived.  `moved`: the (output, input)
-    tensors the transfer writes and reads, given values a program can go on with when simulated."""
+    `wait()` returns its result, logged once it has arrived (its `inflight.Arrival`, which a
+    capture sees as the second half of the transfer)."""
 
-    __slots__ = ("op", "out", "work", "ranks", "log", "finish", "seq", "moved")
+    __slots__ = ("out", "arrival", "tensors")
 
-    def __init__(self, op: str, out: torch.Tensor, work, ranks: tuple, log: tuple = (), finish=None, seq: int = 0,
-                 moved: tuple = ()):
-        self.op, self.out, self.work, self.ranks, self.log, self.finish = op, out, work, tuple(ranks), log, finish
-        self.seq, self.moved = seq, moved
+    def __init__(self, out: torch.Tensor, arrival: Arrival | None = None, tensors: tuple = ()):
+        self.out, self.arrival, self.tensors = out, arrival, tensors
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            work, self.work = self.work, None
-            start = time.perf_counter()
-            try:
-                wait_for(work, self.ranks, self.seq)
-            except RuntimeError as e:
-                fail(self.op, self.ranks, self.seq, e)
-            blocked_since(start)
-            if SIMULATING[0]:
-                plausible(self.op, self.moved, ())
-            record(self.op, self.ranks, *self.log)
-            if self.finish is not None:
-                try:
-                    self.out = self.finish(self.out)
-                except RuntimeError as e:  # a max/min's NaN check moves bytes too
-                    fail(self.op, self.ranks, self.seq, e)
+        if self.arrival is not None:
+            arrival, self.arrival = self.arrival, None
+            seen_whole(arrival, self.tensors)
         return self.out
 
 
-def _done(op: str, out: torch.Tensor, ranks) -> Pending:
-    return Pending(op, out, None, ranks)
-
-
-def _started(op: str, ranks: tuple, post, t: torch.Tensor, out: torch.Tensor, log: tuple, finish=None,
-             moved: tuple | None = None) -> Pending:
-    """Post a collective reading `t` into `out` (`moved`: the transfer's (output, input) where
-    they are other tensors) and return it in flight."""
-    seq = _enter(op, ranks, t)
-    try:
-        if SIMULATING[0]:
-            with filling_outputs():
-                work = post()
-        else:
-            work = post()
-    except RuntimeError as e:
-        fail(op, ranks, seq, e)
-    for observer in _STARTS:
-        observer.started(op, tuple(ranks))
-    return Pending(op, out, work, ranks, log, finish, seq, (out, t) if moved is None else moved)
-
-
-def _synchronous(ranks) -> bool:
-    """Run a `*_start` collective at once: nothing to overlap, or a capture (which replays
-    transfers one by one) is attached."""
-    return len(ranks) == 1 or capture_running()
+def _started(op: str, ranks: tuple, start, tensors: tuple, out: torch.Tensor, log: tuple, finish=None,
+             moved: int = 2) -> Pending:
+    """Post a collective over `tensors` (the input last; `start(*tensors)` posts it, `finish(*tensors)`
+    completes `out` once it has arrived; `moved`: how many of the last tensors are the
+    transfer's outputs and input) and return it in flight."""
+    post = Post(op, ranks, start)
+    seen_whole(post, tensors)
+    return Pending(out, Arrival(post, ((op, tuple(ranks)) + log,), finish, moved), tensors)
 
 
 def all_reduce_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> Pending:
     """Start reducing `t` (contiguous and the caller's: reduced in place) over the members and
     return at once, so that computation goes on while the bytes move."""
     _check_ordered("all_reduce", t, reduce_type, ranks)
-    if _synchronous(ranks) or _sendable(t) is not t or t.dtype in _WIDER:
-        return _done("all_reduce", all_reduce(t, ranks, reduce_type, inplace=True), ranks)
+    if len(ranks) == 1 or _sendable(t) is not t or t.dtype in _WIDER:
+        return Pending(all_reduce(t, ranks, reduce_type, inplace=True))
     k = len(ranks)
     moved = _all_reduce_bytes(t, k)
+    log = (moved, moved, tuple(t.shape))
     terms = _gathered_terms(t, k)
     if terms is not None:
-        return _started("all_reduce", ranks, lambda: _gather_terms(ranks, terms, t), t, t,
-                        (moved, moved, tuple(t.shape)), lambda out: _reduce_terms(terms, out, reduce_type, k),
-                        (terms, t))
+        return _started("all_reduce", ranks, lambda terms, t: _gather_terms(ranks, terms, t), (terms, t), t, log,
+                        lambda terms, t: _reduce_terms(terms, t, reduce_type, k))
     opts = _all_reduce_options(reduce_type)
     keep = _KeepNaN.needed(t, reduce_type, ranks)
-    return _started("all_reduce", ranks, lambda: _post_all_reduce(ranks, t, opts, keep), t, t,
-                    (moved, moved, tuple(t.shape)),
-                    keep.restore if keep is not None else lambda out: _all_reduced(out, reduce_type, k), (t,))
+    return _started("all_reduce", ranks, lambda t: _post_all_reduce(ranks, t, opts, keep), (t,), t, log,
+                    keep.restore if keep is not None else lambda t: _all_reduced(t, reduce_type, k), 1)
 
 
 def reduce_scatter_start(t: torch.Tensor, ranks: tuple, reduce_type: ReduceType = ReduceType.SUM) -> Pending:
     """`reduce_scatter`, started: `wait()` returns this member's piece."""
     _check_ordered("reduce_scatter", t, reduce_type, ranks)
     k = len(ranks)
-    if _synchronous(ranks) or reduce_type not in (ReduceType.SUM, ReduceType.AVG) or t.dtype in _WIDER:
-        return _done("reduce_scatter", reduce_scatter(t, ranks, reduce_type), ranks)
+    if k == 1 or reduce_type not in (ReduceType.SUM, ReduceType.AVG) or t.dtype in _WIDER:
+        return Pending(reduce_scatter(t, ranks, reduce_type))
     out = _reduce_scatter_out(t, k)
     t = _sendable(t)
     moved = (k - 1) * _nbytes(out)
+    log = (moved, moved, tuple(t.shape))
     if _on_host(t):
         pieces = torch.empty_like(t)
-        return _started("reduce_scatter", ranks, lambda: _swap_pieces(ranks, pieces, t), t, out,
-                        (moved, moved, tuple(t.shape)),
-                        lambda o: _reduce_terms(pieces.view((k,) + tuple(o.shape)), o, reduce_type, k), (pieces, t))
+        return _started("reduce_scatter", ranks, lambda out, pieces, t: _swap_pieces(ranks, pieces, t),
+                        (out, pieces, t), out, log,
+                        lambda out, pieces, t: _reduce_terms(pieces.view((k,) + tuple(out.shape)), out, reduce_type, k))
     opts = _reduce_scatter_options(reduce_type)
-    finish = (lambda o: o.div_(k)) if reduce_type is ReduceType.AVG else None
+    finish = (lambda out, t: out.div_(k)) if reduce_type is ReduceType.AVG else None
     return _started("reduce_scatter", ranks,
-                    lambda: group_for(ranks)._reduce_scatter_base(_real(out), _real(t), opts), t, out,
-                    (moved, moved, tuple(t.shape)), finish)
+                    lambda out, t: group_for(ranks)._reduce_scatter_base(_real(out), _real(t), opts), (out, t), out,
+                    log, finish)
 
 
 def _on_host(t: torch.Tensor) -> bool:
@@ -439,11 +380,11 @@ def _swap_pieces(ranks: tuple, pieces: torch.Tensor, t: torch.Tensor):
 
 def all_gather_start(t: torch.Tensor, ranks: tuple) -> Pending:
     """`all_gather_into`, started: `wait()` returns every member's `t` along dim 0, in mesh order."""
-    if _synchronous(ranks):
-        return _done("all_gather", all_gather_into(t, ranks), ranks)
+    if len(ranks) == 1:
+        return Pending(t)
     t, out, n = _all_gather_buffers(t, len(ranks))
-    return _started("all_gather", ranks, lambda: group_for(ranks)._allgather_base(_real(out), _real(t)), t, out,
-                    (n, n, tuple(t.shape)))
+    return _started("all_gather", ranks, lambda out, t: group_for(ranks)._allgather_base(_real(out), _real(t)),
+                    (out, t), out, (n, n, tuple(t.shape)))
 
 
 def _reduce_scatter_options(reduce_type: ReduceType) -> ReduceScatterOptions:

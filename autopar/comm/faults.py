@@ -345,3 +345,19 @@ def _leave() -> None:
     except Exception:  # the store's host has gone: nobody is left to wait for
         pass
     destroy_groups()
+
+
+def enter(op: str, ranks, t: torch.Tensor) -> int:
+    """Count this rank into the collective (see above); under AUTOPAR_DEBUG_COLLECTIVES=1
+    first check that every member calls the same op on the same shapes.  Point-to-point
+    transfers (whose rank lists differ between the sides) are neither counted nor checked."""
+    if op == "send/recv":
+        return 0
+    if debugging():
+        check_signature(op, ranks, t)
+    seq = arrive(ranks)
+    if exits._GONE:  # (a peer left the program: one that left before this collective never comes)
+        gone = exits.left_before(ranks, seq)
+        if gone is not None:
+            fail(op, ranks, seq, gone)
+    return seq

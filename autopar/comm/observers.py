@@ -1,11 +1,11 @@
 """Who watches the transfers, and how they attach: declared interfaces, attached for a scope.
 
-A *capture* sees every blocking transfer whole (`to_static`'s program recorder, a local
-region's verification and the guard of its trial run) and every read of values into Python;
+A *capture* sees every transfer whole (`to_static`'s program recorder, a local region's
+verification and the guard of its trial run; one that overlaps what follows as its post and
+its arrival, `comm.inflight`) and every read of values into Python;
 a *start observer* hears each collective started to overlap with what follows (the
 planner's step recorder).  Nothing else holds them: `capturing(c)` and `observing_starts(o)`
-attach one for the `with` block, and `capture_running()` says whether any capture is on
-(a collective that could overlap then runs at once, so that a capture replays it in order).
+attach one for the `with` block, and `capture_running()` says whether any capture is on.
 
 >>> from autopar.comm import collectives, observers
 >>> class Reads(observers.CaptureBase):  # sees value reads; ignores transfers
@@ -22,7 +22,7 @@ False
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 if TYPE_CHECKING:
     from .collectives import Wire
@@ -38,7 +38,8 @@ class TransferCapture(Protocol):
         """The transfer's own ops are done (also when it raised)."""
 
     def wire(self, wire: Wire, tensors: tuple) -> None:
-        """The transfer went through: `wire(*tensors)` runs it again."""
+        """The transfer went through: `wire(*tensors)` runs it again.  A transfer that overlaps
+        what follows comes as two: its post and, later, its arrival (`comm.inflight`)."""
 
     def value_read(self, what: str) -> None:
         """A distributed tensor's values are about to be read into Python (`what`: how)."""
@@ -98,6 +99,25 @@ def capture_paused() -> Iterator[None]:
         yield
     finally:
         _CAPTURES.extend(paused)
+
+
+def seen_whole(transfer: Callable, tensors: tuple) -> None:
+    """Run `transfer(*tensors)` as one transfer for the attached captures: the ops it runs
+    itself are its own (`enter_wire`/`exit_wire` around them), and each capture then sees it
+    whole (`wire`)."""
+    if not _CAPTURES:
+        transfer(*tensors)
+        return
+    captures = tuple(_CAPTURES)
+    for capture in captures:
+        capture.enter_wire()
+    try:
+        transfer(*tensors)
+    finally:
+        for capture in captures:
+            capture.exit_wire()
+    for capture in captures:
+        capture.wire(transfer, tensors)
 
 
 def capture_running() -> bool:

@@ -3,7 +3,9 @@
 `isend`/`irecv` return at once with a `P2PWork`; `wait()` blocks until the bytes have moved.
 Each goes over a *channel*: a 2-rank group of its own per name (`backend.channel_group`), so
 the messages of one stage edge are matched in posting order on every backend and never
-taken for another edge's.  Both are recorded in `comm_log` when posted (`send` / `recv`).
+taken for another edge's.  Both are recorded in `comm_log` when posted (`send` / `recv`); a
+captured program holds each as its post and its arrival (`inflight`), and overlaps it as the
+eager step did.
 
 `deferred_sends()` lets the cross-mesh transfers of an annotated model (`exchange`, which
 `reshard` calls) return once their receives are done, without waiting for their sends: a
@@ -21,38 +23,71 @@ import torch.distributed as tdist
 
 from .backend import SIMULATING, CommError, channel_group, get_rank
 from .collectives import _nbytes, _real, _sendable, send_recv
-from .log import blocked_since, record
 from .fake import received
-from .observers import capture_running
+from .inflight import Arrival, Post
+from .log import blocked_since, record
+from .observers import capture_running, seen_whole
+
+
+class _PointPost(Post):
+    """A send's or receive's first half: neither counted nor announced as a collective (the
+    two sides' rank lists differ), logged when posted."""
+
+    __slots__ = ("peer", "channel")
+
+    def __init__(self, op: str, peer: int, channel: str, t: torch.Tensor):
+        me = get_rank()
+        pair = _pair(me, peer)
+        group, index = channel_group(pair, channel), pair.index(peer)
+        if op == "send":
+            start, ranks, nbytes = (lambda t: group.send([_real(t)], index, 0)), (me, peer), (_nbytes(t), 0)
+        else:
+            start, ranks, nbytes = (lambda buf: group.recv([_real(buf)], index, 0)), (peer, me), (0, _nbytes(t))
+        super().__init__(op, ranks, start, ((op, ranks) + nbytes + (tuple(t.shape),),))
+        self.peer, self.channel = peer, channel
+
+    def counted(self, t) -> int:
+        return 0
+
+    def announce(self) -> None:
+        pass
+
+    def failed(self, err: RuntimeError):
+        direction = "to" if self.op == "send" else "from"
+        raise CommError(
+            f"{self.op} {direction} rank {self.peer} on channel {self.channel!r} failed on rank {get_rank()}: "
+            f"{err}. The peer may have crashed or not reached this transfer (timeout: AUTOPAR_TIMEOUT)."
+        ) from err
+
+
+class _PointArrival(Arrival):
+    __slots__ = ()
+
+    def wait(self, work) -> None:
+        work.wait()  # (unsliced: a timed gloo send or receive wait closes the pair, see `exits`)
+
+    def simulated(self, tensors: tuple) -> None:
+        if self.op == "recv":
+            received(tensors[0])
 
 
 class P2PWork:
     """One posted send or receive; `wait()` returns its tensor once the transfer is done."""
 
-    __slots__ = ("work", "op", "peer", "tensor", "channel")
+    __slots__ = ("arrival", "tensor")
 
-    def __init__(self, work, op: str, peer: int, tensor: torch.Tensor, channel: str):
-        self.work, self.op, self.peer, self.tensor, self.channel = work, op, peer, tensor, channel
+    def __init__(self, post: _PointPost, tensor: torch.Tensor):
+        seen_whole(post, (tensor,))
+        self.arrival, self.tensor = _PointArrival(post), tensor
 
     def wait(self) -> torch.Tensor:
-        work, self.work = self.work, None
-        if work is not None:
-            start = time.perf_counter()
-            try:
-                work.wait()
-            except RuntimeError as e:
-                direction = "to" if self.op == "send" else "from"
-                raise CommError(
-                    f"{self.op} {direction} rank {self.peer} on channel {self.channel!r} failed on rank {get_rank()}: "
-                    f"{e}. The peer may have crashed or not reached this transfer (timeout: AUTOPAR_TIMEOUT)."
-                ) from e
-            blocked_since(start)
-            if SIMULATING[0] and self.op == "recv":
-                received(self.tensor)
+        arrival, self.arrival = self.arrival, None
+        if arrival is not None:
+            seen_whole(arrival, (self.tensor,))
         return self.tensor
 
     def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
+        return self.arrival is None or self.arrival.post.is_completed()
 
 
 def _pair(me: int, peer: int) -> tuple:
@@ -61,20 +96,12 @@ def _pair(me: int, peer: int) -> tuple:
 
 def isend(t: torch.Tensor, dst: int, channel: str) -> P2PWork:
     """Start sending `t` (contiguous; keep it unchanged until `wait`) to global rank `dst`."""
-    me = get_rank()
-    ranks = _pair(me, dst)
-    work = channel_group(ranks, channel).send([_real(t)], ranks.index(dst), 0)
-    record("send", (me, dst), _nbytes(t), 0, tuple(t.shape))
-    return P2PWork(work, "send", dst, t, channel)
+    return P2PWork(_PointPost("send", dst, channel, t), t)
 
 
 def irecv(buf: torch.Tensor, src: int, channel: str) -> P2PWork:
     """Start receiving into `buf` (contiguous) from global rank `src`."""
-    me = get_rank()
-    ranks = _pair(me, src)
-    work = channel_group(ranks, channel).recv([_real(buf)], ranks.index(src), 0)
-    record("recv", (src, me), 0, _nbytes(buf), tuple(buf.shape))
-    return P2PWork(work, "recv", src, buf, channel)
+    return P2PWork(_PointPost("recv", src, channel, buf), buf)
 
 
 class SendWindow:

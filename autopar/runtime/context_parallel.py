@@ -34,8 +34,6 @@ from torch.overrides import TorchFunctionMode
 
 from ..comm import p2p
 from ..comm.backend import channel_group, get_rank
-from ..comm.collectives import send_recv
-from ..comm.observers import capture_running
 from ..mesh import ProcessMesh
 from ..placement import Partial, Replicate, Shard
 from ..spec import DistSpec, TensorMeta
@@ -239,15 +237,9 @@ class Ring:
         return q, k, vs[b], False, mask, seen.any(-1)
 
     def pass_on(self, buf: torch.Tensor, channel: str) -> tuple:
-        """Post sending `buf` to the next rank and receiving its like from the previous one.
-        While a capture is attached (`to_static`'s recorder, a local region's check), the two
-        go as one blocking exchange, which a captured program replays whole and in order (it
-        cannot carry posted transfers across the ops between post and wait)."""
+        """Post sending `buf` to the next rank and receiving its like from the previous one
+        (a captured program replays both posted, as they are here: `comm.inflight`)."""
         incoming = torch.empty_like(buf)
-        if capture_running():
-            send_recv([(buf, self.next)], [(incoming, self.prev)])
-            return p2p.P2PWork(None, "send", self.next, buf, channel), p2p.P2PWork(None, "recv", self.prev, incoming,
-                                                                                   channel)
         return p2p.isend(buf, self.next, channel), p2p.irecv(incoming, self.prev, channel)
 
 

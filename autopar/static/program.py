@@ -65,7 +65,7 @@ class Entry:
         if self.wire:
             w = self.fn
             sent = sum(log[2] for log in w.logs)
-            return f"{w.op}({args}) ranks={list(w.ranks)} sent={sent} B"
+            return f"{w.half}{w.op}({args}) ranks={list(w.ranks)}" + (f" sent={sent} B" if w.logs else "")
         outs = ", ".join(repr(o) if o is not None else "_" for o in self.outs)
         return f"{outs or '_'} = {self.fn}({args})"
 
@@ -162,12 +162,13 @@ class Program:
             return self._replay(list(inputs))
 
     def __str__(self) -> str:
+        halves = [e.fn for e in self.entries if e.wire]
         wires = self.wires()
         kinds: dict = {}
         for w in wires:
             kinds[w.op] = kinds.get(w.op, 0) + 1
-        sent = sum(log[2] for w in wires for log in w.logs)
-        head = (f"{len(self.entries) - len(wires)} local ops, {len(wires)} transfers "
+        sent = sum(log[2] for w in halves for log in w.logs)
+        head = (f"{len(self.entries) - len(halves)} local ops, {len(wires)} transfers "
                 f"({', '.join(f'{k} x{n}' for k, n in kinds.items()) or 'none'}), {sent} B sent by this rank; "
                 + (f"inputs %0..%{self.n_inputs - 1}" if self.n_inputs else "no inputs"))
         lines = [head] + [str(e) for e in self.entries]
@@ -175,8 +176,8 @@ class Program:
         return "\n".join(lines)
 
     def wires(self) -> list:
-        """The transfers, in order."""
-        return [e.fn for e in self.entries if e.wire]
+        """The transfers, in order (one that overlaps what follows by its post)."""
+        return [e.fn for e in self.entries if e.wire and e.fn.half != "arrive "]
 
 
 _ALIASES = {aten.detach.default, aten.alias.default}
