@@ -127,10 +127,16 @@ def seed_of(*parts) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode())
 
 
+def _seed(seed: int) -> None:
+    """Seed the CPU generator the sweep's ops draw from (`torch.manual_seed` also seeds every
+    accelerator module, a millisecond a call with CPU-only torch: seconds over the sweep)."""
+    torch.random.default_generator.manual_seed(seed)
+
+
 def make_samples(op, dtype, n: int) -> list:
     """The first n samples, seeded by op and dtype: `--ops` reruns draw the sweep's samples."""
     seed = seed_of(full_name(op), dtype)
-    torch.manual_seed(seed)
+    _seed(seed)
     random.seed(seed)
     try:
         import numpy as np
@@ -312,10 +318,10 @@ def reference(op, sample, seed) -> Reference:
     the output depends on the random stream; OpInfo's has_nondeterministic_output, uninitialised
     memory, counts as random too), then its gradients.  Raises what the op raises."""
     parts = clone_parts(sample_parts(sample))
-    torch.manual_seed(seed)
+    _seed(seed)
     out = call(op, parts)
     outs = leaves(out)
-    torch.manual_seed(seed + 1)
+    _seed(seed + 1)
     again = leaves(call(op, clone_parts(sample_parts(sample))))
     rand = op.has_nondeterministic_output or compare(
         [o.detach() if isinstance(o, torch.Tensor) else o for o in again],
@@ -519,7 +525,7 @@ def run_lib(lib, op, sample, placement, ref: Reference, tol, seed) -> dict:
     try:
         with lib.watch(fb_fwd):
             parts = clone_parts(sample_parts(sample), lambda t, rg: lib.distribute(t, next(dims), rg))
-            torch.manual_seed(seed)
+            _seed(seed)
             out = call(op, parts)
             got = [lib.full(o) for o in leaves(out)]
     except Exception as e:

@@ -24,7 +24,7 @@ from plain_process import evaluated
 
 LLAMA_405B_128K = dataclasses.replace(PRESETS["llama3-405b"], seq=131072)
 # the layout `dist.plan(LLAMA_405B_128K, world_size=16384, global_batch=128, device="h100")`
-# chooses (docs/plan.md; its search takes 5-10 s, the degrees pinned here take none)
+# chooses (docs/plan.md; its search takes about 4 s, the degrees pinned here take none)
 PLANNED_405B = {"dp": 1, "cp": 64, "cp_mode": "ring", "mp": 8, "pp": 32, "vpp": 2, "zero": 0}
 ROLES = {"first": 0, "middle": 1, "last": PLANNED_405B["pp"] - 1}  # pipeline stage of each role
 WORLD = 16384

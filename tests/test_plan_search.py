@@ -154,3 +154,22 @@ def test_an_integer_program_stopped_by_its_time_limit_gives_its_best_split_unpro
     monkeypatch.setattr(search_module, "SOLVE_SECONDS", 60.0)
     split, proven = search_module.solve_split(terms, shape, big.layers, 80e9)
     assert proven and sum(split[0]) == big.layers
+
+
+def test_the_solver_prunes_what_cannot_beat_the_runner_up_and_chooses_the_same(monkeypatch):
+    """Each integer program gets the step time it must beat (the runner-up's, or its degrees'
+    best): pruned by it, programs that cannot beat it stop early, and the search returns the
+    layouts a search solving every program to its optimum returns."""
+    import autopar.planner.search as planner_search
+
+    llama3_70b = TransformerSpec(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=4096)
+    fixed = {"mp": 8, "zero": 1, "cp": 1}  # (a few shapes: the search without pruning takes seconds)
+    pruned = search(llama3_70b, 1024, 1024, "h100", fixed=fixed)
+    solve = planner_search.solve_split
+    monkeypatch.setattr(planner_search, "solve_split", lambda terms, shape, layers, limit, cutoff: solve(
+        terms, shape, layers, limit))
+    whole = search(llama3_70b, 1024, 1024, "h100", fixed=fixed)
+    # (a program that finds nothing counts as cut off where it had a step time to beat: both
+    # searches count the ones that cannot fit so, the pruned one also those stopped early)
+    assert pruned.cut_off > whole.cut_off and pruned.solved == whole.solved
+    assert pruned.best.layout == whole.best.layout and pruned.runner_up.layout == whole.runner_up.layout

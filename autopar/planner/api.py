@@ -227,6 +227,8 @@ def plan(
         f"interleaved over {'/'.join(map(str, VPP_DEGREES[1:]))} chunks per stage"
         + (f", fixed {fixed}" if fixed else "") + f"); for {result.solved} of them HiGHS solved the integer "
         f"program of layers and recomputed layers per stage ({result.infeasible} cannot fit {limit / GB:.1f} GB"
+        + (f", {result.cut_off} have no split that fits and beats the layouts found before them"
+           if result.cut_off else "")
         + (f"; {result.too_big} more hold more than that in parameters and states alone" if result.too_big else "")
         + (f", {result.unproven} stopped at {SOLVE_SECONDS:g} s without proof" if result.unproven else "") + "), "
         f"{result.bounded} were bounded out by a step-time lower bound. "

@@ -9,11 +9,13 @@ each pipeline stage gets and how many of them it recomputes, minimising the 1F1B
 time subject to every stage's memory.  Stages differ (the first holds the embedding and
 the most micro-batches in flight, the last the LM head and logits), so uneven splits and
 per-stage recompute are real choices.  Shapes are visited by a lower bound on their step
-time and skipped once the bound passes the runner-up.
+time and skipped once the bound passes the runner-up; the solver itself prunes what cannot
+beat the runner-up or the shape's degrees' best.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -106,10 +108,13 @@ SOLVE_SECONDS = 5.0  # per integer program; past it the best split found so far 
 GAP = 1e-7  # relative optimality gap at which HiGHS may stop
 
 
-def solve_split(terms: list, shape: Shape, layers: int, memory_limit: float) -> tuple[Optional[tuple], bool]:
+def solve_split(terms: list, shape: Shape, layers: int, memory_limit: float,
+                cutoff: float = math.inf) -> tuple[Optional[tuple], bool]:
     """((stage_layers, recompute), proven optimal) minimising the step time with every
-    stage's memory within `memory_limit`; (None, proven) if nothing fits or nothing was found
-    in SOLVE_SECONDS.  Variables: k_s >= 1 layers per chunk (n_s = vpp k_s layers per stage)
+    stage's memory within `memory_limit`; (None, proven) if nothing fits, nothing was found
+    in SOLVE_SECONDS, or nothing is faster than `cutoff` (the solver prunes by it: a shape
+    that cannot beat the layouts found before it is proven so without its optimum; the
+    program's step time is at most the evaluated one, so nothing it prunes would have).  Variables: k_s >= 1 layers per chunk (n_s = vpp k_s layers per stage)
     and 0 <= r_s <= n_s recomputed layers per stage (integers), T >= each stage's
     micro-batch time, E >= each stage's end-of-step time; minimise
     (m - 1/vpp) T + sum_s time_s / vpp + E (`model.pipeline_time`)."""
@@ -118,6 +123,8 @@ def solve_split(terms: list, shape: Shape, layers: int, memory_limit: float) -> 
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", GAP)
     h.setOptionValue("time_limit", SOLVE_SECONDS)
+    if cutoff < math.inf:
+        h.setOptionValue("objective_bound", cutoff)
     k = [h.addIntegral(lb=1, ub=layers // v) for _ in range(pp)]
     n = [v * x for x in k]
     r = [h.addIntegral(lb=0, ub=layers) for _ in range(pp)]
@@ -179,6 +186,7 @@ class SearchResult:
     solved: int  # integer programs solved (the others were bounded out)
     bounded: int
     infeasible: int = 0
+    cut_off: int = 0  # integer programs that found no split fitting and faster than those found before
     unproven: int = 0  # integer programs stopped at SOLVE_SECONDS (their best split so far taken)
     too_big: int = 0  # shapes whose parameters and states alone overflow the memory: never priced
 
@@ -210,7 +218,7 @@ def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
         )
     candidates.sort(key=lambda c: c[0])
     best: dict = {}  # degrees -> their fastest Estimate (ties: the one needing less memory)
-    solved = infeasible = unproven = 0
+    solved = infeasible = cut_off = unproven = 0
     for bound, shape, terms in candidates:
         ranked = sorted(best.values(), key=_rank)
         if len(ranked) >= 2 and bound >= ranked[1].step_time:
@@ -218,11 +226,18 @@ def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
         degrees = (shape.dp, shape.cp, shape.tp, shape.pp, shape.ep)
         if degrees in best and bound >= best[degrees].step_time:
             continue  # cannot improve its degrees' best
+        # no use unless faster than the runner-up and than its degrees' best (a nanosecond
+        # more: `_rank`'s ties go to the one needing less memory)
+        cutoff = min(ranked[1].step_time if len(ranked) >= 2 else math.inf,
+                     best[degrees].step_time if degrees in best else math.inf) + 1e-9
         solved += 1
-        split, proven = solve_split(terms, shape, spec.layers, limit)
+        split, proven = solve_split(terms, shape, spec.layers, limit, cutoff)
         unproven += not proven
         if split is None:
-            infeasible += 1
+            if cutoff < math.inf:
+                cut_off += 1
+            else:
+                infeasible += 1
             continue
         est = evaluate(spec, profile, Layout(shape, *split), limit)
         if degrees not in best or _rank(est) < _rank(best[degrees]):
@@ -236,5 +251,5 @@ def search(spec: TransformerSpec, world: int, global_batch: int, device="h100",
     return SearchResult(
         best=found[0], runner_up=found[1] if len(found) > 1 else None,
         searched=len(enumerated), solved=solved, bounded=len(candidates) - solved, infeasible=infeasible,
-        unproven=unproven, too_big=too_big,
+        cut_off=cut_off, unproven=unproven, too_big=too_big,
     )
