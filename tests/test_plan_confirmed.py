@@ -19,7 +19,7 @@ import torch
 import autopar as dist
 from autopar.planner.cost import H100
 from autopar.planner.describe import apply_recompute
-from autopar.planner.model import PRESETS, Affine, Layout, TransformerSpec, role_terms, stage_terms
+from autopar.planner.model import PRESETS, Affine, LatentAttention, Layout, Shape, TransformerSpec, role_terms, stage_terms
 from plain_process import evaluated
 
 LLAMA_405B_128K = dataclasses.replace(PRESETS["llama3-405b"], seq=131072)
@@ -285,3 +285,61 @@ def test_a_rank_of_the_planned_deepseek_v3_expert_parallel_job_sends_each_token_
     reduced = sum(torch.Size(s).numel() for o, n, b, s in log if o in ("reduce_scatter", "all_reduce") and n == dp
                   and torch.Size(s).numel() > 2)  # (the loss and its token count aside)
     assert reduced == got["params"] - expert_elements
+
+
+# a dense DeepSeek-V3 layer (latent attention, a SwiGLU MLP) of small matrices, its value heads
+# as wide as its query and key heads: torch's fused CPU attention needs that (a GPU's does not,
+# and DeepSeek-V3's 128 against 192 take the fused kernel there); with narrower values sdpa
+# here runs as its math ops, keeping every sequence's scores
+SMALL_MLA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=4, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                 qk_nope_head_dim=8, v_head_dim=16)
+MLA_SEQ = 4096
+
+
+def latent_attention_layer() -> dict:
+    """One middle pipeline rank holding that layer alone (no embedding, final norm or head),
+    one rank, simulated on meta: one 4K-token micro-batch forward and backward; its parameter
+    bytes and the peak of what autograd saved."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(max_position_embeddings=MLA_SEQ, **SMALL_MLA)
+    _unmasked_sdpa(cfg)
+    h = cfg.hidden_size
+    with dist.simulate(1, 0) as sim:
+        with torch.device("meta"):
+            model = DeepseekV3ForCausalLM(cfg)
+        model.lm_head, model.model.norm, model.model.embed_tokens = None, torch.nn.Identity(), None
+        mesh = dist.ProcessMesh([0], dim_names=["dp"])
+        model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), mesh,
+                                      {"dp_config": {"sharding_level": 0}})
+        received = dist.dtensor_from_local(torch.zeros(1, MLA_SEQ, h, device="meta"), mesh, [dist.Shard(0)],
+                                           shape=(1, MLA_SEQ, h)).requires_grad_()
+        out = model.model(inputs_embeds=received).last_hidden_state
+        out.backward(dist.dtensor_from_local(torch.zeros_like(out._local), mesh, out.placements, shape=out.shape))
+        params, _, _, peak = dataclasses.astuple(sim.memory(model, opt))
+    return {"params": params, "peak": peak}
+
+
+def test_a_latent_attention_layer_holds_what_the_planner_prices():
+    """DeepSeek-V3's latent attention priced by its own dimensions (`LatentAttention`), not as
+    plain heads: a dense layer's parameters exactly, and what autograd saves within 0.5% once
+    the few things the planner leaves out are added (per token: the rotary tables, the
+    attention's log-sum-exp per head, each of the four norms' scale)."""
+    got = evaluated("t.latent_attention_layer()", "test_plan_confirmed")
+    c = SMALL_MLA
+    latent = LatentAttention(q_lora=c["q_lora_rank"], kv_lora=c["kv_lora_rank"], rope_dim=c["qk_rope_head_dim"],
+                             nope_dim=c["qk_nope_head_dim"], v_dim=c["v_head_dim"])
+    spec = TransformerSpec(layers=1, hidden=c["hidden_size"], heads=c["num_attention_heads"],
+                           kv_heads=c["num_key_value_heads"], ffn=c["intermediate_size"], vocab=c["vocab_size"],
+                           seq=MLA_SEQ, latent=latent)
+    terms = role_terms(spec, H100, Shape(dp=1, tp=1, pp=1, micro_batch=1, micro_batches=1, precision="fp32"),
+                       False, False)
+    assert got["params"] == terms.memory["params"].at(1, 0) == 4 * spec.layer_params()
+    left_out = MLA_SEQ * 4 * (2 * latent.rope_dim + spec.heads + 4)
+    assert got["peak"] == pytest.approx(terms.memory["activations"].at(1, 0) + left_out, rel=0.005)
+    # at DeepSeek-V3's own sizes its attention keeps 3.4 times what plain heads of its hidden
+    # size would (how the planner priced it before)
+    deepseek = PRESETS["deepseek-v3"]
+    plain = dataclasses.replace(deepseek, latent=None)
+    assert sum(deepseek.attention_saved()) > 3.3 * sum(plain.attention_saved())

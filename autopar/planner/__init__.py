@@ -6,10 +6,11 @@ from ..api.parallelize import use_auto_planner
 from .api import Plan, plan
 from .cost import A100, H100, H200, DeviceProfile, calibrate, load_profile
 from .describe import ModelNames, describe
-from .model import Layout, Shape, TransformerSpec, evaluate
+from .model import LatentAttention, Layout, Shape, TransformerSpec, evaluate
 from .predict import Prediction, predict_step
 
 use_auto_planner(plan)  # parallelize(config="auto") asks it
 
-__all__ = ["A100", "H100", "H200", "DeviceProfile", "Layout", "ModelNames", "Plan", "Prediction", "Shape", "TransformerSpec",
+__all__ = ["A100", "H100", "H200", "DeviceProfile", "LatentAttention", "Layout", "ModelNames", "Plan", "Prediction", "Shape",
+           "TransformerSpec",
            "calibrate", "describe", "evaluate", "load_profile", "plan", "predict_step"]

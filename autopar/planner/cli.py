@@ -17,14 +17,14 @@ from typing import Optional
 
 from .api import plan
 from .cost import calibrate, save_profile
-from .model import PRESETS, TransformerSpec
+from .model import PRESETS
 
 _DEGREE = {"tp": "mp", "mp": "mp", "pp": "pp", "dp": "dp", "zero": "zero", "vpp": "vpp", "cp": "cp", "sep": "cp",
            "ep": "ep"}
 # the model's dimensions: flag -> TransformerSpec field (default: the preset's, else llama's 8B)
 _DIMS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv-heads": "kv_heads", "ffn": "ffn",
          "vocab": "vocab", "seq": "seq", "experts": "experts", "top-k": "top_k", "expert-ffn": "expert_ffn",
-         "shared-experts": "shared_experts", "dense-layers": "dense_layers", "attention-params": "attention_params"}
+         "shared-experts": "shared_experts", "dense-layers": "dense_layers"}
 
 
 def parse_degrees(text: str) -> dict:

@@ -12,7 +12,6 @@ import dataclasses
 import datetime
 import functools
 import json
-import math
 import os
 import platform
 from dataclasses import dataclass

@@ -60,6 +60,43 @@ _STATES = {precision: (("params", 3, w), ("grads", 2, g), ("optimizer", 1, o))
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA, HF's `DeepseekV3Attention`): the queries
+    through a rank-`q_lora` latent, keys and values through one rank-`kv_lora` latent beside
+    a `rope_dim` rotary key shared by the heads; per head `nope_dim + rope_dim` query and key
+    dims and `v_dim` value dims.  The down projections into the latents are small and whole
+    on every tensor-parallel rank (as Megatron-core runs them); the up projections and the
+    output split by heads."""
+
+    q_lora: int
+    kv_lora: int
+    rope_dim: int
+    nope_dim: int
+    v_dim: int
+
+    def down_params(self, hidden: int) -> int:
+        """The projections into the latents and the latents' norms: whole on every tp rank."""
+        return hidden * (self.q_lora + self.kv_lora + self.rope_dim) + self.q_lora + self.kv_lora
+
+    def up_params(self, hidden: int, heads: int) -> int:
+        """The latents' projections to the heads and the output projection: split by heads."""
+        qk = self.nope_dim + self.rope_dim
+        return heads * (self.q_lora * qk + self.kv_lora * (self.nope_dim + self.v_dim) + self.v_dim * hidden)
+
+    def down_saved(self) -> int:
+        """Elements per token autograd keeps of the latents, whole on every tp rank: the query
+        latent (its projection's output, normalized, the norm's output) and the key/value
+        latent (the projection's output with the rotary key, normalized, the norm's output)."""
+        return 3 * self.q_lora + self.kv_lora + self.rope_dim + 2 * self.kv_lora
+
+    def up_saved(self, heads: int) -> int:
+        """Elements per token kept of the heads (split by tp): the queries and keys with their
+        rotary part, the key/value up projection's output (the values are a view of it), the
+        attention's output and the output projection's contiguous input."""
+        return heads * (2 * (self.nope_dim + self.rope_dim) + self.nope_dim + 3 * self.v_dim)
+
+
+@dataclass(frozen=True)
 class TransformerSpec:
     """The dimensions that set a decoder-only transformer's cost."""
 
@@ -87,9 +124,8 @@ class TransformerSpec:
     expert_ffn: int = 0
     shared_experts: int = 0
     dense_layers: int = 0
-    # one layer's attention matrices where they are not q, k, v and o of heads x head size
-    # (DeepSeek's latent attention); 0: from hidden, heads and kv_heads
-    attention_params: int = 0
+    # latent attention (DeepSeek's MLA) in place of q, k, v and o of heads x head size
+    latent: Optional[LatentAttention] = None
 
     def __post_init__(self):
         if self.experts and not 0 < self.top_k <= self.experts:
@@ -116,8 +152,21 @@ class TransformerSpec:
         return self.layers - self.dense_layers if self.experts else 0
 
     def attention_matmul_params(self) -> int:
-        h = self.hidden
-        return self.attention_params or 2 * h * h + 2 * h * self.kv_dim
+        h, lat = self.hidden, self.latent
+        return 2 * h * h + 2 * h * self.kv_dim if lat is None else lat.down_params(h) + lat.up_params(h, self.heads)
+
+    def attention_whole_params(self) -> int:
+        """Of those, what every tensor-parallel rank holds whole (latent attention's down
+        projections and norms)."""
+        return 0 if self.latent is None else self.latent.down_params(self.hidden)
+
+    def attention_saved(self) -> tuple[int, int]:
+        """Elements per token a layer's attention keeps for backward beside its input:
+        (split by tp, whole on every tp rank).  q, its output and the output projection's
+        input (h each) and k, v (kv_dim each); latent attention's own (`LatentAttention`)."""
+        if self.latent is None:
+            return 3 * self.hidden + 2 * self.kv_dim, 0
+        return self.latent.up_saved(self.heads), self.latent.down_saved()
 
     def expert_params(self) -> int:
         """One expert's MLP matrices."""
@@ -145,11 +194,13 @@ class TransformerSpec:
     def layer_split_params(self) -> float:
         """Parameters a tensor-parallel group splits: the matrices and their column biases."""
         biases = (self.hidden + 2 * self.kv_dim + (self.mlp_matrices - 1) * self.ffn) if self.bias else 0
-        return self.layer_matmul_params() + biases
+        return self.layer_matmul_params() - self.attention_whole_params() + biases
 
     def layer_replicated_params(self) -> int:
-        """Norm weights (and shifts) and the row-parallel biases, whole on every tp rank."""
-        return (4 if self.bias else 2) * self.hidden + (2 * self.hidden if self.bias else 0)
+        """Norm weights (and shifts), the row-parallel biases and latent attention's down
+        projections, whole on every tp rank."""
+        return (4 if self.bias else 2) * self.hidden + (2 * self.hidden if self.bias else 0) + \
+            self.attention_whole_params()
 
     def layer_params(self) -> int:
         return self.layer_split_params() + self.layer_replicated_params()
@@ -186,7 +237,7 @@ PRESETS = {
     "deepseek-v3": TransformerSpec(
         layers=61, hidden=7168, heads=128, kv_heads=128, ffn=18432, vocab=129280, seq=4096, experts=256, top_k=8,
         expert_ffn=2048, shared_experts=1, dense_layers=3,
-        attention_params=7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168),
+        latent=LatentAttention(q_lora=1536, kv_lora=512, rope_dim=64, nope_dim=128, v_dim=128)),
 }
 
 
@@ -308,12 +359,14 @@ def _activation_bytes(spec: TransformerSpec, shape: Shape) -> tuple:
     `simulate`, tests/test_plan_confirmed.py): each norm's input and normalized input, split
     only under sequence parallel; the attention's and the MLP's inputs whole, as the column
     projections save them (sequence parallel gathers them; Megatron would keep its split
-    and gather it again in backward); q, k, v, the attention output and the output
-    projection's contiguous input, split by tp; the MLP's inner tensors (`mlp_saved`)."""
+    and gather it again in backward); the attention's own (`attention_saved`: q, k, v, its
+    output and the output projection's contiguous input, split by tp; latent attention's
+    latents whole); the MLP's inner tensors (`mlp_saved`)."""
     h, tp, a = spec.hidden, shape.tp, _ACT_BYTES[shape.precision]
     tokens = shape.micro_batch * spec.seq / shape.cp
     sp_div = tp if shape.sequence_parallel else 1
-    full = tokens * a * (4 * h / sp_div + 2 * h + (3 * h + 2 * spec.kv_dim + _moe_mlp_acts(spec)) / tp)
+    split, whole = spec.attention_saved()
+    full = tokens * a * (4 * h / sp_div + 2 * h + whole + (split + _moe_mlp_acts(spec)) / tp)
     return full, tokens * a * h / sp_div
 
 
