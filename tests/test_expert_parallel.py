@@ -653,3 +653,37 @@ def test_simulate_on_meta_assumes_balanced_routing_and_matches_a_real_run_routed
         # experts, in each of the 2 layers' dispatch and combine, forward and backward
         assert rows == [2 * SEQ * 2 // 2 * HIDDEN * 4] * (2 * 2 * 2)
         assert peak > 0
+
+
+def _saved_routed_rows():
+    """The distinct storages of [pairs, HIDDEN] rows autograd keeps in one forward of the tiny
+    Mixtral under ExpertParallel on 2 ranks, routed balanced (this rank's pairs, its tokens x k,
+    are as many rows as reach its experts and come back), and its MoE layers."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["ep"])
+    model = _balanced(tiny("mixtral"))
+    k = model.config.num_experts_per_tok
+    config = {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": EP_PLAN}}
+    model, _ = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
+    ids = dist.shard_tensor(batches(1)[0][0], mesh, [S0])
+    pairs = ids.shape[0] // 2 * ids.shape[1] * k
+    weights = {p.local_value().untyped_storage().data_ptr() for p in model.parameters()}  # (some are [64, 64] too)
+    kept = set()
+
+    def pack(t):
+        local = t.local_value() if dist.is_dist_tensor(t) else t
+        if tuple(local.shape) == (pairs, HIDDEN) and local.untyped_storage().data_ptr() not in weights:
+            kept.add(local.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return len(kept), len(model.model.layers)
+
+
+def test_each_routed_row_is_kept_twice_for_backward():
+    """Per MoE layer autograd keeps two copies of the rows routed to the experts: the experts'
+    own (sorted) input and the returned rows the routing weights multiply.  The combine sums
+    each token's k rows by reshaping, as HF's experts do; an index_add into the tokens kept a
+    third copy (torch saves an index_add's source for its backward)."""
+    for kept, layers in run_dist(_saved_routed_rows, 2):
+        assert kept == 2 * layers

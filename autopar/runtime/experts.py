@@ -109,8 +109,14 @@ def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
     rows = AllToAll.apply(hidden.index_select(0, route.tokens), route.send, route.recv, ranks)
     done = run_experts(rows, route.local_expert)
     back = AllToAll.apply(done, route.recv, route.send, ranks)
-    scaled = back * weights.reshape(-1)[route.order].unsqueeze(-1)
-    return torch.zeros_like(hidden).index_add(0, route.tokens, scaled.to(hidden.dtype))
+    # each token's k rows back in (token, slot) order, weighted and summed over k, as HF's
+    # experts combine them (an index_add into the tokens would keep all k rows once more for
+    # its backward, which torch saves its source for, and sum in the experts' order)
+    restore = torch.empty_like(route.order)
+    restore[route.order] = torch.arange(route.order.numel(), device=route.order.device)
+    k = index.shape[-1] if index.dim() > 1 else 1
+    weighted = back.index_select(0, restore) * weights.reshape(-1, 1)
+    return weighted.view(hidden.shape[0], k, -1).sum(1).to(hidden.dtype)
 
 
 _META_GROUPED_MM: list = []  # the kernel registration, once made
