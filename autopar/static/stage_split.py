@@ -18,7 +18,7 @@ Pure functions of the program: nothing here communicates.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
