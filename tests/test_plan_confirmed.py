@@ -343,3 +343,54 @@ def test_a_latent_attention_layer_holds_what_the_planner_prices():
     deepseek = PRESETS["deepseek-v3"]
     plain = dataclasses.replace(deepseek, latent=None)
     assert sum(deepseek.attention_saved()) > 3.3 * sum(plain.attention_saved())
+
+
+def deepseek_moe_layer() -> dict:
+    """The DeepSeek-V3 plan's expert-parallel rank (`deepseek_rank`'s) holding one MoE layer
+    alone (no embedding, final norm or head), its value heads as wide as its query heads (see
+    SMALL_MLA), simulated on meta: one 4K-token micro-batch forward and backward; its parameter
+    bytes and the peak of what autograd saved."""
+    import numpy as np
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    plan = _deepseek_plan()
+    ids = np.array(plan.mesh().process_ids).reshape(plan.mesh().shape)[1]
+    sub = dist.ProcessMesh(ids.reshape(-1).tolist(), dim_names=["dp"])
+    seq, dp = PRESETS["deepseek-v3"].seq, plan.degrees["dp"]
+    config = {k: v for k, v in plan.config.items() if k != "pp_config"}
+    cfg = DeepseekV3Config(max_position_embeddings=seq, **dict(SMALL_DEEPSEEK, v_head_dim=16))
+    _unmasked_sdpa(cfg)
+    h = cfg.hidden_size
+    with dist.simulate(1024, int(ids.flat[0])) as sim:
+        with torch.device("meta"):
+            model = DeepseekV3ForCausalLM(cfg)
+        model.lm_head, model.model.norm, model.model.embed_tokens = None, torch.nn.Identity(), None
+        model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), sub, config)
+        received = dist.dtensor_from_local(torch.zeros(1, seq, h, device="meta"), sub, [dist.Shard(0)],
+                                           shape=(dp, seq, h)).requires_grad_()
+        out = model.model(inputs_embeds=received).last_hidden_state
+        out.backward(dist.dtensor_from_local(torch.zeros_like(out._local), sub, out.placements, shape=out.shape))
+        params, _, _, peak = dataclasses.astuple(sim.memory(model, opt))
+    return {"params": params, "peak": peak}
+
+
+def test_the_planned_expert_parallel_rank_holds_what_the_planner_prices():
+    """The DeepSeek-V3 plan's expert-parallel rank with one MoE layer of latent attention and
+    256 experts (top-8 of them, 4 on this rank, one shared expert): its parameters exactly,
+    and what autograd saves within 0.5% once the few things the planner leaves out (as for the
+    dense layer) are added: the experts' inner tensors, the dispatched and combined rows and
+    the routing's scores, indices and weights as priced."""
+    got = evaluated("t.deepseek_moe_layer()", "test_plan_confirmed")
+    c = dict(SMALL_DEEPSEEK, v_head_dim=16)
+    latent = LatentAttention(q_lora=c["q_lora_rank"], kv_lora=c["kv_lora_rank"], rope_dim=c["qk_rope_head_dim"],
+                             nope_dim=c["qk_nope_head_dim"], v_dim=c["v_head_dim"])
+    seq = PRESETS["deepseek-v3"].seq
+    spec = TransformerSpec(layers=1, hidden=c["hidden_size"], heads=c["num_attention_heads"],
+                           kv_heads=c["num_key_value_heads"], ffn=c["intermediate_size"], vocab=c["vocab_size"],
+                           seq=seq, experts=c["n_routed_experts"], top_k=c["num_experts_per_tok"],
+                           expert_ffn=c["moe_intermediate_size"], shared_experts=c["n_shared_experts"], latent=latent)
+    shape = dataclasses.replace(_deepseek_plan().estimate.layout.shape, precision="fp32", pp=1)
+    terms = role_terms(spec, H100, shape, False, False)
+    assert got["params"] == terms.memory["params"].at(1, 0)
+    left_out = seq * 4 * (2 * latent.rope_dim + spec.heads + 4)
+    assert got["peak"] == pytest.approx(terms.memory["activations"].at(1, 0) + left_out, rel=0.005)

@@ -353,6 +353,15 @@ def _moe_mlp_acts(spec: TransformerSpec) -> float:
     return spec._per_layer(spec.mlp_saved * spec.ffn, moe)
 
 
+def _routing_bytes(spec: TransformerSpec) -> float:
+    """Per token, what a MoE layer's routing keeps (on average over the layers), whatever the
+    precision: the router's fp32 scores over the experts (the top-k weights are gathered from
+    them), and for each of its k pairs the dispatch's int64 indices and the fp32 weights
+    (52 bytes, as autopar's dispatch under HF's routers keeps them; measured under `simulate`,
+    tests/test_plan_confirmed.py), and the weights' normalizer."""
+    return spec._per_layer(0.0, 4.0 * spec.experts + 52.0 * spec.top_k + 4.0) if spec.experts else 0.0
+
+
 def _activation_bytes(spec: TransformerSpec, shape: Shape) -> tuple:
     """Bytes per rank per micro-batch a full layer keeps and a recomputed layer keeps (its
     input).  A full layer keeps what autograd saves as autopar runs it (measured under
@@ -361,12 +370,14 @@ def _activation_bytes(spec: TransformerSpec, shape: Shape) -> tuple:
     projections save them (sequence parallel gathers them; Megatron would keep its split
     and gather it again in backward); the attention's own (`attention_saved`: q, k, v, its
     output and the output projection's contiguous input, split by tp; latent attention's
-    latents whole); the MLP's inner tensors (`mlp_saved`)."""
+    latents whole); the MLP's inner tensors (`mlp_saved`); a MoE layer's routing
+    (`_routing_bytes`)."""
     h, tp, a = spec.hidden, shape.tp, _ACT_BYTES[shape.precision]
     tokens = shape.micro_batch * spec.seq / shape.cp
     sp_div = tp if shape.sequence_parallel else 1
     split, whole = spec.attention_saved()
-    full = tokens * a * (4 * h / sp_div + 2 * h + whole + (split + _moe_mlp_acts(spec)) / tp)
+    full = tokens * a * (4 * h / sp_div + 2 * h + whole + (split + _moe_mlp_acts(spec)) / tp) + \
+        tokens * _routing_bytes(spec)
     return full, tokens * a * h / sp_div
 
 
