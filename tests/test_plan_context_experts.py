@@ -28,6 +28,22 @@ def test_deepseek_v3_has_671b_parameters_37b_active():
     assert DEEPSEEK.flops_per_token() < every_expert.flops_per_token() / 10
 
 
+def test_latent_attention_costs_its_own_heads_widths():
+    """DeepSeek-V3's latent attention: 128 heads of query/key width 192 and value width 128.
+    Its scores and weighted sum cost 6 x seq x heads x (192 + 128) / 2 FLOPs a token and layer
+    (2.9 times plain heads of its hidden size), and the ring moves each head's keys and values."""
+    lat, heads = DEEPSEEK.latent, DEEPSEEK.heads
+    widths = heads * (lat.nope_dim + lat.rope_dim + lat.v_dim)
+    plain = dataclasses.replace(DEEPSEEK, latent=None)
+    assert DEEPSEEK.flops_per_token() - plain.flops_per_token() == pytest.approx(
+        6.0 * DEEPSEEK.layers * DEEPSEEK.seq * (widths / 2 - DEEPSEEK.hidden)
+        + 6.0 * DEEPSEEK.layers * (DEEPSEEK.attention_matmul_params() - plain.attention_matmul_params()))
+    one_layer = dataclasses.replace(DEEPSEEK, layers=1, dense_layers=0)
+    cp, m = 4, 2
+    est = _estimate(one_layer, cp=cp, cp_mode="ring", micro_batches=m)
+    assert est.bytes_per_step["send"] == m * (3 * cp - 2) * DEEPSEEK.seq // cp * 2 * widths  # bf16
+
+
 def test_context_parallel_splits_activations_and_work_by_cp():
     one, four = _estimate(SMALL), _estimate(SMALL, cp=4)
     assert four.memory["activations"] == pytest.approx(one.memory["activations"] / 4)

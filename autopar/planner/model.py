@@ -219,12 +219,25 @@ class TransformerSpec:
         """Parameters one token runs through (all of them in a dense model)."""
         return self.params() - self.layers * (self.layer_matmul_params() - self.layer_active_params())
 
+    def key_value_width(self) -> int:
+        """A token's keys and values over the heads (what context parallel moves of them):
+        2 kv_dim for plain heads; latent attention's, expanded per head, heads x (qk + v)."""
+        lat = self.latent
+        return 2 * self.kv_dim if lat is None else self.heads * (lat.nope_dim + lat.rope_dim + lat.v_dim)
+
+    def attention_width(self) -> float:
+        """Half the query/key and value widths summed over the heads: a token's scores and
+        weighted sum cost 2 x seq x this FLOPs each, forward (the hidden size for plain heads;
+        latent attention's heads are wider: 192 + 128 over 128 heads, 2.9 x DeepSeek-V3's hidden)."""
+        lat = self.latent
+        return self.hidden if lat is None else self.heads * (lat.nope_dim + lat.rope_dim + lat.v_dim) / 2
+
     def flops_per_token(self) -> float:
         """Model FLOPs of forward + backward per token: 6 x the matmul parameters it runs
         through (the LM head included; a MoE layer's top-k experts) + causal attention's
-        scores and weighted sum (6 s h per layer)."""
+        scores and weighted sum (6 s `attention_width` per layer: 6 s h for plain heads)."""
         matmul = self.layers * self.layer_active_params() + self.vocab * self.hidden
-        return 6.0 * matmul + 6.0 * self.layers * self.seq * self.hidden
+        return 6.0 * matmul + 6.0 * self.layers * self.seq * self.attention_width()
 
 
 # Published shapes (`python -m autopar.planner --model NAME`): Llama 3 8B and 405B, and
@@ -459,7 +472,7 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
     # compute of one micro-batch, forward + backward (backward = 2 x forward), recompute = + forward;
     # a rank's tokens attend to the whole sequence (its K/V blocks under cp)
     prec = shape.precision
-    attention_flops = 2.0 * tokens * spec.seq * h / tp
+    attention_flops = 2.0 * tokens * spec.seq * spec.attention_width() / tp
     layer_flops = 2.0 * tokens * spec.layer_active_params() / tp + attention_flops
     gemms = 4 + spec.mlp_matrices + 1  # q, k, v, o, the MLP's matrices, one fused attention kernel
     fwd = matmul_time(layer_flops, gemms, profile, prec)
@@ -509,7 +522,7 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
 
     # context parallel, per layer: forward once (again when recomputed), then backward
     if cp > 1:
-        kv = tokens * a * 2 * spec.kv_dim / tp  # this rank's K and V
+        kv = tokens * a * spec.key_value_width() / tp  # this rank's K and V
         if shape.cp_mode == "ring":  # forward: K/V cp - 1 hops; backward: K/V again, dK/dV a full turn home
             alpha, bandwidth = op_link(profile, "send", *link(profile, cp, tp))
             hop, attention = alpha + kv / bandwidth, matmul_time(attention_flops, cp, profile, prec)
@@ -518,7 +531,7 @@ def role_terms(spec: TransformerSpec, profile: DeviceProfile, shape: Shape, firs
             terms.add("micro_time", "cp_comm", Affine(0.0, forward + backward, forward))
             terms.add("micro_bytes", "send", Affine(0.0, (3 * cp - 2) * kv, (cp - 1) * kv))
         else:
-            moved = tokens * a * (2 * h + 2 * spec.kv_dim) / tp  # q, k, v and the output
+            moved = tokens * a * (2 * spec.attention_width() + spec.key_value_width()) / tp  # q, k, v, the output
             _collective(terms, "micro", "cp_comm", "all_to_all", cp, tp, Affine(0.0, 8, 4),
                         Affine(0.0, 2 * moved, moved), profile)
 
