@@ -67,11 +67,19 @@ class Arrival:
     `post`, logs it, then `finish(*tensors)` completes the result in place.  `moved`: how
     many of the last tensors are the transfer's (outputs, input), for a simulation's values."""
 
-    __slots__ = ("post", "op", "ranks", "logs", "finish", "moved")
+    __slots__ = ("post", "logs", "finish", "moved")
     half = "arrive "
 
     def __init__(self, post: Post, logs: tuple = (), finish: Optional[Callable] = None, moved: int = 2):
-        self.post, self.op, self.ranks, self.logs, self.finish, self.moved = post, post.op, post.ranks, logs, finish, moved
+        self.post, self.logs, self.finish, self.moved = post, logs, finish, moved
+
+    @property
+    def op(self) -> str:
+        return self.post.op
+
+    @property
+    def ranks(self) -> tuple:
+        return self.post.ranks
 
     def __call__(self, *tensors) -> None:
         work, self.post.work = self.post.work, None

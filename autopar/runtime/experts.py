@@ -54,8 +54,8 @@ class AllToAll(torch.autograd.Function):
 class Routing:
     """Where this rank's (token, k) pairs go and what it receives.
 
-    `order`: the pairs (flattened [tokens, k]) sorted by expert; `tokens`: the token of each
-    sorted pair; `send` / `recv`: rows to / from each member of the group; `local_expert`:
+    `order`: the pairs (flattened [tokens, k]) sorted by expert, `restore` its inverse;
+    `tokens`: the token of each sorted pair; `send` / `recv`: rows to / from each member of the group; `local_expert`:
     the local expert (0 .. experts/ep - 1) of each received row, in arrival order.
 
     On the meta device (`simulate` of a model too big to hold) the routing has no values, so
@@ -64,15 +64,17 @@ class Routing:
     experts), every rank of the group routing as many tokens.  The counts' exchange still
     runs, so the collectives and their bytes are those of a real run routed so."""
 
-    __slots__ = ("order", "tokens", "send", "recv", "local_expert")
+    __slots__ = ("k", "order", "restore", "tokens", "send", "recv", "local_expert")
 
     def __init__(self, index: torch.Tensor, num_experts: int, ranks: tuple):
         size = len(ranks)
         per_rank = num_experts // size
         flat = index.reshape(-1)
-        k = index.shape[-1] if index.dim() > 1 else 1
+        self.k = index.shape[-1] if index.dim() > 1 else 1
         self.order = torch.argsort(flat, stable=True)
-        self.tokens = torch.div(self.order, k, rounding_mode="floor")
+        self.restore = torch.empty_like(self.order)  # where each (token, slot) pair sits in `order`
+        self.restore[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        self.tokens = torch.div(self.order, self.k, rounding_mode="floor")
         if index.is_meta:
             self._balanced(flat, num_experts, ranks)
             return
@@ -112,11 +114,8 @@ def dispatch_combine(hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
     # each token's k rows back in (token, slot) order, weighted and summed over k, as HF's
     # experts combine them (an index_add into the tokens would keep all k rows once more for
     # its backward, which torch saves its source for, and sum in the experts' order)
-    restore = torch.empty_like(route.order)
-    restore[route.order] = torch.arange(route.order.numel(), device=route.order.device)
-    k = index.shape[-1] if index.dim() > 1 else 1
-    weighted = back.index_select(0, restore) * weights.reshape(-1, 1)
-    return weighted.view(hidden.shape[0], k, -1).sum(1).to(hidden.dtype)
+    weighted = back.index_select(0, route.restore) * weights.reshape(-1, 1)
+    return weighted.view(hidden.shape[0], route.k, -1).sum(1).to(hidden.dtype)
 
 
 _META_GROUPED_MM: list = []  # the kernel registration, once made

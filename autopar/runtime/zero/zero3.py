@@ -200,9 +200,8 @@ class _Model:
         for unit in self.units:
             unit.deliver()
         for unit in self.units:  # collected while an earlier reduction was pending (after a backward that raised)
-            if unit.grads:
-                unit.reduce()
-                unit.deliver()
+            unit.reduce()
+            unit.deliver()
         for unit in self.units:
             unit.keep = False
             unit.free()
