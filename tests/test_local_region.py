@@ -10,6 +10,7 @@ import autopar as dist
 from autopar.tensor.observers import watching
 from autopar.runtime import local_region
 from autopar.placement import Partial, Replicate, Shard
+import hf_llama
 from distpool import run_dist
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
@@ -26,16 +27,20 @@ def test_gradient_placements_are_dual():
 class Mlp(torch.nn.Module):
     """Norm, two linears and a GELU: more than MIN_OPS ops, none of them communicating under DP."""
 
-    def __init__(self, d=8, h=16, bias2=True, dropout=0.0, view_rows=None):
+    def __init__(self, d=8, h=16, bias2=True, dropout=0.0, view_rows=None, made_rows=None):
         super().__init__()
         self.ln = torch.nn.LayerNorm(d)
         self.fc1, self.fc2 = torch.nn.Linear(d, h), torch.nn.Linear(h, d, bias=bias2)
-        self.dropout, self.view_rows = dropout, view_rows
+        self.dropout, self.view_rows, self.made_rows = dropout, view_rows, made_rows
 
     def forward(self, x):
         y = self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
         if self.view_rows is not None:  # a global size written into the code
             y = y.reshape(self.view_rows, -1).reshape(y.shape)
+        if self.made_rows == "alike":  # a plain tensor made from the batch size, its rows alike (a mask)
+            y = y + torch.full((x.shape[0], 1, 1), 0.5)
+        elif self.made_rows == "indexed":  # ... each row its own (made from the local batch, it would differ)
+            y = y + torch.arange(x.shape[0], dtype=y.dtype).view(-1, 1, 1)
         return torch.nn.functional.dropout(y, self.dropout, self.training)
 
 
@@ -152,9 +157,18 @@ def test_tensor_parallel_sublayer_is_a_region_with_a_partial_output():
         assert root == [False]  # the residual add reduces that Partial
 
 
-@pytest.mark.parametrize("case", ["dropout", "global_view"])
+def test_a_plain_tensor_made_in_the_forward_with_rows_alike_is_cut_in_a_region():
+    ref_losses, ref_params = _reference(made_rows="alike")
+    for losses, params, root, sub in run_dist(_data_parallel, 4, True, made_rows="alike"):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+        assert root == [True]
+
+
+@pytest.mark.parametrize("case", ["dropout", "global_view", "indexed_rows"])
 def test_modules_that_are_not_local_are_refused_and_still_right(case):
-    mlp = {"dropout": {"dropout": 0.0}, "global_view": {"view_rows": 4}}[case]
+    mlp = {"dropout": {"dropout": 0.0}, "global_view": {"view_rows": 4}, "indexed_rows": {"made_rows": "indexed"}}[case]
     ref_losses, ref_params = _reference(**mlp)
     if case == "dropout":
         mlp = {"dropout": 1e-9}  # draws random numbers (never drops: the numbers stay comparable)
@@ -468,7 +482,7 @@ def test_accumulated_gradients_and_frozen_parameters():
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         for k, v in params.items():
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
-        assert regions == [True]
+        assert regions and all(regions), regions  # (the training calls, and the last with no labels)
 
 
 class Stepping(Mlp):
@@ -539,7 +553,7 @@ def _shared_gradient(mesh_size):
 def test_parameters_handed_one_gradient_tensor_accumulate_separately():
     ref, _ = _shared_gradient(0)
     for grads, regions in run_dist(_shared_gradient, 2, 2):
-        assert regions == [True]
+        assert regions and all(regions), regions  # (the training calls, and the last with no labels)
         for k, v in grads.items():
             torch.testing.assert_close(v, ref[k], rtol=1e-5, atol=1e-6)
 
@@ -585,3 +599,32 @@ def test_gradients_reach_hooks_autograd_grad_and_backward_inputs():
         np.testing.assert_allclose(seen, ref[1], rtol=1e-5)
         assert detaches == 2, detaches  # only the two hooked parameters went through AccumulateGrad
         assert untouched and only == ["mlp.fc1.weight"]
+
+
+def _hf_base_model():
+    """HF Llama under dp 2 (eager attention: a causal mask made in the forward): its base model,
+    whose output is HF's ModelOutput, is one region; the ops dispatched one by one in a step
+    after; what the base model returns."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = hf_llama.tiny_llama(use_cache=False)
+    model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
+                                  {"dp_config": {"sharding_level": 0}})
+    data = hf_llama.batches(4)
+    losses = hf_llama.train(model, opt, data[:3])
+    counted = []
+    watch = type("Count", (), {"see": lambda self, *a: counted.append(a[0])})()
+    with watching(watch):
+        losses += hf_llama.train(model, opt, data[3:])
+    out = model.model(input_ids=dist.shard_tensor(data[0][0], mesh, [S0]))
+    weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return losses, weights, _regions(model.model), len(counted), type(out).__name__, type(out.last_hidden_state)
+
+
+def test_an_hf_base_model_runs_as_one_region():
+    ref = hf_llama.reference(hf_llama.batches(4), use_cache=False)
+    for losses, weights, regions, ops, out, hidden in run_dist(_hf_base_model, 2):
+        hf_llama.assert_matches((losses, weights, []), ref + ([],))
+        assert regions and all(regions), regions  # (the training calls, and the last with no labels)
+        assert out == "BaseModelOutputWithPast" and hidden is dist.DistTensor
+        # the LM head and the loss, forward and backward (62 with each decoder layer a region of its own)
+        assert ops <= 30, ops

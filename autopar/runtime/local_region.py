@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..tensor import dispatch, grad_landing
 from ..tensor.convert import GradToPlacement
@@ -276,13 +277,14 @@ class _Watch(CaptureBase):
     """Sees every dispatched op and every transfer of a module's first call (as an op watcher
     and a transfer capture): is each op local as it is, and does nothing move?"""
 
-    def __init__(self, mesh, protected: list, frame, cuttable=frozenset(), batch_placements=None):
+    def __init__(self, mesh, protected: list, frame, cuttable=frozenset(), split=None):
         # the storages of the inputs, parameters and buffers: a write into one (also through
         # an alias such as `.data`) is a side effect the region must not repeat
         self.mesh, self.ops, self.local = mesh, 0, True
         # plain tensor arguments a region cuts along the batch (`_batch_cut`), by id: an op
-        # may cut them so (it would replicate any other plain tensor)
-        self.cuttable, self.batch_placements = cuttable, batch_placements
+        # may cut them so; and the batch size and its placements (`_batch_split`)
+        self.cuttable = cuttable
+        self.batch, self.batch_placements = (None, None) if split is None else split[1:]
         self.frame = frame  # the verification's own frame: the module's forward runs below it
         self.protected = {dispatch.storage_key(local_piece(t)) for t in protected}
 
@@ -308,14 +310,21 @@ class _Watch(CaptureBase):
             if type(t) is DistTensor:
                 if t._spec is not spec:
                     self.local = False
-            elif t.requires_grad or not (
-                    spec.is_replicated() or (id(t) in self.cuttable and tuple(spec.placements) == self.batch_placements)):
+            elif t.requires_grad or not (spec.is_replicated() or self._cut_alike(t, spec)):
                 self.local = False
         for i in dec.mutated:
             t = flat[i]
             if dispatch.storage_key(local_piece(t)) in self.protected:
                 self.local = False
 
+    def _cut_alike(self, t: torch.Tensor, spec: DistSpec) -> bool:
+        """Whether the op cuts plain `t` along the batch as the region's own run would have it:
+        an argument the region cuts (`_batch_cut`), or a tensor the forward made whose rows
+        are all alike (HF's causal mask, made from the input's batch size: made from the
+        local batch in the region, it is the cut of the global one)."""
+        if tuple(spec.placements) != self.batch_placements:
+            return False
+        return id(t) in self.cuttable or (_batch_long(t, self.batch) and _rows_alike(t))
 
     def _inside_function(self) -> bool:
         """Whether the op runs inside an autograd Function's forward called by the module."""
@@ -328,6 +337,12 @@ class _Watch(CaptureBase):
 
 
 _FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+
+def _rows_alike(t: torch.Tensor) -> bool:
+    """Every row of `t` (along dim 0) holds the same values: an expanded row, or equal ones
+    (compared once, at verification; on meta, as a trial is, taken to hold)."""
+    return t.stride(0) == 0 or same_values(t, t[:1].expand_as(t))
 
 
 def _never(*_) -> bool:
@@ -411,13 +426,12 @@ def _verify(module, inner, args, kwargs):
     settings = _settings(module)
     declared = _declared_out_specs(module, args, kwargs)
     if declared is not None:  # a module rule vouches for it: no verification
-        region = Region.build(mesh, settings, args, kwargs, slots, params, declared)
+        region = Region.build(mesh, settings, args, kwargs, slots, params, _flat_outputs(declared)[0])
         if region is not None:
             return region.run(inner, args, kwargs), region
     split = _batch_split([t for t in flat_in if type(t) is DistTensor])
     cuttable = frozenset() if split is None else frozenset(id(t) for t in flat_in if _batch_long(t, split[1]))
-    watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots], sys._getframe(), cuttable,
-                   None if split is None else split[2])
+    watch = _Watch(mesh, flat_in + [t for _, _, t, _ in slots], sys._getframe(), cuttable, split)
     with watching(watch), capturing(watch):  # (sublayers meanwhile run op by op, unverified)
         out = inner(*args, **kwargs)
     if watch.ops < MIN_OPS or [(k, v) for _, k, v in _settings(module)] != [(k, v) for _, k, v in settings]:
@@ -429,8 +443,7 @@ def _verify(module, inner, args, kwargs):
     verdict = torch.tensor([int(watch.local and _agrees(out, trial))], device="cpu")  # (a value, also under meta)
     if not collectives.all_reduce(verdict, tuple(mesh.process_ids), ReduceType.MIN).item():
         return out, None
-    out_specs = out._spec if type(out) is DistTensor else tuple(o._spec for o in out)
-    return out, Region.build(mesh, settings, args, kwargs, slots, params, out_specs)
+    return out, Region.build(mesh, settings, args, kwargs, slots, params, [o._spec for o in _flat_outputs(out)[0]])
 
 
 def _declared_out_specs(module, args, kwargs):
@@ -447,20 +460,35 @@ def _spec_of(t: torch.Tensor):
     return t._spec if type(t) is DistTensor else None
 
 
-def _agrees(out, trial: Optional[list]) -> bool:
-    """Distributed outputs only, equal to the trial's bit for bit."""
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    if trial is None or not isinstance(out, (torch.Tensor, tuple, list)) or len(outs) != len(trial):
+def _flat_outputs(out) -> tuple[list, Any]:
+    """A forward's outputs (or their specs) as a list and the structure that holds them: None
+    for one tensor, else torch's pytree of a tuple, a list or any container it knows (HF's
+    ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return [out], None
+    return tree_flatten(out)
+
+
+def _rebuilt(outs: list, structure):
+    return outs[0] if structure is None else tree_unflatten(outs, structure)
+
+
+def _agrees(out, trial: Optional[tuple]) -> bool:
+    """Distributed outputs only, held alike and equal to the trial's bit for bit."""
+    if trial is None:
         return False
-    return all(
+    outs, structure = _flat_outputs(out)
+    trial_outs, trial_structure = trial
+    return structure == trial_structure and len(outs) == len(trial_outs) > 0 and all(
         type(o) is DistTensor and isinstance(t, torch.Tensor) and type(t) is not DistTensor
         and t.dtype == o._local.dtype and t.shape == o._local.shape and same_values(t, o._local)
-        for o, t in zip(outs, trial)
+        for o, t in zip(outs, trial_outs)
     )
 
 
-def _trial(module, inner, slots, settings, args, kwargs) -> Optional[list]:
-    """The module run once more on the bare local pieces (no grad, random state restored).
+def _trial(module, inner, slots, settings, args, kwargs) -> Optional[tuple]:
+    """The module run once more on the bare local pieces (no grad, random state restored):
+    its outputs as `_flat_outputs` gives them.
 
     A forward may write what it is given (running statistics, a counter, its input): the trial
     gets copies of the inputs and buffers and the settings are put back after it, so nothing
@@ -492,7 +520,7 @@ def _trial(module, inner, slots, settings, args, kwargs) -> Optional[list]:
             f"autopar local regions: {type(module).__name__}.forward writes a parameter in place; such a module "
             f"cannot be verified as a local region. Run it within autopar.local_regions(False)."
         )
-    return list(out) if isinstance(out, (tuple, list)) else [out]
+    return _flat_outputs(out)
 
 
 def _swap(slots, values) -> list:
@@ -526,23 +554,22 @@ def _grad_spec(spec: DistSpec, placements) -> DistSpec:
 class Region:
     """A verified local region: the specs to wrap outputs with and to place gradients at."""
 
-    def __init__(self, settings, slots, params, in_grad_specs, param_grad_specs, out_specs, out_grad_specs, single,
+    def __init__(self, settings, slots, params, in_grad_specs, param_grad_specs, out_specs, out_grad_specs,
                  plain_inputs):
         self.settings, self.slots, self.params = settings, slots, params
         self.slot_specs = [t._spec if type(t) is DistTensor else None for _, _, t, _ in slots]
         self.in_grad_specs, self.param_grad_specs = in_grad_specs, param_grad_specs
         self.grad_specs = in_grad_specs + param_grad_specs
-        self.out_specs, self.out_grad_specs, self.single = out_specs, out_grad_specs, single
+        self.out_specs, self.out_grad_specs = out_specs, out_grad_specs
         self.buckets: Optional[BucketPlan] = None  # parameter gradients all-reduced during backward
         self.plain_inputs = plain_inputs  # whether any argument is a plain tensor (`_batch_cut`)
         self.buckets_generation = -1
 
     @staticmethod
-    def build(mesh, settings, args, kwargs, slots, params, out_specs) -> Optional["Region"]:
-        """`out_specs`: the outputs' specs, one DistSpec or a tuple/list of them like the output."""
+    def build(mesh, settings, args, kwargs, slots, params, outs: list) -> Optional["Region"]:
+        """`outs`: the outputs' specs, in `_flat_outputs`' order."""
         flat = _arguments(args, kwargs)
         inputs = [a for a in flat if type(a) is DistTensor]
-        outs = list(out_specs) if isinstance(out_specs, (tuple, list)) else [out_specs]
         specs = [t._spec for t in inputs] + [p._spec for p in params] + outs
         if any(type(p) is Partial and p.reduce_type is not ReduceType.SUM for s in specs for p in s.placements):
             return None  # only sums have a linear adjoint
@@ -559,7 +586,6 @@ class Region:
             [_grad_spec(p._spec, _dual(p._spec.placements, shape, all_rep)) for p in params],
             outs,
             [_grad_spec(o, _dual(o.placements, shape, all_rep)) for o in outs],
-            not isinstance(out_specs, (tuple, list)),
             any(type(a) is torch.Tensor for a in flat),
         )
 
@@ -602,14 +628,18 @@ class Region:
         finally:
             _STATE["inside"] -= 1
             _swap(self.slots, saved)
-        outs = [out] if self.single else list(out)
+        outs, structure = _flat_outputs(out)
+        if len(outs) != len(self.out_specs):
+            raise RuntimeError(
+                f"autopar local regions: {getattr(inner, '__qualname__', inner)} returned {len(outs)} tensors where its "
+                f"verified call returned {len(self.out_specs)} for the same inputs; run it within "
+                f"autopar.local_regions(False)."
+            )
         if grad:
             wrapped = _Exit.apply(call, *outs)
         else:
             wrapped = [new_dist(o, s) for o, s in zip(outs, self.out_specs)]
-        if self.single:
-            return wrapped[0]
-        return type(out)(wrapped)
+        return _rebuilt(list(wrapped), structure)
 
     def _backward_reduction(self) -> Optional[BackwardReduction]:
         if self.buckets_generation != grad_reduce.generation():  # a shard_optimizer since
