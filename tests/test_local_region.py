@@ -32,6 +32,8 @@ class Mlp(torch.nn.Module):
         self.ln = torch.nn.LayerNorm(d)
         self.fc1, self.fc2 = torch.nn.Linear(d, h), torch.nn.Linear(h, d, bias=bias2)
         self.dropout, self.view_rows, self.made_rows = dropout, view_rows, made_rows
+        if made_rows == "replicated":
+            self.row = torch.nn.Parameter(torch.randn(1, 1, d))
 
     def forward(self, x):
         y = self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
@@ -39,6 +41,8 @@ class Mlp(torch.nn.Module):
             y = y.reshape(self.view_rows, -1).reshape(y.shape)
         if self.made_rows == "alike":  # a plain tensor made from the batch size, its rows alike (a mask)
             y = y + torch.full((x.shape[0], 1, 1), 0.5)
+        elif self.made_rows == "replicated":  # a parameter's row repeated for each sample (a replicated tensor)
+            y = y + self.row.repeat(x.shape[0], 1, 1)
         elif self.made_rows == "indexed":  # ... each row its own (made from the local batch, it would differ)
             y = y + torch.arange(x.shape[0], dtype=y.dtype).view(-1, 1, 1)
         return torch.nn.functional.dropout(y, self.dropout, self.training)
@@ -157,9 +161,10 @@ def test_tensor_parallel_sublayer_is_a_region_with_a_partial_output():
         assert root == [False]  # the residual add reduces that Partial
 
 
-def test_a_plain_tensor_made_in_the_forward_with_rows_alike_is_cut_in_a_region():
-    ref_losses, ref_params = _reference(made_rows="alike")
-    for losses, params, root, sub in run_dist(_data_parallel, 4, True, made_rows="alike"):
+@pytest.mark.parametrize("made", ["alike", "replicated"])
+def test_a_tensor_made_in_the_forward_with_rows_alike_is_cut_in_a_region(made):
+    ref_losses, ref_params = _reference(made_rows=made)
+    for losses, params, root, sub in run_dist(_data_parallel, 4, True, made_rows=made):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         for k, v in params.items():
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)

@@ -287,6 +287,7 @@ class _Watch(CaptureBase):
         self.batch, self.batch_placements = (None, None) if split is None else split[1:]
         self.frame = frame  # the verification's own frame: the module's forward runs below it
         self.protected = {dispatch.storage_key(local_piece(t)) for t in protected}
+        self.given = {id(t) for t in protected}  # (tensors the forward did not make)
 
     def enter_wire(self) -> None:  # an explicit reshard in the forward
         self.local = False
@@ -308,7 +309,7 @@ class _Watch(CaptureBase):
             return
         for t, spec in zip(flat, dec.in_specs):
             if type(t) is DistTensor:
-                if t._spec is not spec:
+                if t._spec is not spec and not self._cut_alike(t, spec):
                     self.local = False
             elif t.requires_grad or not (spec.is_replicated() or self._cut_alike(t, spec)):
                 self.local = False
@@ -318,13 +319,18 @@ class _Watch(CaptureBase):
                 self.local = False
 
     def _cut_alike(self, t: torch.Tensor, spec: DistSpec) -> bool:
-        """Whether the op cuts plain `t` along the batch as the region's own run would have it:
-        an argument the region cuts (`_batch_cut`), or a tensor the forward made whose rows
-        are all alike (HF's causal mask, made from the input's batch size: made from the
-        local batch in the region, it is the cut of the global one)."""
+        """Whether the op cuts `t` along the batch as the region's own run would have it: a
+        plain argument the region cuts (`_batch_cut`), or a tensor the forward made, plain or
+        replicated, whose rows are all alike (HF's causal mask, BERT's token type embeddings
+        of an expanded buffer: made from the batch size, which the region's run takes from
+        the local batch, they are the cut of the global value)."""
         if tuple(spec.placements) != self.batch_placements:
             return False
-        return id(t) in self.cuttable or (_batch_long(t, self.batch) and _rows_alike(t))
+        if type(t) is DistTensor:
+            t = t._local if t._spec.is_replicated() and id(t) not in self.given else None
+        elif id(t) in self.cuttable:
+            return True
+        return t is not None and _batch_long(t, self.batch) and _rows_alike(t)
 
     def _inside_function(self) -> bool:
         """Whether the op runs inside an autograd Function's forward called by the module."""
