@@ -34,6 +34,8 @@ class Mlp(torch.nn.Module):
         self.dropout, self.view_rows, self.made_rows = dropout, view_rows, made_rows
         if made_rows == "replicated":
             self.row = torch.nn.Parameter(torch.randn(1, 1, d))
+        if made_rows == "buffer":  # as long as the global batch (8), and no batch of anything
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
 
     def forward(self, x):
         y = self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
@@ -43,6 +45,8 @@ class Mlp(torch.nn.Module):
             y = y + torch.full((x.shape[0], 1, 1), 0.5)
         elif self.made_rows == "replicated":  # a parameter's row repeated for each sample (a replicated tensor)
             y = y + self.row.repeat(x.shape[0], 1, 1)
+        elif self.made_rows == "buffer":
+            y = y * self.scale
         elif self.made_rows == "indexed":  # ... each row its own (made from the local batch, it would differ)
             y = y + torch.arange(x.shape[0], dtype=y.dtype).view(-1, 1, 1)
         return torch.nn.functional.dropout(y, self.dropout, self.training)
@@ -165,6 +169,17 @@ def test_tensor_parallel_sublayer_is_a_region_with_a_partial_output():
 def test_a_tensor_made_in_the_forward_with_rows_alike_is_cut_in_a_region(made):
     ref_losses, ref_params = _reference(made_rows=made)
     for losses, params, root, sub in run_dist(_data_parallel, 4, True, made_rows=made):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+        assert root == [True]
+
+
+def test_a_buffer_as_long_as_the_batch_is_not_cut():
+    """A buffer whose leading dim happens to equal the global batch (HF's rotary frequencies
+    beside a batch of 8) is whole on every rank: verification's trial must not cut it."""
+    ref_losses, ref_params = _reference(made_rows="buffer")
+    for losses, params, root, sub in run_dist(_data_parallel, 4, True, made_rows="buffer"):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         for k, v in params.items():
             torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)

@@ -502,12 +502,14 @@ def _trial(module, inner, slots, settings, args, kwargs) -> Optional[tuple]:
     buffers (the watch checks their storages).  Parameters are not copied (a whole model's
     worth of memory): a trial that writes one anyway (a data-dependent write) is an error, as
     the write cannot be undone."""
+    # the arguments as `Region.run` hands them out (a plain tensor cut along the batch), copied;
+    # the buffers' local pieces, copied
     cut = _batch_cut([a for a in _arguments(args, kwargs) if type(a) is DistTensor]) or (lambda a: a)
-    copy = lambda v: cut(local_piece(v)).clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    copy = lambda v: (local_piece(v) if type(v) is DistTensor else cut(v)).clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
     largs, lkwargs = _map_arguments(args, kwargs, copy)
     params = [local_piece(t) for _, _, t, buffer in slots if not buffer]
     versions = [t._version for t in params]
-    saved = _swap(slots, [copy(t) if buffer else local_piece(t) for _, _, t, buffer in slots])
+    saved = _swap(slots, [local_piece(t).clone() if buffer else local_piece(t) for _, _, t, buffer in slots])
     _STATE["inside"] += 1
     try:
         with capturing(_Refuse()), torch.no_grad(), torch.random.fork_rng(devices=[]):
