@@ -505,7 +505,12 @@ def _trial(module, inner, slots, settings, args, kwargs) -> Optional[tuple]:
     # the arguments as `Region.run` hands them out (a plain tensor cut along the batch), copied;
     # the buffers' local pieces, copied
     cut = _batch_cut([a for a in _arguments(args, kwargs) if type(a) is DistTensor]) or (lambda a: a)
-    copy = lambda v: (local_piece(v) if type(v) is DistTensor else cut(v)).clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+
+    def copy(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        return (local_piece(v) if type(v) is DistTensor else cut(v)).clone()
+
     largs, lkwargs = _map_arguments(args, kwargs, copy)
     params = [local_piece(t) for _, _, t, buffer in slots if not buffer]
     versions = [t._version for t in params]
@@ -639,8 +644,8 @@ class Region:
         outs, structure = _flat_outputs(out)
         if len(outs) != len(self.out_specs):
             raise RuntimeError(
-                f"autopar local regions: {getattr(inner, '__qualname__', inner)} returned {len(outs)} tensors where its "
-                f"verified call returned {len(self.out_specs)} for the same inputs; run it within "
+                f"autopar local regions: {getattr(inner, '__qualname__', inner)} returned {len(outs)} tensors "
+                f"where its verified call returned {len(self.out_specs)} for the same inputs; run it within "
                 f"autopar.local_regions(False)."
             )
         if grad:
