@@ -113,6 +113,11 @@ def test_data_parallel_model_is_one_region_and_matches_single_process():
             assert root == ([True] if regions else [])
 
 
+def _op_counter(into: list):
+    """An op watcher that appends each op dispatched one by one to `into`."""
+    return type("Count", (), {"see": lambda self, func, *_: into.append(func)})()
+
+
 def _data_parallel_counts():
     """Dispatched ops and collectives of one step once the model is a region."""
     mesh = dist.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
@@ -120,7 +125,7 @@ def _data_parallel_counts():
     model = dist.shard_layer(Net(), mesh)
     opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
     counted = []
-    watch = type("Count", (), {"see": lambda self, *a: counted.append(a[0])})()
+    watch = _op_counter(counted)
     for i, (x, y) in enumerate(_batches()):
         x, y = (dist.shard_tensor(t, mesh, [S0]) for t in (x, y))
         with dist.comm_log() as log, watching(watch) if i == 2 else contextlib.nullcontext():
@@ -632,8 +637,7 @@ def _hf_base_model():
     data = hf_llama.batches(4)
     losses = hf_llama.train(model, opt, data[:3])
     counted = []
-    watch = type("Count", (), {"see": lambda self, *a: counted.append(a[0])})()
-    with watching(watch):
+    with watching(_op_counter(counted)):
         losses += hf_llama.train(model, opt, data[3:])
     out = model.model(input_ids=dist.shard_tensor(data[0][0], mesh, [S0]))
     weights = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}

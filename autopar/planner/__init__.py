@@ -11,6 +11,5 @@ from .predict import Prediction, predict_step
 
 use_auto_planner(plan)  # parallelize(config="auto") asks it
 
-__all__ = ["A100", "H100", "H200", "DeviceProfile", "LatentAttention", "Layout", "ModelNames", "Plan", "Prediction", "Shape",
-           "TransformerSpec",
-           "calibrate", "describe", "evaluate", "load_profile", "plan", "predict_step"]
+__all__ = ["A100", "H100", "H200", "DeviceProfile", "LatentAttention", "Layout", "ModelNames", "Plan", "Prediction",
+           "Shape", "TransformerSpec", "calibrate", "describe", "evaluate", "load_profile", "plan", "predict_step"]

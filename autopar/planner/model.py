@@ -229,8 +229,7 @@ class TransformerSpec:
         """Half the query/key and value widths summed over the heads: a token's scores and
         weighted sum cost 2 x seq x this FLOPs each, forward (the hidden size for plain heads;
         latent attention's heads are wider: 192 + 128 over 128 heads, 2.9 x DeepSeek-V3's hidden)."""
-        lat = self.latent
-        return self.hidden if lat is None else self.heads * (lat.nope_dim + lat.rope_dim + lat.v_dim) / 2
+        return self.hidden if self.latent is None else self.key_value_width() / 2
 
     def flops_per_token(self) -> float:
         """Model FLOPs of forward + backward per token: 6 x the matmul parameters it runs

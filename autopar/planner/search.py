@@ -114,8 +114,9 @@ def solve_split(terms: list, shape: Shape, layers: int, memory_limit: float,
     stage's memory within `memory_limit`; (None, proven) if nothing fits, nothing was found
     in SOLVE_SECONDS, or nothing is faster than `cutoff` (the solver prunes by it: a shape
     that cannot beat the layouts found before it is proven so without its optimum; the
-    program's step time is at most the evaluated one, so nothing it prunes would have).  Variables: k_s >= 1 layers per chunk (n_s = vpp k_s layers per stage)
-    and 0 <= r_s <= n_s recomputed layers per stage (integers), T >= each stage's
+    program's step time is at most the evaluated one, so nothing it prunes would have).
+    Variables: k_s >= 1 layers per chunk (n_s = vpp k_s layers per stage) and
+    0 <= r_s <= n_s recomputed layers per stage (integers), T >= each stage's
     micro-batch time, E >= each stage's end-of-step time; minimise
     (m - 1/vpp) T + sum_s time_s / vpp + E (`model.pipeline_time`)."""
     highspy, h = _highs()

@@ -287,7 +287,6 @@ class _Watch(CaptureBase):
         self.batch, self.batch_placements = (None, None) if split is None else split[1:]
         self.frame = frame  # the verification's own frame: the module's forward runs below it
         self.protected = {dispatch.storage_key(local_piece(t)) for t in protected}
-        self.given = {id(t) for t in protected}  # (tensors the forward did not make)
 
     def enter_wire(self) -> None:  # an explicit reshard in the forward
         self.local = False
@@ -320,17 +319,21 @@ class _Watch(CaptureBase):
 
     def _cut_alike(self, t: torch.Tensor, spec: DistSpec) -> bool:
         """Whether the op cuts `t` along the batch as the region's own run would have it: a
-        plain argument the region cuts (`_batch_cut`), or a tensor the forward made, plain or
-        replicated, whose rows are all alike (HF's causal mask, BERT's token type embeddings
-        of an expanded buffer: made from the batch size, which the region's run takes from
-        the local batch, they are the cut of the global value)."""
+        plain argument the region cuts (`_batch_cut`), or a tensor the forward made (not an
+        input, parameter or buffer, nor a view of one), plain or replicated, whose rows are
+        all alike (HF's causal mask, BERT's token type embeddings of an expanded buffer: made
+        from the batch size, which the region's run takes from the local batch, they are the
+        cut of the global value)."""
         if tuple(spec.placements) != self.batch_placements:
             return False
-        if type(t) is DistTensor:
-            t = t._local if t._spec.is_replicated() and id(t) not in self.given else None
-        elif id(t) in self.cuttable:
+        if type(t) is not DistTensor and id(t) in self.cuttable:
             return True
-        return t is not None and _batch_long(t, self.batch) and _rows_alike(t)
+        piece = local_piece(t)
+        return (
+            (type(t) is not DistTensor or t._spec.is_replicated())
+            and dispatch.storage_key(piece) not in self.protected
+            and _batch_long(piece, self.batch) and _rows_alike(piece)
+        )
 
     def _inside_function(self) -> bool:
         """Whether the op runs inside an autograd Function's forward called by the module."""
