@@ -348,6 +348,19 @@ def test_region_and_off_mesh_costs_measure_host_work_beyond_the_ops():
     assert 0 < forward < 0.01 and 0 < backward < 0.01 and 0 < off_mesh < 0.01
 
 
+def test_the_host_constants_are_timed_in_turns_and_a_slow_spell_is_dropped(monkeypatch):
+    # measured one after the other, a spell of other work on one step moved cost between the
+    # per-op and per-node constants (7 and 48 us on one calibration, 11 and 3 on the next)
+    calls, spells = [], iter([5.0, 1.0, 2.0, 1.5, 1.0, 4.0])  # seconds per timing, in order
+    monkeypatch.setattr(P, "median_time", lambda step, steps, clock: calls.append(step) or next(spells))
+    assert P._least_times({"op": "A", "node": "B"}, rounds=3, steps=9) == {"op": 1.0, "node": 1.0}
+    assert calls == ["A", "B"] * 3
+    monkeypatch.undo()
+    with cost._one_thread():
+        op, node, dispatch = P.framework_costs(CPU, rounds=2, steps=3)
+    assert 0 < op < 1e-3 and 0 <= node < 1e-3 and 0 < dispatch < 1e-2
+
+
 def test_a_dispatch_off_the_ranks_mesh_is_recorded_so_and_priced_apart():
     def make_step():  # rank 0 runs a model placed on rank 1's mesh: every dispatch off its mesh
         mesh = dist.ProcessMesh([1], dim_names=["dp"])

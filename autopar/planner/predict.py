@@ -669,25 +669,27 @@ def _reference_model(width: int = 16):
                                torch.nn.Linear(4 * width, width))
 
 
-def _reference_cost(step, profile: DeviceProfile, steps: int = 30) -> tuple:
-    """(median seconds of `step` after warm-up, its recording, the compute part of its price)."""
-    for _ in range(2):  # with median_time's own untimed call: three warm-up steps
-        step()
-    seconds = median_time(step, steps)
-    recording = Recording(0)
-    with _Recorder(recording):
-        step()
-    compute = sum(s[1].get("compute", 0.0) for s in _segments(recording, profile, 1.0) if s[0] == "busy")
-    return seconds, recording, compute
+def _least_times(runs: dict, rounds: int, steps: int) -> dict:
+    """{key: seconds of one call of its step}: the steps take turns for `rounds` rounds, each
+    timed as the least of its rounds' medians of `steps` calls, in this thread's CPU time.
+    Taking turns keeps a slow spell of a shared machine from landing on one step alone, and
+    other programs' work only adds (its preemptions are not ours)."""
+    seconds = dict.fromkeys(runs, math.inf)
+    for _ in range(rounds):
+        for key, step in runs.items():
+            seconds[key] = min(seconds[key], median_time(step, steps, clock=time.thread_time))
+    return seconds
 
 
-def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
+def framework_costs(profile: DeviceProfile, rounds: int = 7, steps: int = 9) -> tuple[float, float, float]:
     """(seconds per aten op, per autograd node, per DistTensor dispatch) of host work beyond
     the ops' compute, measured on training steps of a small MLP block (tiny tensors, so the
     host work dominates) priced with `profile`'s rates: its forward without gradients gives
     the per-op cost (Python, modules, dispatcher, allocation); a plain training step (AdamW)
     the per-node cost; the same step on a 2-rank Megatron split (one rank simulated) the
-    per-dispatch cost."""
+    per-dispatch cost.  The three are timed taking turns (`_least_times`): measured one after
+    the other, a spell of the machine's other work on one of them moved cost between the
+    per-op and the per-node constants (7 and 48 us on one calibration, 11 and 3 on the next)."""
     from ..api.parallelize import parallelize
     from ..api.plans import ColWiseParallel, RowWiseParallel
     from ..tools.simulate import simulate
@@ -703,20 +705,30 @@ def framework_costs(profile: DeviceProfile) -> tuple[float, float, float]:
             opt.zero_grad()
         return step
 
-    model = _reference_model()
-    with torch.no_grad():
-        seconds, rec, compute = _reference_cost(lambda: model(x), profile)
-    op = max(seconds - compute, 0.0) / rec.count("op")
-    seconds, rec, compute = _reference_cost(training(model, torch.optim.AdamW(model.parameters())), profile)
-    node = max(seconds - compute - op * rec.count("op"), 0.0) / max(rec.count("node"), 1)
+    def forward(model):
+        def step():
+            with torch.no_grad():
+                model(x)
+        return step
+
     with simulate(2, 0):
-        model = _reference_model()
-        opt = torch.optim.AdamW(model.parameters())
+        plain = _reference_model()
+        split = _reference_model()
+        opt = torch.optim.AdamW(split.parameters())
         plan = {"1": ColWiseParallel(), "3": RowWiseParallel()}
-        model, opt = parallelize(model, opt, ProcessMesh([0, 1], dim_names=["mp"]), {"mp_config": {"parallelize_plan": plan}})
-        seconds, rec, compute = _reference_cost(training(model, opt), profile)
-    busy = compute + op * rec.count("op") + node * rec.count("node")
-    return op, node, max(seconds - busy, 0.0) / max(rec.count("dist"), 1)
+        split, opt = parallelize(split, opt, ProcessMesh([0, 1], dim_names=["mp"]), {"mp_config": {"parallelize_plan": plan}})
+        runs = {"op": forward(plain), "node": training(plain, torch.optim.AdamW(plain.parameters())),
+                "dist": training(split, opt)}
+        for step in runs.values():
+            for _ in range(2):  # warm-up: the optimizer's states, a local region's verification
+                step()
+        seconds = _least_times(runs, rounds, steps)
+        priced = {key: _price(step, profile, "compute") for key, step in runs.items()}
+    op_rec, node_rec, dist_rec = (priced[key][1] for key in ("op", "node", "dist"))
+    op = max(seconds["op"] - priced["op"][0], 0.0) / op_rec.count("op")
+    node = max(seconds["node"] - priced["node"][0] - op * node_rec.count("op"), 0.0) / max(node_rec.count("node"), 1)
+    busy = priced["dist"][0] + op * dist_rec.count("op") + node * dist_rec.count("node")
+    return op, node, max(seconds["dist"] - busy, 0.0) / max(dist_rec.count("dist"), 1)
 
 
 def off_mesh_costs(profile: DeviceProfile) -> float:
@@ -764,14 +776,16 @@ class _RegionBlock(torch.nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))) * 0.5
 
 
-def _price(step, profile: DeviceProfile) -> tuple[float, Recording]:
-    """(the host price of one call of `step` on `profile`, its recording)."""
+def _price(step, profile: DeviceProfile, category: Optional[str] = None) -> tuple[float, Recording]:
+    """(the host price of one call of `step` on `profile`, of one category or of all, its
+    recording)."""
     recording = Recording(0)
     recorder = _Recorder(recording)
     with recorder:
         step()
     recorder._note(None)
-    return sum(sum(s[1].values()) for s in _segments(recording, profile, 1.0) if s[0] == "busy"), recording
+    busy = [s[1] for s in _segments(recording, profile, 1.0) if s[0] == "busy"]
+    return sum(c.get(category, 0.0) if category else sum(c.values()) for c in busy), recording
 
 
 def region_costs(profile: DeviceProfile, counts: tuple = (2, 10), rounds: int = 15, steps: int = 5) -> tuple[float, float]:
@@ -818,10 +832,7 @@ def region_costs(profile: DeviceProfile, counts: tuple = (2, 10), rounds: int = 
             parallelize(regions, None, mesh, {"dp_config": {"sharding_level": 0}})
             x = shard_tensor(torch.randn(8, 16), mesh, [Shard(0)])
             runs.update({(True, k, part): step for part, step in variants(regions, x).items()})
-        seconds = dict.fromkeys(runs, math.inf)
-        for _ in range(rounds):
-            for key, step in runs.items():
-                seconds[key] = min(seconds[key], median_time(step, steps, clock=time.thread_time))
+        seconds = _least_times(runs, rounds, steps)
         priced = {key: _price(step, profile) for key, step in runs.items()}
     unpriced = {key: seconds[key] - priced[key][0] for key in runs}
     low, high = counts
