@@ -424,6 +424,9 @@ def test_calibration_writes_a_profile_that_loads(tmp_path, monkeypatch):
     assert {name for name, _ in loaded.element_costs} >= {"aten::exp", "aten::silu"}
     # host work with every core busy, against one rank alone
     assert [c for c, _ in loaded.shared_host] == [1.0] and loaded.shared_host[0][1] >= 1.0
+    # gloo's all-gather and all-to-all, measured on the ranks spawned for the all-reduce
+    assert [op for op, _, _ in loaded.op_links] == ["all_gather", "all_to_all"]
+    assert all(latency > 0 and bandwidth > 0 for _, latency, bandwidth in loaded.op_links)
     assert set(json.loads(path.read_text())) == {f.name for f in dataclasses.fields(DeviceProfile)}
 
 

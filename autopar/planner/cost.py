@@ -272,18 +272,18 @@ def _gemms(a) -> None:
         torch.mm(a, a)
 
 
-def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, compute: float, out,
+def _measure_collective(rank: int, world: int, port: int, ops: tuple, sizes: list, compute: float, out,
                         samples: int = 192) -> None:
-    """Rank 0 puts, for each size, the mean seconds of a round (`_gemms`, then collective `op`)
-    less the round's compute: `compute` seconds on a core of its own, times the ranks per
+    """Rank 0 puts {op: for each size, the mean seconds of a round (`_gemms`, then collective
+    `op`) less the round's compute}, for each of `ops` (one process group for all of them): `compute` seconds on a core of its own, times the ranks per
     core where they share cores (all are busy then).  In a training step a collective
     follows compute, and gloo's threads have gone to sleep by then (back-to-back calls find
     them awake, 3-5x faster).  The mean, not the median: a step pays every call, and one call
     in five or so waits a scheduler slice (milliseconds) for a core, which the median never
     shows.  Rounds, not the call alone: a rank whose turn on a shared core comes late makes
     the others wait at the collective, which the time of the call counts again.  The sizes
-    take turns, round by round: a slow spell of the machine (seconds) then slows them all
-    alike instead of bending the latency-bandwidth line at the size it fell on."""
+    and ops take turns, round by round: a slow spell of the machine (seconds) then slows them
+    all alike instead of bending the latency-bandwidth line at the size it fell on."""
     import time
 
     import torch
@@ -293,12 +293,12 @@ def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, 
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     a = torch.randn(256, 256)
     busy = compute * max(1.0, world / machine_cores())
-    calls = [_collective(op, torch.ones(n // 4), world) for n in sizes]
+    calls = [_collective(op, torch.ones(n // 4), world) for op in ops for n in sizes]
     for call in calls:
         _gemms(a)
         call()
     tdist.barrier()
-    spent = [0.0] * len(sizes)
+    spent = [0.0] * len(calls)
     for _ in range(samples):
         for i, call in enumerate(calls):
             t0 = time.perf_counter()
@@ -307,7 +307,8 @@ def _measure_collective(rank: int, world: int, port: int, op: str, sizes: list, 
             spent[i] += time.perf_counter() - t0
     tdist.barrier()
     if rank == 0:
-        out.put([max(s / samples - busy, 1e-7) for s in spent])
+        times = [max(s / samples - busy, 1e-7) for s in spent]
+        out.put({op: times[k * len(sizes):(k + 1) * len(sizes)] for k, op in enumerate(ops)})
     tdist.destroy_process_group()
 
 
@@ -487,21 +488,25 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _gloo_link(world: int, op: str = "all_reduce") -> tuple[float, float]:
-    """(latency per ring step, bandwidth) of gloo's `op` on `world` local ranks."""
+def _gloo_link(world: int, ops: tuple = ("all_reduce",)) -> dict:
+    """{op: (latency per ring step, bandwidth)} of gloo's `ops` on `world` local ranks,
+    measured on one set of spawned ranks."""
     import torch
 
     sizes = [1 << k for k in range(8, 24, 2)]
     a = torch.randn(256, 256)
     with _one_thread():
         compute = median_time(lambda: _gemms(a), 21)
-    times = _spawn(_measure_collective, world, op, sizes, compute)
-    steps, factor = _RING[op](world)
-    per_byte, fixed = _fit_line([factor * s for s in sizes], times)
-    fixed = min(fixed, times[0])
-    # noise can flatten the fitted slope to nothing: the largest message bounds the bandwidth
-    largest = factor * sizes[-1] / max(times[-1] - fixed, times[-1] / 2)
-    return fixed / steps, min(1.0 / per_byte, largest)
+    measured = _spawn(_measure_collective, world, tuple(ops), sizes, compute)
+    links = {}
+    for op, times in measured.items():
+        steps, factor = _RING[op](world)
+        per_byte, fixed = _fit_line([factor * s for s in sizes], times)
+        fixed = min(fixed, times[0])
+        # noise can flatten the fitted slope to nothing: the largest message bounds the bandwidth
+        largest = factor * sizes[-1] / max(times[-1] - fixed, times[-1] / 2)
+        links[op] = (fixed / steps, min(1.0 / per_byte, largest))
+    return links
 
 
 def _host_factors(worlds: list, cores: int, repeats: int = 3) -> tuple:
@@ -546,13 +551,15 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         memory = _curve([1 << k for k in range(10, 25, 2)], lambda n: 3.0 * n * 4,
                         lambda n: _net(_cold_call(lambda: (torch.ones(n), torch.ones(n)), torch.add, 8 * n, working_set), op))
     cores = machine_cores()
-    latency, bandwidth = _gloo_link(world)
-    crowded = sorted(w for w in {cores * k for k in crowding} if w > cores)
-    # ranks sharing cores are never faster than ranks with a core each (a noisy fit can say so)
-    shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth)) for w in crowded for lat, bw in [_gloo_link(w)])
     # gloo's other collectives against all_reduce (its all-to-all is slower; a host
     # reduce-scatter runs as an all-to-all)
-    ops = tuple((op, *_gloo_link(world, op)) for op in ("all_gather", "all_to_all"))
+    links = _gloo_link(world, ("all_reduce", "all_gather", "all_to_all"))
+    latency, bandwidth = links["all_reduce"]
+    crowded = sorted(w for w in {cores * k for k in crowding} if w > cores)
+    # ranks sharing cores are never faster than ranks with a core each (a noisy fit can say so)
+    shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth))
+                   for w in crowded for lat, bw in [_gloo_link(w)["all_reduce"]])
+    ops = tuple((op, *links[op]) for op in ("all_gather", "all_to_all"))
     host = _host_factors([cores] + crowded, cores, repeats)
     peak = max(rate for _, rate in gemm)
     profile = DeviceProfile(
