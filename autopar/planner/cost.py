@@ -275,8 +275,9 @@ def _gemms(a) -> None:
 def _measure_collective(rank: int, world: int, port: int, ops: tuple, sizes: list, compute: float, out,
                         samples: int = 192) -> None:
     """Rank 0 puts {op: for each size, the mean seconds of a round (`_gemms`, then collective
-    `op`) less the round's compute}, for each of `ops` (one process group for all of them): `compute` seconds on a core of its own, times the ranks per
-    core where they share cores (all are busy then).  In a training step a collective
+    `op`) less the round's compute} for each of `ops`, on one process group.  The round's
+    compute: `compute` seconds on a core of its own, times the ranks per core where they share
+    cores (all are busy then).  In a training step a collective
     follows compute, and gloo's threads have gone to sleep by then (back-to-back calls find
     them awake, 3-5x faster).  The mean, not the median: a step pays every call, and one call
     in five or so waits a scheduler slice (milliseconds) for a core, which the median never
@@ -497,7 +498,7 @@ def _gloo_link(world: int, ops: tuple = ("all_reduce",)) -> dict:
     a = torch.randn(256, 256)
     with _one_thread():
         compute = median_time(lambda: _gemms(a), 21)
-    measured = _spawn(_measure_collective, world, tuple(ops), sizes, compute)
+    measured = _spawn(_measure_collective, world, ops, sizes, compute)
     links = {}
     for op, times in measured.items():
         steps, factor = _RING[op](world)

@@ -681,6 +681,28 @@ def _least_times(runs: dict, rounds: int, steps: int) -> dict:
     return seconds
 
 
+def _training_step(model, opt, x):
+    """One training step of `model` on `x` (a sum loss), as a function."""
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _split_reference(ranks: list):
+    """(model, optimizer): the reference block under a Megatron plan (its two Linears split)
+    on a mesh of `ranks`, inside the caller's `simulate`."""
+    from ..api.parallelize import parallelize
+    from ..api.plans import ColWiseParallel, RowWiseParallel
+    from ..mesh import ProcessMesh
+
+    model = _reference_model()
+    plan = {"1": ColWiseParallel(), "3": RowWiseParallel()}
+    return parallelize(model, torch.optim.AdamW(model.parameters()), ProcessMesh(ranks, dim_names=["mp"]),
+                       {"mp_config": {"parallelize_plan": plan}})
+
+
 def framework_costs(profile: DeviceProfile, rounds: int = 7, steps: int = 9) -> tuple[float, float, float]:
     """(seconds per aten op, per autograd node, per DistTensor dispatch) of host work beyond
     the ops' compute, measured on training steps of a small MLP block (tiny tensors, so the
@@ -690,20 +712,10 @@ def framework_costs(profile: DeviceProfile, rounds: int = 7, steps: int = 9) -> 
     per-dispatch cost.  The three are timed taking turns (`_least_times`): measured one after
     the other, a spell of the machine's other work on one of them moved cost between the
     per-op and the per-node constants (7 and 48 us on one calibration, 11 and 3 on the next)."""
-    from ..api.parallelize import parallelize
-    from ..api.plans import ColWiseParallel, RowWiseParallel
     from ..tools.simulate import simulate
-    from ..mesh import ProcessMesh
 
     profile = dataclasses.replace(profile, op_latency=0.0)
     x = torch.randn(4, 16)
-
-    def training(model, opt):
-        def step():
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        return step
 
     def forward(model):
         def step():
@@ -713,12 +725,8 @@ def framework_costs(profile: DeviceProfile, rounds: int = 7, steps: int = 9) -> 
 
     with simulate(2, 0):
         plain = _reference_model()
-        split = _reference_model()
-        opt = torch.optim.AdamW(split.parameters())
-        plan = {"1": ColWiseParallel(), "3": RowWiseParallel()}
-        split, opt = parallelize(split, opt, ProcessMesh([0, 1], dim_names=["mp"]), {"mp_config": {"parallelize_plan": plan}})
-        runs = {"op": forward(plain), "node": training(plain, torch.optim.AdamW(plain.parameters())),
-                "dist": training(split, opt)}
+        runs = {"op": forward(plain), "node": _training_step(plain, torch.optim.AdamW(plain.parameters()), x),
+                "dist": _training_step(*_split_reference([0, 1]), x)}
         for step in runs.values():
             for _ in range(2):  # warm-up: the optimizer's states, a local region's verification
                 step()
@@ -726,7 +734,8 @@ def framework_costs(profile: DeviceProfile, rounds: int = 7, steps: int = 9) -> 
         priced = {key: _price(step, profile, "compute") for key, step in runs.items()}
     op_rec, node_rec, dist_rec = (priced[key][1] for key in ("op", "node", "dist"))
     op = max(seconds["op"] - priced["op"][0], 0.0) / op_rec.count("op")
-    node = max(seconds["node"] - priced["node"][0] - op * node_rec.count("op"), 0.0) / max(node_rec.count("node"), 1)
+    node_time = seconds["node"] - priced["node"][0] - op * node_rec.count("op")
+    node = max(node_time, 0.0) / max(node_rec.count("node"), 1)
     busy = priced["dist"][0] + op * dist_rec.count("op") + node * dist_rec.count("node")
     return op, node, max(seconds["dist"] - busy, 0.0) / max(dist_rec.count("dist"), 1)
 
@@ -736,31 +745,18 @@ def off_mesh_costs(profile: DeviceProfile) -> float:
     op only wraps empty pieces) beyond the ops it runs: the Megatron-split training step of
     `framework_costs` on a mesh of the other rank (rank 0 of 2 simulated), less its price on
     `profile` (ops, nodes), per dispatch."""
-    from ..api.parallelize import parallelize
-    from ..api.plans import ColWiseParallel, RowWiseParallel
     from ..tools.simulate import simulate
-    from ..mesh import ProcessMesh
 
-    x = torch.randn(4, 16)
     with simulate(2, 0):
-        model = _reference_model()
-        opt = torch.optim.AdamW(model.parameters())
-        plan = {"1": ColWiseParallel(), "3": RowWiseParallel()}
-        model, opt = parallelize(model, opt, ProcessMesh([1], dim_names=["mp"]), {"mp_config": {"parallelize_plan": plan}})
-
-        def step():
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        step = _training_step(*_split_reference([1]), torch.randn(4, 16))
         for _ in range(2):
             step()
-        seconds = min(median_time(step, 9, clock=time.thread_time) for _ in range(5))
+        seconds = _least_times({"off mesh": step}, 5, 9)["off mesh"]
         priced, rec = _price(step, dataclasses.replace(profile, off_mesh_dispatch=0.0))
     dispatches = rec.events.count(("dist", False))
     if not dispatches:
         raise RuntimeError("off_mesh_costs: the reference step dispatched nothing off its mesh")
     return max(seconds - priced, 0.0) / dispatches
-
 
 
 class _RegionBlock(torch.nn.Module):
