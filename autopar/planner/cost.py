@@ -338,17 +338,32 @@ def _per_call(fn, calls: int = 400) -> float:
     return median_time(loop) / calls
 
 
-def _cold_call(make_args, func, nbytes: int, working_set: int) -> float:
+def _cold_call(make_args, func, nbytes: int, working_set: int, repeats: int = 5) -> float:
     """Seconds of one `func(*args)`, the argument tuples (`nbytes` each, from `make_args()`)
     cycled through `working_set` bytes: a training step's operands come from memory, not
-    from the caches a repeated call would keep them in (and outputs are allocated each call)."""
+    from the caches a repeated call would keep them in (and outputs are allocated each call).
+    The median of `repeats` loops over them."""
     calls = [make_args() for _ in range(max(2, working_set // nbytes))]
     count = max(min(len(calls), 4096), 64)
 
     def loop():
         for i in range(count):
             func(*calls[i % len(calls)])
-    return median_time(loop, 5) / count
+    return median_time(loop, repeats) / count
+
+
+def _medians_in_rounds(measures: dict, rounds: int) -> dict:
+    """{key: the median of what `measures[key]()` returned over `rounds` rounds}, the measures
+    taking turns round by round: a shared machine's speed moves by a fifth between two
+    timings seconds apart (a 512^3 GEMM at 83 and 122 GFLOP/s within a minute), so a rate
+    timed once is that moment's; spread over the calibration, the median is its usual one."""
+    import statistics
+
+    taken: dict = {key: [] for key in measures}
+    for _ in range(rounds):
+        for key, measure in measures.items():
+            taken[key].append(measure())
+    return {key: statistics.median(values) for key, values in taken.items()}
 
 
 # element-wise ops that compute more per element than they move (transcendentals, reductions
@@ -374,23 +389,30 @@ _STRIDED_OPS = dict(_ELEMENT_OPS, **{
 })
 
 
-def _element_costs(op: float, working_set: int, ops: dict = _ELEMENT_OPS, step: int = 1) -> tuple:
-    """((op name, seconds per element of its first input), ...) for `ops`, inputs (every
-    `step`-th element of a row) cycled through memory as in `_cold_call`."""
+def _element_measures(working_set: int, ops: dict = _ELEMENT_OPS, step: int = 1) -> dict:
+    """{op name: a measure of its seconds per call on (256, 1024) inputs (every `step`-th
+    element of a row), cycled through `working_set` bytes as in `_cold_call`}, for
+    `_medians_in_rounds`."""
     import torch
 
     xs = [(torch.rand(256, 1024 * step) + 0.5)[:, ::step] for _ in range(max(2, working_set // (256 * 1024 * 4 * step)))]
-    out = []
+    measures = {}
     for name, make_args in ops.items():
         packet, _, overload = name[len("aten::"):].partition(".")
         func = getattr(getattr(torch.ops.aten, packet), overload or "default")
         calls = [make_args(x) for x in xs]
 
-        def loop():
+        def loop(func=func, calls=calls):
             for args in calls:
                 func(*args)
-        out.append((name, max(median_time(loop, 5) / len(calls) - op, 0.0) / xs[0].numel()))
-    return tuple(out)
+        measures[name] = lambda loop=loop, n=len(calls): median_time(loop, 1) / n
+    return measures
+
+
+def _element_costs(seconds: dict, op: float) -> tuple:
+    """((op name, seconds per element of its first input), ...) from the per-call `seconds`
+    of `_element_measures`, less the per-op latency `op`."""
+    return tuple((name, max(s - op, 0.0) / (256 * 1024)) for name, s in seconds.items())
 
 
 def _net(seconds: float, op: float) -> float:
@@ -525,7 +547,12 @@ def _host_factors(worlds: list, cores: int, repeats: int = 3) -> tuple:
     return tuple((w / cores, max(1.0, statistics.median(r))) for w, r in ratios.items())
 
 
-def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26, repeats: int = 3) -> DeviceProfile:
+GEMM_SIDES = (8, 16, 32, 64, 128, 256, 512)  # the GEMM rate curve's square sides
+MEMORY_SIZES = tuple(1 << k for k in range(10, 25, 2))  # the memory rate curve's element counts
+
+
+def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26, repeats: int = 3,
+              rounds: int = 5) -> DeviceProfile:
     """Measure this machine (one thread per rank, as the ranks run): a GEMM FLOP-rate curve
     and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
     element-wise ops (and of element-wise ops on strided inputs), its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
@@ -536,21 +563,29 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     like all_reduce (`op_links`); all_reduce also on `crowding` times as many ranks as cores
     (`shared_links`), and a small step's host time with all cores busy and so crowded, against
     one rank alone (`shared_host`, the median of `repeats` alternating runs); element-wise
-    inputs cycle through `working_set` bytes."""
+    inputs cycle through `working_set` bytes.  The rates are each the median of `rounds`
+    timings taking turns (`_medians_in_rounds`)."""
     import torch
 
     from .predict import framework_costs, off_mesh_costs, region_costs
 
     with _one_thread():
         a, b = torch.ones(1), torch.ones(1)
-        op = _per_call(lambda: torch.add(a, b))  # provisional: the rates below are net of it
-        gemm = _curve([8, 16, 32, 64, 128, 256, 512], lambda n: 2.0 * n**3,
-                      lambda n: _net(_cold_call(lambda: (torch.randn(n, n), torch.randn(n, n)), torch.mm,
-                                                8 * n * n, working_set // 2), op))
-        elements = _element_costs(op, working_set)
-        strided = _element_costs(op, working_set, _STRIDED_OPS, step=2)
-        memory = _curve([1 << k for k in range(10, 25, 2)], lambda n: 3.0 * n * 4,
-                        lambda n: _net(_cold_call(lambda: (torch.ones(n), torch.ones(n)), torch.add, 8 * n, working_set), op))
+        measures = {"op": lambda: _per_call(lambda: torch.add(a, b))}
+        for n in GEMM_SIDES:
+            measures["gemm", n] = lambda n=n: _cold_call(lambda: (torch.randn(n, n), torch.randn(n, n)), torch.mm,
+                                                         8 * n * n, working_set // 2, repeats=1)
+        for n in MEMORY_SIZES:
+            measures["memory", n] = lambda n=n: _cold_call(lambda: (torch.ones(n), torch.ones(n)), torch.add,
+                                                           8 * n, working_set, repeats=1)
+        for kind, ops, step in (("element", _ELEMENT_OPS, 1), ("strided", _STRIDED_OPS, 2)):
+            measures.update({(kind, name): m for name, m in _element_measures(working_set, ops, step).items()})
+        seconds = _medians_in_rounds(measures, rounds)
+    op = seconds["op"]  # provisional (`framework_costs` below): the rates are net of it
+    gemm = _curve(GEMM_SIDES, lambda n: 2.0 * n**3, lambda n: _net(seconds["gemm", n], op))
+    memory = _curve(MEMORY_SIZES, lambda n: 3.0 * n * 4, lambda n: _net(seconds["memory", n], op))
+    elements = _element_costs({name: seconds["element", name] for name in _ELEMENT_OPS}, op)
+    strided = _element_costs({name: seconds["strided", name] for name in _STRIDED_OPS}, op)
     cores = machine_cores()
     # gloo's other collectives against all_reduce (its all-to-all is slower; a host
     # reduce-scatter runs as an all-to-all)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -28,7 +29,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ..comm.collectives import gathered_all_reduce
 from ..runtime import local_region
-from .cost import _RING, DeviceProfile, load_profile, machine_cores, median_time, op_link
+from .cost import _RING, DeviceProfile, _medians_in_rounds, load_profile, machine_cores, median_time, op_link
 from .profile_check import check_profile
 
 aten = torch.ops.aten
@@ -669,16 +670,15 @@ def _reference_model(width: int = 16):
                                torch.nn.Linear(4 * width, width))
 
 
-def _least_times(runs: dict, rounds: int, steps: int) -> dict:
+def _host_times(runs: dict, rounds: int, steps: int) -> dict:
     """{key: seconds of one call of its step}: the steps take turns for `rounds` rounds, each
-    timed as the least of its rounds' medians of `steps` calls, in this thread's CPU time.
-    Taking turns keeps a slow spell of a shared machine from landing on one step alone, and
-    other programs' work only adds (its preemptions are not ours)."""
-    seconds = dict.fromkeys(runs, math.inf)
-    for _ in range(rounds):
-        for key, step in runs.items():
-            seconds[key] = min(seconds[key], median_time(step, steps, clock=time.thread_time))
-    return seconds
+    timed as the median of its rounds' medians of `steps` calls, in this thread's CPU time
+    (a shared machine's preemptions are not ours).  Taking turns keeps a slow or fast spell
+    of the machine from landing on one step alone; the median over rounds is the machine's
+    usual speed, which the steps it predicts run at (the least, the speed of its fastest
+    spell, under-predicted them)."""
+    return _medians_in_rounds({key: functools.partial(median_time, step, steps, time.thread_time)
+                               for key, step in runs.items()}, rounds)
 
 
 def _training_step(model, opt, x):
@@ -709,7 +709,7 @@ def framework_costs(profile: DeviceProfile, rounds: int = 7, steps: int = 9) -> 
     host work dominates) priced with `profile`'s rates: its forward without gradients gives
     the per-op cost (Python, modules, dispatcher, allocation); a plain training step (AdamW)
     the per-node cost; the same step on a 2-rank Megatron split (one rank simulated) the
-    per-dispatch cost.  The three are timed taking turns (`_least_times`): measured one after
+    per-dispatch cost.  The three are timed taking turns (`_host_times`): measured one after
     the other, a spell of the machine's other work on one of them moved cost between the
     per-op and the per-node constants (7 and 48 us on one calibration, 11 and 3 on the next)."""
     from ..tools.simulate import simulate
@@ -730,7 +730,7 @@ def framework_costs(profile: DeviceProfile, rounds: int = 7, steps: int = 9) -> 
         for step in runs.values():
             for _ in range(2):  # warm-up: the optimizer's states, a local region's verification
                 step()
-        seconds = _least_times(runs, rounds, steps)
+        seconds = _host_times(runs, rounds, steps)
         priced = {key: _price(step, profile, "compute") for key, step in runs.items()}
     op_rec, node_rec, dist_rec = (priced[key][1] for key in ("op", "node", "dist"))
     op = max(seconds["op"] - priced["op"][0], 0.0) / op_rec.count("op")
@@ -751,7 +751,7 @@ def off_mesh_costs(profile: DeviceProfile) -> float:
         step = _training_step(*_split_reference([1]), torch.randn(4, 16))
         for _ in range(2):
             step()
-        seconds = _least_times({"off mesh": step}, 5, 9)["off mesh"]
+        seconds = _host_times({"off mesh": step}, 5, 9)["off mesh"]
         priced, rec = _price(step, dataclasses.replace(profile, off_mesh_dispatch=0.0))
     dispatches = rec.events.count(("dist", False))
     if not dispatches:
@@ -792,9 +792,8 @@ def region_costs(profile: DeviceProfile, counts: tuple = (2, 10), rounds: int = 
     tensors), of a data-parallel rank's time less its price (simulated: `simulate(2, 0)`),
     less the same growth of the blocks run as plain torch: first for the forward (with
     gradients, graph dropped), then for forward and backward.  The eight steps take turns
-    for `rounds` rounds, each timed as the least of its rounds' medians of `steps` calls, in
-    this thread's CPU time (other programs' work only adds, and a shared machine's
-    preemptions are not ours).  `profile` prices the ops, nodes and dispatches (its
+    for `rounds` rounds, each timed as the median of its rounds' medians of `steps` calls,
+    in this thread's CPU time (`_host_times`).  `profile` prices the ops, nodes and dispatches (its
     own region costs are not used)."""
     from ..api.parallelize import parallelize
     from ..api.tensors import shard_tensor
@@ -828,7 +827,7 @@ def region_costs(profile: DeviceProfile, counts: tuple = (2, 10), rounds: int = 
             parallelize(regions, None, mesh, {"dp_config": {"sharding_level": 0}})
             x = shard_tensor(torch.randn(8, 16), mesh, [Shard(0)])
             runs.update({(True, k, part): step for part, step in variants(regions, x).items()})
-        seconds = _least_times(runs, rounds, steps)
+        seconds = _host_times(runs, rounds, steps)
         priced = {key: _price(step, profile) for key, step in runs.items()}
     unpriced = {key: seconds[key] - priced[key][0] for key in runs}
     low, high = counts
