@@ -272,19 +272,20 @@ def _gemms(a) -> None:
         torch.mm(a, a)
 
 
-def _measure_collective(rank: int, world: int, port: int, ops: tuple, sizes: list, compute: float, out,
-                        samples: int = 192) -> None:
-    """Rank 0 puts {op: for each size, the mean seconds of a round (`_gemms`, then collective
-    `op`) less the round's compute} for each of `ops`, on one process group.  The round's
-    compute: `compute` seconds on a core of its own, times the ranks per core where they share
-    cores (all are busy then).  In a training step a collective
-    follows compute, and gloo's threads have gone to sleep by then (back-to-back calls find
-    them awake, 3-5x faster).  The mean, not the median: a step pays every call, and one call
-    in five or so waits a scheduler slice (milliseconds) for a core, which the median never
-    shows.  Rounds, not the call alone: a rank whose turn on a shared core comes late makes
-    the others wait at the collective, which the time of the call counts again.  The sizes
-    and ops take turns, round by round: a slow spell of the machine (seconds) then slows them
-    all alike instead of bending the latency-bandwidth line at the size it fell on."""
+def _measure_collective(rank: int, world: int, port: int, ops: tuple, sizes: list, out, samples: int = 192) -> None:
+    """Rank 0 puts {op: for each size, the mean seconds of collective `op` called after a
+    round's compute (`_gemms`)} for each of `ops`, on one process group.  In a training step
+    a collective follows compute, and gloo's threads have gone to sleep by then (back-to-back
+    calls find them awake, 3-5x faster).  The mean, not the median: a step pays every call,
+    and one call in five or so waits a scheduler slice (milliseconds) for a core, which the
+    median never shows.  After compute, not alone: a rank whose turn on a shared core comes
+    late makes the others wait at the collective, which the call's time counts.  The call is
+    timed from the end of this rank's compute, as the ranks run it (compute timed apart, in
+    another process, is not what the ranks' compute takes beside each other: subtracted from
+    the round, the difference went to the links, 1.3 to 2.7 ms per all-gather step between
+    two calibrations).  The sizes and ops take turns, round by round: a slow spell of the
+    machine (seconds) then slows them all alike instead of bending the latency-bandwidth line
+    at the size it fell on."""
     import time
 
     import torch
@@ -293,7 +294,6 @@ def _measure_collective(rank: int, world: int, port: int, ops: tuple, sizes: lis
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     a = torch.randn(256, 256)
-    busy = compute * max(1.0, world / machine_cores())
     calls = [_collective(op, torch.ones(n // 4), world) for op in ops for n in sizes]
     for call in calls:
         _gemms(a)
@@ -302,13 +302,13 @@ def _measure_collective(rank: int, world: int, port: int, ops: tuple, sizes: lis
     spent = [0.0] * len(calls)
     for _ in range(samples):
         for i, call in enumerate(calls):
-            t0 = time.perf_counter()
             _gemms(a)
+            t0 = time.perf_counter()
             call()
             spent[i] += time.perf_counter() - t0
     tdist.barrier()
     if rank == 0:
-        times = [max(s / samples - busy, 1e-7) for s in spent]
+        times = [max(s / samples, 1e-7) for s in spent]
         out.put({op: times[k * len(sizes):(k + 1) * len(sizes)] for k, op in enumerate(ops)})
     tdist.destroy_process_group()
 
@@ -514,13 +514,8 @@ def _one_thread():
 def _gloo_link(world: int, ops: tuple = ("all_reduce",)) -> dict:
     """{op: (latency per ring step, bandwidth)} of gloo's `ops` on `world` local ranks,
     measured on one set of spawned ranks."""
-    import torch
-
     sizes = [1 << k for k in range(8, 24, 2)]
-    a = torch.randn(256, 256)
-    with _one_thread():
-        compute = median_time(lambda: _gemms(a), 21)
-    measured = _spawn(_measure_collective, world, ops, sizes, compute)
+    measured = _spawn(_measure_collective, world, ops, sizes)
     links = {}
     for op, times in measured.items():
         steps, factor = _RING[op](world)
