@@ -352,18 +352,34 @@ def _cold_call(make_args, func, nbytes: int, working_set: int, repeats: int = 5)
     return median_time(loop, repeats) / count
 
 
-def _medians_in_rounds(measures: dict, rounds: int) -> dict:
-    """{key: the median of what `measures[key]()` returned over `rounds` rounds}, the measures
-    taking turns round by round: a shared machine's speed moves by a fifth between two
-    timings seconds apart (a 512^3 GEMM at 83 and 122 GFLOP/s within a minute), so a rate
-    timed once is that moment's; spread over the calibration, the median is its usual one."""
-    import statistics
+class _Rounds:
+    """Measures taken in rounds, every measure once per round in turn (`take`), each the
+    median of its rounds (`medians`): a shared machine's speed moves by a fifth between two
+    timings seconds apart (a 512^3 GEMM at 83 and 122 GFLOP/s within a minute) and keeps a
+    fast or slow spell for minutes, so a rate timed once is that moment's; rounds spread
+    over a calibration give its usual one."""
 
-    taken: dict = {key: [] for key in measures}
-    for _ in range(rounds):
-        for key, measure in measures.items():
-            taken[key].append(measure())
-    return {key: statistics.median(values) for key, values in taken.items()}
+    def __init__(self, measures: dict):
+        self.measures = measures
+        self.taken: dict = {key: [] for key in measures}
+
+    def take(self, rounds: int = 1) -> None:
+        for _ in range(rounds):
+            for key, measure in self.measures.items():
+                self.taken[key].append(measure())
+
+    def medians(self) -> dict:
+        import statistics
+
+        return {key: statistics.median(values) for key, values in self.taken.items()}
+
+
+def _medians_in_rounds(measures: dict, rounds: int) -> dict:
+    """{key: the median of what `measures[key]()` returned over `rounds` rounds taken one
+    after another} (`_Rounds`)."""
+    taken = _Rounds(measures)
+    taken.take(rounds)
+    return taken.medians()
 
 
 # element-wise ops that compute more per element than they move (transcendentals, reductions
@@ -559,39 +575,52 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     (`shared_links`), and a small step's host time with all cores busy and so crowded, against
     one rank alone (`shared_host`, the median of `repeats` alternating runs); element-wise
     inputs cycle through `working_set` bytes.  The rates are each the median of `rounds`
-    timings taking turns (`_medians_in_rounds`)."""
+    timings taking turns, spread over the calibration (`_Rounds`)."""
     import torch
 
     from .predict import framework_costs, off_mesh_costs, region_costs
 
+    a, b = torch.ones(1), torch.ones(1)
+    measures = {"op": lambda: _per_call(lambda: torch.add(a, b))}
+    for n in GEMM_SIDES:
+        measures["gemm", n] = lambda n=n: _cold_call(lambda: (torch.randn(n, n), torch.randn(n, n)), torch.mm,
+                                                     8 * n * n, working_set // 2, repeats=1)
+    for n in MEMORY_SIZES:
+        measures["memory", n] = lambda n=n: _cold_call(lambda: (torch.ones(n), torch.ones(n)), torch.add,
+                                                       8 * n, working_set, repeats=1)
     with _one_thread():
-        a, b = torch.ones(1), torch.ones(1)
-        measures = {"op": lambda: _per_call(lambda: torch.add(a, b))}
-        for n in GEMM_SIDES:
-            measures["gemm", n] = lambda n=n: _cold_call(lambda: (torch.randn(n, n), torch.randn(n, n)), torch.mm,
-                                                         8 * n * n, working_set // 2, repeats=1)
-        for n in MEMORY_SIZES:
-            measures["memory", n] = lambda n=n: _cold_call(lambda: (torch.ones(n), torch.ones(n)), torch.add,
-                                                           8 * n, working_set, repeats=1)
         for kind, ops, step in (("element", _ELEMENT_OPS, 1), ("strided", _STRIDED_OPS, 2)):
             measures.update({(kind, name): m for name, m in _element_measures(working_set, ops, step).items()})
-        seconds = _medians_in_rounds(measures, rounds)
+    rates = _Rounds(measures)
+    cores = machine_cores()
+    crowded = sorted(w for w in {cores * k for k in crowding} if w > cores)
+    # the rates' rounds spread over the calibration: one after each of its spawned
+    # measurements (a minute or more each), the rest first
+    later = min(rounds - 1, 3)
+
+    def take_rates(count: int) -> None:
+        with _one_thread():
+            rates.take(count)
+
+    take_rates(rounds - later)
+    # gloo's other collectives against all_reduce (its all-to-all is slower; a host
+    # reduce-scatter runs as an all-to-all)
+    links = _gloo_link(world, ("all_reduce", "all_gather", "all_to_all"))
+    take_rates(int(later > 0))
+    latency, bandwidth = links["all_reduce"]
+    # ranks sharing cores are never faster than ranks with a core each (a noisy fit can say so)
+    shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth))
+                   for w in crowded for lat, bw in [_gloo_link(w)["all_reduce"]])
+    take_rates(int(later > 1))
+    host = _host_factors([cores] + crowded, cores, repeats)
+    take_rates(int(later > 2))
+    seconds = rates.medians()
     op = seconds["op"]  # provisional (`framework_costs` below): the rates are net of it
     gemm = _curve(GEMM_SIDES, lambda n: 2.0 * n**3, lambda n: _net(seconds["gemm", n], op))
     memory = _curve(MEMORY_SIZES, lambda n: 3.0 * n * 4, lambda n: _net(seconds["memory", n], op))
     elements = _element_costs({name: seconds["element", name] for name in _ELEMENT_OPS}, op)
     strided = _element_costs({name: seconds["strided", name] for name in _STRIDED_OPS}, op)
-    cores = machine_cores()
-    # gloo's other collectives against all_reduce (its all-to-all is slower; a host
-    # reduce-scatter runs as an all-to-all)
-    links = _gloo_link(world, ("all_reduce", "all_gather", "all_to_all"))
-    latency, bandwidth = links["all_reduce"]
-    crowded = sorted(w for w in {cores * k for k in crowding} if w > cores)
-    # ranks sharing cores are never faster than ranks with a core each (a noisy fit can say so)
-    shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth))
-                   for w in crowded for lat, bw in [_gloo_link(w)["all_reduce"]])
     ops = tuple((op, *links[op]) for op in ("all_gather", "all_to_all"))
-    host = _host_factors([cores] + crowded, cores, repeats)
     peak = max(rate for _, rate in gemm)
     profile = DeviceProfile(
         name="cpu", peak_flops_bf16=peak, peak_flops_fp32=peak, memory_bytes=float(_total_memory()),
