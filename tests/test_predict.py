@@ -426,6 +426,25 @@ def test_calibration_writes_a_profile_that_loads(tmp_path, monkeypatch):
     assert set(json.loads(path.read_text())) == {f.name for f in dataclasses.fields(DeviceProfile)}
 
 
+def test_the_rates_rounds_are_spread_over_the_calibration(monkeypatch):
+    # a machine's fast or slow spell lasts minutes: the rates' rounds are taken between the
+    # calibration's spawned measurements (each a minute or more), not all at its start
+    events = []
+    monkeypatch.setattr(cost._Rounds, "take", lambda self, rounds=1: events.extend(["rates"] * rounds))
+    monkeypatch.setattr(cost._Rounds, "medians", lambda self: dict.fromkeys(self.measures, 1e-3))
+    monkeypatch.setattr(cost, "_gloo_link", lambda world, ops=("all_reduce",): events.append(f"links {world}")
+                        or dict.fromkeys(ops, (1e-4, 1e9)))
+    monkeypatch.setattr(cost, "_host_factors", lambda worlds, cores, repeats: events.append("host")
+                        or tuple((w / cores, 1.0) for w in worlds))
+    monkeypatch.setattr(cost, "machine_cores", lambda: 2)
+    monkeypatch.setattr(P, "framework_costs", lambda profile: (1e-5, 0.0, 4e-5))
+    monkeypatch.setattr(P, "region_costs", lambda profile: (1e-4, 2e-4))
+    monkeypatch.setattr(P, "off_mesh_costs", lambda profile: 2e-5)
+    profile = calibrate(crowding=(2,), working_set=1 << 20, rounds=5)
+    assert events == ["rates", "rates", "links 2", "rates", "links 4", "rates", "host", "rates"]
+    assert profile.op_latency == 1e-5 and profile.shared_links == ((2.0, 1e-4, 1e9),)
+
+
 def _rank_1_exits(rank, world, port, out):
     if rank == 1:
         raise SystemExit(3)
