@@ -407,8 +407,8 @@ _STRIDED_OPS = dict(_ELEMENT_OPS, **{
 
 def _element_measures(working_set: int, ops: dict = _ELEMENT_OPS, step: int = 1) -> dict:
     """{op name: a measure of its seconds per call on (256, 1024) inputs (every `step`-th
-    element of a row), cycled through `working_set` bytes as in `_cold_call`}, for
-    `_medians_in_rounds`."""
+    element of a row), cycled through `working_set` bytes as in `_cold_call`}, taken in
+    `_Rounds`."""
     import torch
 
     xs = [(torch.rand(256, 1024 * step) + 0.5)[:, ::step] for _ in range(max(2, working_set // (256 * 1024 * 4 * step)))]

@@ -675,8 +675,7 @@ def _host_times(runs: dict, rounds: int, steps: int) -> dict:
     timed as the median of its rounds' medians of `steps` calls, in this thread's CPU time
     (a shared machine's preemptions are not ours).  Taking turns keeps a slow or fast spell
     of the machine from landing on one step alone; the median over rounds is the machine's
-    usual speed, which the steps it predicts run at (the least, the speed of its fastest
-    spell, under-predicted them)."""
+    usual speed, which the steps it predicts run at (the least is its fastest spell's)."""
     return _medians_in_rounds({key: functools.partial(median_time, step, steps, time.thread_time)
                                for key, step in runs.items()}, rounds)
 
