@@ -280,10 +280,9 @@ def _measure_collective(rank: int, world: int, port: int, ops: tuple, sizes: lis
     and one call in five or so waits a scheduler slice (milliseconds) for a core, which the
     median never shows.  After compute, not alone: a rank whose turn on a shared core comes
     late makes the others wait at the collective, which the call's time counts.  The call is
-    timed from the end of this rank's compute, as the ranks run it (compute timed apart, in
-    another process, is not what the ranks' compute takes beside each other: subtracted from
-    the round, the difference went to the links, 1.3 to 2.7 ms per all-gather step between
-    two calibrations).  The sizes and ops take turns, round by round: a slow spell of the
+    timed from the end of this rank's compute, as the ranks run it (a compute timed apart, in
+    the calibrating process, subtracted from the round gave the links whatever the ranks'
+    own compute took beyond it: 1.3 to 2.7 ms per all-gather step between two calibrations).  The sizes and ops take turns, round by round: a slow spell of the
     machine (seconds) then slows them all alike instead of bending the latency-bandwidth line
     at the size it fell on."""
     import time
