@@ -282,9 +282,10 @@ def _measure_collective(rank: int, world: int, port: int, ops: tuple, sizes: lis
     late makes the others wait at the collective, which the call's time counts.  The call is
     timed from the end of this rank's compute, as the ranks run it (a compute timed apart, in
     the calibrating process, subtracted from the round gave the links whatever the ranks'
-    own compute took beyond it: 1.3 to 2.7 ms per all-gather step between two calibrations).  The sizes and ops take turns, round by round: a slow spell of the
-    machine (seconds) then slows them all alike instead of bending the latency-bandwidth line
-    at the size it fell on."""
+    own compute took beyond it: 1.3 to 2.7 ms per all-gather step between two
+    calibrations).  The sizes and ops take turns, round by round: a slow spell of the
+    machine (seconds) then slows them all alike instead of bending the latency-bandwidth
+    line at the size it fell on."""
     import time
 
     import torch
@@ -373,14 +374,6 @@ class _Rounds:
         return {key: statistics.median(values) for key, values in self.taken.items()}
 
 
-def _medians_in_rounds(measures: dict, rounds: int) -> dict:
-    """{key: the median of what `measures[key]()` returned over `rounds` rounds taken one
-    after another} (`_Rounds`)."""
-    taken = _Rounds(measures)
-    taken.take(rounds)
-    return taken.medians()
-
-
 # element-wise ops that compute more per element than they move (transcendentals, reductions
 # along a row): their seconds per element are measured on (256, 1024) fp32 inputs
 _ELEMENT_OPS = {
@@ -404,13 +397,17 @@ _STRIDED_OPS = dict(_ELEMENT_OPS, **{
 })
 
 
+_ELEMENT_ROWS, _ELEMENT_COLS = 256, 1024  # the element-wise ops' inputs
+
+
 def _element_measures(working_set: int, ops: dict = _ELEMENT_OPS, step: int = 1) -> dict:
-    """{op name: a measure of its seconds per call on (256, 1024) inputs (every `step`-th
-    element of a row), cycled through `working_set` bytes as in `_cold_call`}, taken in
-    `_Rounds`."""
+    """{op name: a measure of its seconds per call on (_ELEMENT_ROWS, _ELEMENT_COLS) inputs
+    (every `step`-th element of a row), cycled through `working_set` bytes as in
+    `_cold_call`}, taken in `_Rounds`."""
     import torch
 
-    xs = [(torch.rand(256, 1024 * step) + 0.5)[:, ::step] for _ in range(max(2, working_set // (256 * 1024 * 4 * step)))]
+    nbytes = _ELEMENT_ROWS * _ELEMENT_COLS * 4 * step
+    xs = [(torch.rand(_ELEMENT_ROWS, _ELEMENT_COLS * step) + 0.5)[:, ::step] for _ in range(max(2, working_set // nbytes))]
     measures = {}
     for name, make_args in ops.items():
         packet, _, overload = name[len("aten::"):].partition(".")
@@ -427,7 +424,7 @@ def _element_measures(working_set: int, ops: dict = _ELEMENT_OPS, step: int = 1)
 def _element_costs(seconds: dict, op: float) -> tuple:
     """((op name, seconds per element of its first input), ...) from the per-call `seconds`
     of `_element_measures`, less the per-op latency `op`."""
-    return tuple((name, max(s - op, 0.0) / (256 * 1024)) for name, s in seconds.items())
+    return tuple((name, max(s - op, 0.0) / (_ELEMENT_ROWS * _ELEMENT_COLS)) for name, s in seconds.items())
 
 
 def _net(seconds: float, op: float) -> float:

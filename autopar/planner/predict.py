@@ -29,7 +29,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ..comm.collectives import gathered_all_reduce
 from ..runtime import local_region
-from .cost import _RING, DeviceProfile, _medians_in_rounds, load_profile, machine_cores, median_time, op_link
+from .cost import _RING, DeviceProfile, _Rounds, load_profile, machine_cores, median_time, op_link
 from .profile_check import check_profile
 
 aten = torch.ops.aten
@@ -676,8 +676,9 @@ def _host_times(runs: dict, rounds: int, steps: int) -> dict:
     (a shared machine's preemptions are not ours).  Taking turns keeps a slow or fast spell
     of the machine from landing on one step alone; the median over rounds is the machine's
     usual speed, which the steps it predicts run at (the least is its fastest spell's)."""
-    return _medians_in_rounds({key: functools.partial(median_time, step, steps, time.thread_time)
-                               for key, step in runs.items()}, rounds)
+    taken = _Rounds({key: functools.partial(median_time, step, steps, time.thread_time) for key, step in runs.items()})
+    taken.take(rounds)
+    return taken.medians()
 
 
 def _training_step(model, opt, x):
