@@ -404,12 +404,12 @@ def _measure_collective_briefly(*args):
 
 
 def test_calibration_writes_a_profile_that_loads(tmp_path, monkeypatch):
-    # every step of the calibration at its smallest: no crowded worlds, a 1 MB working set, one
-    # host run, few timing rounds, element-wise inputs up to 4 MB (the 64 MB adds alone take
+    # every step of the calibration at its smallest: no crowded worlds, a 1 MB working set, two
+    # timing rounds (of the rates and the host runs), element-wise inputs up to 4 MB (the 64 MB adds alone take
     # seconds); what the profile's numbers are worth is BENCHMARKS.md's, not this test's
     monkeypatch.setattr(cost, "_measure_collective", _measure_collective_briefly)
     monkeypatch.setattr(cost, "MEMORY_SIZES", tuple(n for n in cost.MEMORY_SIZES if n <= 1 << 20))
-    profile = calibrate(crowding=(), working_set=1 << 20, repeats=1, rounds=2)
+    profile = calibrate(crowding=(), working_set=1 << 20, rounds=2)
     path = tmp_path / "cpu.json"
     save_profile(profile, str(path))
     loaded = load_profile(str(path))
@@ -427,22 +427,34 @@ def test_calibration_writes_a_profile_that_loads(tmp_path, monkeypatch):
 
 
 def test_the_rates_rounds_are_spread_over_the_calibration(monkeypatch):
-    # a machine's fast or slow spell lasts minutes: the rates' rounds are taken between the
-    # calibration's spawned measurements (each a minute or more), not all at its start
+    # a machine's fast or slow spell lasts minutes: the rounds of the rates and of the host
+    # factors are taken between the calibration's link measurements (each a minute or more),
+    # not all at its start
     events = []
-    monkeypatch.setattr(cost._Rounds, "take", lambda self, rounds=1: events.extend(["rates"] * rounds))
-    monkeypatch.setattr(cost._Rounds, "medians", lambda self: dict.fromkeys(self.measures, 1e-3))
+    monkeypatch.setattr(cost._Rounds, "take", lambda self, rounds=1: events.extend(["rounds"] * rounds))
+    monkeypatch.setattr(cost._Rounds, "medians", lambda self: {
+        key: 1.25 if key[0] == "host" else 1e-3 for key in self.measures})
     monkeypatch.setattr(cost, "_gloo_link", lambda world, ops=("all_reduce",): events.append(f"links {world}")
                         or dict.fromkeys(ops, (1e-4, 1e9)))
-    monkeypatch.setattr(cost, "_host_factors", lambda worlds, cores, repeats: events.append("host")
-                        or tuple((w / cores, 1.0) for w in worlds))
     monkeypatch.setattr(cost, "machine_cores", lambda: 2)
     monkeypatch.setattr(P, "framework_costs", lambda profile: (1e-5, 0.0, 4e-5))
     monkeypatch.setattr(P, "region_costs", lambda profile: (1e-4, 2e-4))
     monkeypatch.setattr(P, "off_mesh_costs", lambda profile: 2e-5)
     profile = calibrate(crowding=(2,), working_set=1 << 20, rounds=5)
-    assert events == ["rates", "rates", "links 2", "rates", "links 4", "rates", "host", "rates"]
+    assert events == ["rounds", "rounds", "rounds", "links 2", "rounds", "links 4", "rounds"]
     assert profile.op_latency == 1e-5 and profile.shared_links == ((2.0, 1e-4, 1e9),)
+    # each host factor the median of its rounds, a round's crowded run over its own run alone
+    assert profile.shared_host == ((1.0, 1.25), (2.0, 1.25))
+
+
+def test_a_host_factor_is_each_rounds_crowded_run_over_that_rounds_run_alone(monkeypatch):
+    # the second round falls in a spell twice as slow: paired with its own run alone, its
+    # ratio is the first's, where one alone run for all rounds would make it 2.4
+    seconds = iter([1.0, 1.2, 1.4, 2.0, 2.4, 2.8])
+    monkeypatch.setattr(cost, "_spawn", lambda target, world: next(seconds))
+    rounds = cost._Rounds(cost._host_measures([2, 4]))
+    rounds.take(2)
+    assert rounds.taken[("host", 2)] == [1.2, 1.2] and rounds.taken[("host", 4)] == [1.4, 1.4]
 
 
 def _rank_1_exits(rank, world, port, out):

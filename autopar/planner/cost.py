@@ -460,8 +460,8 @@ def _measure_host(rank: int, world: int, port: int, out) -> None:
 
     rounds(10)
     t0 = time.thread_time()
-    rounds(100)
-    mean = torch.tensor([(time.thread_time() - t0) / 100 / world], dtype=torch.float64)
+    rounds(300)
+    mean = torch.tensor([(time.thread_time() - t0) / 300 / world], dtype=torch.float64)
     tdist.all_reduce(mean)
     if rank == 0:
         out.put(mean.item())
@@ -539,27 +539,24 @@ def _gloo_link(world: int, ops: tuple = ("all_reduce",)) -> dict:
     return links
 
 
-def _host_factors(worlds: list, cores: int, repeats: int = 3) -> tuple:
-    """((ranks per core, a rank's host seconds among `w` ranks over one rank's alone), ...) for
-    each `w` of `worlds`: ranks busy side by side share caches and memory bandwidth, and
-    beyond a rank per core, switch.  The median of `repeats` alternating runs (one run moves
-    5-10%)."""
-    import statistics
-
-    ratios: dict = {w: [] for w in worlds}
-    for _ in range(repeats):
-        alone = _spawn(_measure_host, 1)
-        for w in worlds:
-            ratios[w].append(_spawn(_measure_host, w) / alone)
-    return tuple((w / cores, max(1.0, statistics.median(r))) for w, r in ratios.items())
+def _host_measures(worlds: list) -> dict:
+    """`_Rounds` measures of a rank's host seconds among `w` ranks over one rank's alone, for
+    each `w` of `worlds`: ranks busy side by side share caches and memory bandwidth, and beyond
+    a rank per core, switch.  Each round runs one rank alone, then each `w` against that run
+    (back to back, in the same spell of the machine); one run moves 5-10%, and the ratio of
+    four ranks on two cores 1.09-1.37 between calibrations minutes apart when taken in one
+    place, so its rounds are spread like the rates'."""
+    alone: list = []
+    measures = {("host", "alone"): lambda: alone.append(_spawn(_measure_host, 1)) or 1.0}
+    measures.update({("host", w): lambda w=w: _spawn(_measure_host, w) / alone[-1] for w in worlds})
+    return measures
 
 
 GEMM_SIDES = (8, 16, 32, 64, 128, 256, 512)  # the GEMM rate curve's square sides
 MEMORY_SIZES = tuple(1 << k for k in range(10, 25, 2))  # the memory rate curve's element counts
 
 
-def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26, repeats: int = 3,
-              rounds: int = 5) -> DeviceProfile:
+def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26, rounds: int = 5) -> DeviceProfile:
     """Measure this machine (one thread per rank, as the ranks run): a GEMM FLOP-rate curve
     and an element-wise memory-rate curve over sizes, the per-element cost of compute-bound
     element-wise ops (and of element-wise ops on strided inputs), its cores, gloo all_reduce latency and bandwidth on `world` ranks, and
@@ -569,9 +566,9 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     compute and averaged (`_measure_collective`); all_gather and all_to_all
     like all_reduce (`op_links`); all_reduce also on `crowding` times as many ranks as cores
     (`shared_links`), and a small step's host time with all cores busy and so crowded, against
-    one rank alone (`shared_host`, the median of `repeats` alternating runs); element-wise
-    inputs cycle through `working_set` bytes.  The rates are each the median of `rounds`
-    timings taking turns, spread over the calibration (`_Rounds`)."""
+    one rank alone (`shared_host`); element-wise inputs cycle through `working_set` bytes.
+    The rates and host factors are each the median of `rounds` timings taking turns, spread
+    over the calibration (`_Rounds`)."""
     import torch
 
     from .predict import framework_costs, off_mesh_costs, region_costs
@@ -587,12 +584,13 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     with _one_thread():
         for kind, ops, step in (("element", _ELEMENT_OPS, 1), ("strided", _STRIDED_OPS, 2)):
             measures.update({(kind, name): m for name, m in _element_measures(working_set, ops, step).items()})
-    rates = _Rounds(measures)
     cores = machine_cores()
     crowded = sorted(w for w in {cores * k for k in crowding} if w > cores)
-    # the rates' rounds spread over the calibration: one after each of its spawned
+    measures.update(_host_measures([cores] + crowded))
+    rates = _Rounds(measures)
+    # the rounds spread over the calibration: one after each of its spawned link
     # measurements (a minute or more each), the rest first
-    later = min(rounds - 1, 3)
+    later = min(rounds - 1, 2)
 
     def take_rates(count: int) -> None:
         with _one_thread():
@@ -608,9 +606,8 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     shared = tuple((w / cores, max(lat, latency), min(bw, bandwidth))
                    for w in crowded for lat, bw in [_gloo_link(w)["all_reduce"]])
     take_rates(int(later > 1))
-    host = _host_factors([cores] + crowded, cores, repeats)
-    take_rates(int(later > 2))
     seconds = rates.medians()
+    host = tuple((w / cores, max(1.0, seconds["host", w])) for w in [cores] + crowded)
     op = seconds["op"]  # provisional (`framework_costs` below): the rates are net of it
     gemm = _curve(GEMM_SIDES, lambda n: 2.0 * n**3, lambda n: _net(seconds["gemm", n], op))
     memory = _curve(MEMORY_SIZES, lambda n: 3.0 * n * 4, lambda n: _net(seconds["memory", n], op))
