@@ -420,6 +420,10 @@ def test_calibration_writes_a_profile_that_loads(tmp_path, monkeypatch):
     assert {name for name, _ in loaded.element_costs} >= {"aten::exp", "aten::silu"}
     # host work with every core busy, against one rank alone
     assert [c for c, _ in loaded.shared_host] == [1.0] and loaded.shared_host[0][1] >= 1.0
+    # the spread over its rounds of the constants checked on first use
+    assert [name for name, _, _ in loaded.check_spread] == ["kernel_latency", "gemm_rate"]
+    assert all(0 < low <= high for _, low, high in loaded.check_spread)
+    assert loaded.check_spread[0][1] <= loaded.kernel_latency <= loaded.check_spread[0][2]
     # gloo's all-gather and all-to-all, measured on the ranks spawned for the all-reduce
     assert [op for op, _, _ in loaded.op_links] == ["all_gather", "all_to_all"]
     assert all(latency > 0 and bandwidth > 0 for _, latency, bandwidth in loaded.op_links)
@@ -431,9 +435,13 @@ def test_the_rates_rounds_are_spread_over_the_calibration(monkeypatch):
     # factors are taken between the calibration's link measurements (each a minute or more),
     # not all at its start
     events = []
-    monkeypatch.setattr(cost._Rounds, "take", lambda self, rounds=1: events.extend(["rounds"] * rounds))
-    monkeypatch.setattr(cost._Rounds, "medians", lambda self: {
-        key: 1.25 if key[0] == "host" else 1e-3 for key in self.measures})
+
+    def take(self, rounds=1):
+        events.extend(["rounds"] * rounds)
+        for key, taken in self.taken.items():
+            taken.extend([1.25 if key[0] == "host" else 1e-3] * rounds)
+
+    monkeypatch.setattr(cost._Rounds, "take", take)
     monkeypatch.setattr(cost, "_gloo_link", lambda world, ops=("all_reduce",): events.append(f"links {world}")
                         or dict.fromkeys(ops, (1e-4, 1e9)))
     monkeypatch.setattr(cost, "machine_cores", lambda: 2)

@@ -38,6 +38,23 @@ def test_a_constant_that_moved_warns_once_naming_it_and_the_calibration(monkeypa
         assert profile_check.check_profile(profile) == moved  # once per process
 
 
+def test_a_constant_is_checked_against_the_spread_its_calibration_saw(monkeypatch):
+    # this machine's per-op latency is 1.5 or 3 us by spells: a calibration whose rounds saw
+    # both does not warn at either; a machine a third faster than the fastest round does
+    spread = (("kernel_latency", 1.5e-6, 3.3e-6),)
+    profile = dataclasses.replace(cost.CPU, kernel_latency=3.2e-6, check_spread=spread, calibrated_at="2026-01-04")
+    for latency, warns in ((1.6e-6, False), (3.4e-6, False), (1.0e-6, True), (4.5e-6, True)):
+        profile_check._CHECKED.clear()
+        monkeypatch.setattr(profile_check, "measure_constants",
+                            lambda: {**_measured_as(profile), "kernel_latency": latency})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            moved = profile_check.check_profile(profile)
+        assert bool(moved) == warns == bool(caught), (latency, moved)
+        if warns:
+            assert "kernel_latency 3.2e-06 in the profile (its calibration's rounds 1.5e-06-3.3e-06)" in moved[0]
+
+
 def test_the_check_measures_this_machine_in_well_under_a_second():
     start = time.perf_counter()
     measured = profile_check.measure_constants()

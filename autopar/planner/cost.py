@@ -74,6 +74,10 @@ class DeviceProfile:
     # (ranks per core, factor) on each rank's host time where ranks share cores and switch at
     # every collective (caches refilled, switches paid), ascending; empty: 1
     shared_host: tuple = ()
+    # (constant, lowest, highest) over the calibration's rounds of the constants `profile_check`
+    # measures again: the machine's own spread (its per-op latency moves 1.5-3 us between
+    # spells a second apart); empty: the profile's value alone
+    check_spread: tuple = ()
     # where and when it was measured (`machine_signature()`, an ISO date); empty: datasheet figures
     calibrated_on: str = ""
     calibrated_at: str = ""
@@ -166,7 +170,7 @@ def load_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
         with open(device) as f:
             fields = json.load(f)
         for curve in ("gemm_curve", "memory_curve", "element_costs", "strided_costs", "shared_links", "shared_host",
-                      "op_links"):
+                      "op_links", "check_spread"):
             fields[curve] = tuple(tuple(p) for p in fields.get(curve, ()))
         if fields.get("name") == "cpu":  # a file from before these were calibrated
             for name, value in _MEASURED_LATER.items():
@@ -553,6 +557,7 @@ def _host_measures(worlds: list) -> dict:
 
 
 GEMM_SIDES = (8, 16, 32, 64, 128, 256, 512)  # the GEMM rate curve's square sides
+CHECKED_GEMM = 128  # the side of the GEMM whose rate `profile_check` measures again
 MEMORY_SIZES = tuple(1 << k for k in range(10, 25, 2))  # the memory rate curve's element counts
 
 
@@ -608,6 +613,10 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     take_rates(int(later > 1))
     seconds = rates.medians()
     host = tuple((w / cores, max(1.0, seconds["host", w])) for w in [cores] + crowded)
+    checked_rates = [2.0 * CHECKED_GEMM**3 / _net(s, o) for s, o in zip(rates.taken["gemm", CHECKED_GEMM],
+                                                                          rates.taken["op"])]
+    spread = (("kernel_latency", min(rates.taken["op"]), max(rates.taken["op"])),
+              ("gemm_rate", min(checked_rates), max(checked_rates)))
     op = seconds["op"]  # provisional (`framework_costs` below): the rates are net of it
     gemm = _curve(GEMM_SIDES, lambda n: 2.0 * n**3, lambda n: _net(seconds["gemm", n], op))
     memory = _curve(MEMORY_SIZES, lambda n: 3.0 * n * 4, lambda n: _net(seconds["memory", n], op))
@@ -621,7 +630,8 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
         inter_bandwidth=bandwidth, inter_latency=latency, ranks_per_node=_ONE_MACHINE,
         matmul_efficiency=1.0, kernel_latency=op, reserved_bytes=0.0, op_latency=op,
         cores=cores, gemm_curve=gemm, memory_curve=memory, element_costs=elements, strided_costs=strided,
-        shared_links=shared, shared_host=host, op_links=ops, host_overlaps=False, **calibration_stamp(),
+        shared_links=shared, shared_host=host, op_links=ops, check_spread=spread, host_overlaps=False,
+        **calibration_stamp(),
     )
     with _one_thread():
         op, node, dispatch = framework_costs(profile)
