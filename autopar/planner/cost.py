@@ -558,6 +558,12 @@ def _host_measures(worlds: list) -> dict:
 
 GEMM_SIDES = (8, 16, 32, 64, 128, 256, 512)  # the GEMM rate curve's square sides
 CHECKED_GEMM = 128  # the side of the GEMM whose rate `profile_check` measures again
+
+
+def checked_gemm_rate(seconds: float, op: float) -> float:
+    """FLOP/s of a CHECKED_GEMM-sided GEMM that took `seconds`, net of the per-op latency
+    `op`: as the calibration's rounds and `profile_check` both derive it."""
+    return 2.0 * CHECKED_GEMM**3 / _net(seconds, op)
 MEMORY_SIZES = tuple(1 << k for k in range(10, 25, 2))  # the memory rate curve's element counts
 
 
@@ -613,8 +619,7 @@ def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 
     take_rates(int(later > 1))
     seconds = rates.medians()
     host = tuple((w / cores, max(1.0, seconds["host", w])) for w in [cores] + crowded)
-    checked_rates = [2.0 * CHECKED_GEMM**3 / _net(s, o) for s, o in zip(rates.taken["gemm", CHECKED_GEMM],
-                                                                          rates.taken["op"])]
+    checked_rates = list(map(checked_gemm_rate, rates.taken["gemm", CHECKED_GEMM], rates.taken["op"]))
     spread = (("kernel_latency", min(rates.taken["op"]), max(rates.taken["op"])),
               ("gemm_rate", min(checked_rates), max(checked_rates)))
     op = seconds["op"]  # provisional (`framework_costs` below): the rates are net of it

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import warnings
 
-from .cost import (CHECKED_GEMM, CPU_PROFILE_ENV, DeviceProfile, _cold_call, _net, _one_thread, _per_call,
-                   machine_signature)
+from .cost import (CHECKED_GEMM, CPU_PROFILE_ENV, DeviceProfile, _cold_call, _one_thread, _per_call,
+                   checked_gemm_rate, machine_signature)
 
 TOLERANCE = 0.3  # a constant more than 30% beyond its calibrated spread no longer describes the machine
 _CHECKED: dict = {}  # profile -> the problems found, once per process
@@ -35,7 +35,7 @@ def measure_constants() -> dict:
         op = _per_call(lambda: torch.add(a, b))
         n = CHECKED_GEMM
         seconds = _cold_call(lambda: (torch.randn(n, n), torch.randn(n, n)), torch.mm, 8 * n * n, 1 << 25)
-    return {"kernel_latency": op, "gemm_rate": 2.0 * n**3 / _net(seconds, op)}
+    return {"kernel_latency": op, "gemm_rate": checked_gemm_rate(seconds, op)}
 
 
 def _profile_constants(profile: DeviceProfile) -> dict:
