@@ -9,12 +9,15 @@ Model: HuggingFace LlamaForCausalLM built from a config (no download; --hidden, 
 zero_grad, loss.item().
   autopar_z0..z3 : `parallelize(model, opt, mesh, {"dp_config": {"sharding_level": L}})`.
   autopar_z0_local : level 0 with `"input_source": "local"`, each rank fed its own rows as DDP is.
+  autopar_z0_static : autopar_z0_local's step captured once by `dist.to_static` and replayed.
   ddp            : torch DistributedDataParallel (what level 0 does).
   fsdp2          : `fully_shard` on every decoder layer and the model (what ZeRO-3 does).
   fsdp2_keep     : the same with reshard_after_forward=False (parameters stay gathered from
                    forward to backward: the ZeRO-2 comparison in FSDP2's terms).
   plain          : the single-process step on rank 0 (the others wait).
-Checks: every implementation's losses equal the single-process run's (rtol 1e-5).
+  no_comm        : each rank steps its own model on its own rows, sending nothing: the floor
+                   of any data-parallel step here (its losses are its rows', not checked).
+Checks: every other implementation's losses equal the single-process run's (rtol 1e-5).
 Per implementation (one record each, rank 0's view, max over ranks where it says so):
   median/min/max ms per step, interleaved with the others (ratio_time_vs_z0 / vs the torch peer);
   collectives and bytes sent per step (autopar: comm_log; torch: its c10d ops, priced with
@@ -95,6 +98,29 @@ class Runner:
         self.opt.step()
         self.opt.zero_grad()
         self.losses.append(self.loss_of(loss))
+
+
+class _LossOf(torch.nn.Module):
+    """The causal LM's loss as the module's output, the form `to_static(..., lambda loss: loss)` takes."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, labels=ids).loss
+
+
+class StaticRunner(Runner):
+    """The same step captured once by `dist.to_static`, then replayed."""
+
+    def __init__(self, name, model, opt, batches):
+        super().__init__(name, model, opt, batches)
+        self.program = dist.to_static(model, None, lambda loss: loss, opt)
+
+    def step(self, after_backward=None):
+        ids = self.batches[len(self.losses) % len(self.batches)]
+        self.losses.append(float(self.program(ids)))
 
 
 def _pieces(tensors):
@@ -193,6 +219,10 @@ def main():
     model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
                                   {"dp_config": {"sharding_level": 0, "input_source": "local"}})
     runners["autopar_z0_local"] = Runner("autopar_z0_local", model, opt, mine)
+    model = _LossOf(llama(args))
+    model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
+                                  {"dp_config": {"sharding_level": 0, "input_source": "local"}})
+    runners["autopar_z0_static"] = StaticRunner("autopar_z0_static", model, opt, mine)
     ddp = DistributedDataParallel(llama(args))
     runners["ddp"] = Runner("ddp", ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), mine, global_loss)
     dmesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (k,), mesh_dim_names=("dp",))
@@ -202,6 +232,8 @@ def main():
             fully_shard(layer, mesh=dmesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=dmesh, reshard_after_forward=reshard)
         runners[name] = Runner(name, model, torch.optim.AdamW(model.parameters(), lr=1e-3), mine, global_loss)
+    model = llama(args)
+    runners["no_comm"] = Runner("no_comm", model, torch.optim.AdamW(model.parameters(), lr=1e-3), mine)
     if not args.no_plain:
         model = llama(args)
         runners["plain"] = Runner("plain", model, torch.optim.AdamW(model.parameters(), lr=1e-3), batches)
@@ -215,8 +247,10 @@ def main():
             if name != "plain" or rank == 0:
                 r.step()
         C.barrier()
-        if name != "plain":
-            facts[name] = collectives(r), memory(r)
+        if name not in ("plain", "no_comm"):
+            if isinstance(r, StaticRunner):  # (one step, as memory's: the losses stay in line)
+                r.step()
+            facts[name] = collectives(r), ({} if isinstance(r, StaticRunner) else memory(r))
         elif rank == 0:
             r.step(), r.step()
     C.barrier()
@@ -224,13 +258,13 @@ def main():
     fns = {name: r.step for name, r in runners.items()}
     times = C.interleaved(fns, reps=args.reps, warmup=1, only_rank0=frozenset({"plain"}))
 
-    names = [n for n in runners if n != "plain"]
+    names = [n for n in runners if n not in ("plain", "no_comm")]
     if rank == 0 and "plain" in runners:
         ref = runners["plain"].losses
         for n in names:
             C.assert_close(torch.tensor(runners[n].losses), torch.tensor(ref), f"{n} vs single-process losses")
     st = {n: C.stats_ms(v) for n, v in times.items()}
-    peers = {"autopar_z0": "ddp", "autopar_z0_local": "ddp", "autopar_z1": "ddp", "autopar_z2": "fsdp2_keep",
+    peers = {"autopar_z0": "ddp", "autopar_z0_local": "ddp", "autopar_z0_static": "ddp", "autopar_z1": "ddp", "autopar_z2": "fsdp2_keep",
              "autopar_z3": "fsdp2"}
     peers = {n: peer for n, peer in peers.items() if n in runners}
     for n in runners:
@@ -238,6 +272,8 @@ def main():
         if n in facts:
             (count, sent, ops), mem = facts[n]
             rec.update(collectives_per_step=count, bytes_sent_per_step=sent, ops=ops, **mem)
+        if n not in ("plain", "no_comm"):
+            rec["ratio_time_vs_no_comm"] = round(st[n]["median_ms"] / st["no_comm"]["median_ms"], 3)
         if n != "plain":
             rec["ratio_time_vs_autopar_z0"] = round(st[n]["median_ms"] / st["autopar_z0"]["median_ms"], 3)
         if n in peers:

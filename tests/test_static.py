@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import autopar as dist
 from autopar.placement import Replicate, Shard
+from autopar.static.program import Recorder
 from distpool import run_dist
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -280,3 +281,33 @@ def test_static_refuses_a_step_that_branches_on_tensor_values():
         assert "reads a tensor's value" in tolist and "(tolist)" in tolist
         assert "reads a tensor's value" in equal and "aten.equal" in equal
         assert "reads a tensor's value" in allclose and "aten.allclose" in allclose
+
+
+def test_a_value_made_from_shapes_alone_is_read_at_capture_and_its_branch_kept():
+    """HF's check for packed sequences reads `(diff(arange(seq)) != 1).cumsum(-1)[:, -1] == 0`
+    into Python: computed from no input and no random draw, it is the same on every replay of
+    the signature, so the capture reads it (recording no read) and keeps the branch; a value
+    that depends on an input or a draw, or a fixed tensor an input was written into, is refused."""
+    x = torch.randn(4, 4)
+    rec = Recorder([x])
+    try:
+        with rec:
+            pos = torch.arange(4).expand(4, 4)
+            packed = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+            assert bool((packed[:, -1] == 0).all())
+            counted = torch.zeros(4)
+            counted.add_(1)
+            assert counted.sum().item() == 4.0
+            with pytest.raises(dist.CaptureError, match="_local_scalar_dense"):
+                (x.sum() > 0).item()
+            with pytest.raises(dist.CaptureError, match="_local_scalar_dense"):
+                bool(torch.rand(()) > 2)
+            written = torch.zeros(4, 4)
+            row = written[0]  # a view: the write below reaches it through the shared memory
+            written.copy_(x)
+            with pytest.raises(dist.CaptureError, match="aten.equal"):
+                torch.equal(row, torch.zeros(4))
+    finally:
+        rec.close()
+    reads = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
+    assert not reads & {e.fn.name() for e in rec.entries}, [e.fn for e in rec.entries]

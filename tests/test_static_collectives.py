@@ -25,7 +25,7 @@ def _next_token_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
-def _collectives(static, mp=False, steps=STEPS):
+def _collectives(static, mp=False, steps=STEPS, **llama):
     if mp:
         mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
         plan = {"model." + name: layer for name, layer in mp_plan().items()}
@@ -33,7 +33,7 @@ def _collectives(static, mp=False, steps=STEPS):
     else:
         mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
         config = {"dp_config": {"sharding_level": 0}}
-    model = _Logits(tiny_llama(attention="sdpa"))
+    model = _Logits(tiny_llama(attention="sdpa", **llama))
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     step_fn = dist.to_static(model, None, _next_token_loss, opt) if static else None
     losses, logs = [], []
@@ -58,6 +58,18 @@ def test_static_and_dynamic_data_parallel_steps_send_the_same_collectives():
         assert st_logs[-1] == dyn_logs[-1], (st_logs[-1], dyn_logs[-1])
         # replicated labels: the loss all-reduce and one gradient bucket, no all-to-all
         assert [op for op, _, _ in dyn_logs[-1] if op not in ("send", "recv")] == ["all_reduce", "all_reduce"], dyn_logs[-1]
+
+
+def test_hf_llama_trained_without_its_key_cache_is_captured():
+    """With `use_cache=False` (training) HF reads its position ids' values into Python (a check
+    for packed sequences): made from `arange` alone, they are read at capture."""
+    ref = None
+    for (dyn_losses, dyn_logs), (st_losses, st_logs) in zip(run_dist(_collectives, 2, False, use_cache=False),
+                                                            run_dist(_collectives, 2, True, use_cache=False)):
+        np.testing.assert_allclose(st_losses, dyn_losses, rtol=1e-6)
+        assert st_logs[-1] == dyn_logs[-1], (st_logs[-1], dyn_logs[-1])
+        assert ref is None or st_losses == ref
+        ref = st_losses
 
 
 def test_static_and_dynamic_dp_x_mp_steps_send_the_same_collectives():

@@ -13,8 +13,11 @@ shapes, the same transfers in the same order, so every rank computes the same nu
 the eager step, without the wrapper tensors, the decision lookups or the autograd graph.
 Random ops draw again.  Tensors the step reads but did not compute and that are not
 inputs (a module's constant) are kept by reference.  What cannot be captured raises
-`CaptureError`: a step that reads a tensor's value into Python (`.item()`, `if t > 0`),
-or a collective outside autopar's comm layer.
+`CaptureError`: a step that reads the value of a tensor that depends on its inputs or on a
+random draw into Python (`.item()`, `if t > 0`), or a collective outside autopar's comm
+layer.  A value computed in the step from shapes and constants alone (HF's check of its
+position ids, made by `arange`, for packed sequences) is the same on every replay of the
+program's input signature: it is read at capture and its Python branch is kept.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.observers import capturing
@@ -213,6 +217,22 @@ def _slots_in(v):
             yield from _slots_in(x)
 
 
+def _storage(t: torch.Tensor):
+    """The identity of `t`'s memory (views share it); None for a layout without storage."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _written(func, args, kwargs):
+    """The tensors the op writes in place (its mutable arguments)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            yield from (t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
 class Recorder(TorchDispatchMode):
     """Active during an eager step: records the local program it runs (see the module doc)."""
 
@@ -224,6 +244,9 @@ class Recorder(TorchDispatchMode):
         self.n_slots = 0
         self.in_wire = 0
         self.attached = None  # the capture's scope, while attached
+        # storages the step computed from no input and no random draw: their values are the
+        # same on every replay of the program's signature, so Python may read them
+        self.fixed: set = set()
         for t in inputs:
             self._new_slot(t)
         self.n_inputs = self.n_slots
@@ -249,20 +272,27 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.in_wire:  # the transfer's own ops: recorded whole by `wire`
-            return func(*args, **kwargs)
+        if self.in_wire:  # the transfer's own ops: recorded whole by `wire`; they write received values
+            out = func(*args, **kwargs)
+            self._note_written(func, args, kwargs, out, fixed=False)
+            return out
         if any(issubclass(t, DistTensor) for t in types):
             with self:  # its local work is what gets recorded
                 return DistTensor.__torch_dispatch__(func, types, args, kwargs)
         if func.namespace == "c10d":
             raise CaptureError(f"to_static: {func} runs outside autopar's comm layer; it cannot be replayed")
+        operands = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if func in VALUE_READ_OPS:
+            if all(_storage(t) in self.fixed for t in operands):
+                return func(*args, **kwargs)  # fixed by the signature: the Python reading it runs once
             self.value_read(str(func))
         t_args, t_kwargs = self._template(list(args)), {k: self._template(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
         flat = out if isinstance(out, (list, tuple)) else (out,)
         if any(isinstance(o, torch.Tensor) and o.is_meta for o in flat):
             return out  # shape inference while planning a distributed op: not part of the step
+        self._note_written(func, args, kwargs, flat, fixed=torch.Tag.nondeterministic_seeded not in func.tags
+                           and all(_storage(t) in self.fixed for t in operands))
         outs = tuple(
             (Slot(self.slot_of[id(o)]) if id(o) in self.slot_of else self._new_slot(o))
             if isinstance(o, torch.Tensor) else None
@@ -272,10 +302,21 @@ class Recorder(TorchDispatchMode):
         self.entries.append(Entry(func, call, tuple(t_args), t_kwargs, outs, wire=False, seq=flat is out))
         return out
 
+    def _note_written(self, func, args, kwargs, out, fixed: bool) -> None:
+        """What the op wrote is fixed when it drew nothing random and read only fixed values."""
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        for t in [*outs, *_written(func, args, kwargs)]:
+            key = _storage(t)
+            if fixed and key is not None:
+                self.fixed.add(key)
+            else:
+                self.fixed.discard(key)
+
     def value_read(self, what: str) -> None:
         raise CaptureError(
             f"to_static: the step reads a tensor's value into Python ({what}); a captured step must not "
-            f"depend on tensor values (no .item(), .tolist(), `if tensor:`) between its first op and the loss"
+            f"depend on the values of its inputs or of random draws (no .item(), .tolist(), `if tensor:`) "
+            f"between its first op and the loss"
         )
 
     # -- transfers (a comm.observers.TransferCapture, attached from the first entry to close())
@@ -286,6 +327,8 @@ class Recorder(TorchDispatchMode):
         self.in_wire -= 1
 
     def wire(self, wire, tensors) -> None:
+        for t in tensors:  # a transfer's buffers hold what other ranks sent
+            self.fixed.discard(_storage(t))
         if not self.in_wire:
             self.entries.append(Entry(wire, wire, tuple(self.slot(t) for t in tensors), {}, (), wire=True))
 
