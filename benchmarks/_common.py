@@ -199,6 +199,18 @@ def env_info() -> dict:
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
+class CausalLMLoss(torch.nn.Module):
+    """A HuggingFace causal LM's loss on `ids` (labels = ids, HF shifts them) as the module's
+    output: the form `dist.to_static(model, None, lambda loss: loss, opt)` captures."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, labels=ids).loss
+
+
 def _group_size(name) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
 

@@ -10,7 +10,8 @@ loss.item().  Models this small show each step's fixed host cost: what autopar d
 by op (its local regions run the rest as plain torch) and its collectives' waits.
 Checks: both implementations' losses over the first steps equal the single-process run's
 (rtol 1e-5).  Per model: median ms per step of each (interleaved, max over ranks), autopar's
-over DDP's, and the ops autopar dispatched one by one in a step.
+and its `to_static` step's (the same model and plan, captured once) over DDP's, and the ops
+autopar dispatched one by one in a step.
 """
 from __future__ import annotations
 
@@ -63,14 +64,18 @@ def bench(name: str, args, rank: int, k: int) -> dict:
     batches = [torch.randint(0, hf_models.VOCAB, (BATCH, SEQ), generator=gen) for _ in range(4)]
     mine = [b[rank * BATCH // k:(rank + 1) * BATCH // k] for b in batches]
     base = hf_models.tiny(name, use_cache=False)
-    plain, ddp_model = copy.deepcopy(base), DistributedDataParallel(copy.deepcopy(base))
+    plain, ddp_model, captured = copy.deepcopy(base), DistributedDataParallel(copy.deepcopy(base)), copy.deepcopy(base)
     mesh = dist.ProcessMesh(list(range(k)), dim_names=["dp"])
-    model, opt = dist.parallelize(base, torch.optim.AdamW(base.parameters(), lr=1e-3), mesh,
-                                  {"dp_config": {"sharding_level": 0, "input_source": "local"}})
+    config = {"dp_config": {"sharding_level": 0, "input_source": "local"}}
+    model, opt = dist.parallelize(base, torch.optim.AdamW(base.parameters(), lr=1e-3), mesh, config)
+    captured, static_opt = dist.parallelize(C.CausalLMLoss(captured), torch.optim.AdamW(captured.parameters(), lr=1e-3),
+                                            mesh, config)
+    program = dist.to_static(captured, None, lambda loss: loss, static_opt)
     ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     want = [_step(plain, plain_opt, batches[i]) for i in range(CHECKED)]
     for impl, run in (("autopar", lambda i: _step(model, opt, mine[i])),  # (the loss: the world's mean)
+                      ("autopar_static", lambda i: float(program(mine[i]))),
                       ("ddp", lambda i: _world_mean(_step(ddp_model, ddp_opt, mine[i]), k))):
         got = [run(i) for i in range(CHECKED)]
         C.assert_close(torch.tensor(got), torch.tensor(want), f"{name} {impl} losses")
@@ -81,11 +86,13 @@ def bench(name: str, args, rank: int, k: int) -> dict:
         step["i"] += 1
 
     times = C.interleaved({"autopar": lambda: _step(model, opt, mine[step["i"] % 4]),
+                           "autopar_static": lambda: float(program(mine[step["i"] % 4])),
                            "ddp": lambda: _step(ddp_model, ddp_opt, mine[step["i"] % 4])},
                           reps=args.reps, warmup=args.warmup, before_rep=advance)
-    a, d = (C.stats_ms(times[n])["median_ms"] for n in ("autopar", "ddp"))
-    return {"bench": "hf_dp_step", "impl": name, "ranks": k, "autopar_median_ms": a, "ddp_median_ms": d,
-            "ratio_time_vs_ddp": round(a / d, 3), "ops_dispatched_per_step": ops}
+    a, s, d = (C.stats_ms(times[n])["median_ms"] for n in ("autopar", "autopar_static", "ddp"))
+    return {"bench": "hf_dp_step", "impl": name, "ranks": k, "autopar_median_ms": a, "autopar_static_median_ms": s,
+            "ddp_median_ms": d, "ratio_time_vs_ddp": round(a / d, 3), "ratio_static_vs_ddp": round(s / d, 3),
+            "ops_dispatched_per_step": ops}
 
 
 def main():

@@ -100,17 +100,6 @@ class Runner:
         self.losses.append(self.loss_of(loss))
 
 
-class _LossOf(torch.nn.Module):
-    """The causal LM's loss as the module's output, the form `to_static(..., lambda loss: loss)` takes."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, labels=ids).loss
-
-
 class StaticRunner(Runner):
     """The same step captured once by `dist.to_static`, then replayed."""
 
@@ -219,7 +208,7 @@ def main():
     model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
                                   {"dp_config": {"sharding_level": 0, "input_source": "local"}})
     runners["autopar_z0_local"] = Runner("autopar_z0_local", model, opt, mine)
-    model = _LossOf(llama(args))
+    model = C.CausalLMLoss(llama(args))
     model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
                                   {"dp_config": {"sharding_level": 0, "input_source": "local"}})
     runners["autopar_z0_static"] = StaticRunner("autopar_z0_static", model, opt, mine)
