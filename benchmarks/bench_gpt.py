@@ -23,6 +23,8 @@ cross-entropy, backward, optimizer step, zero_grad, loss.item().
                  parallel by one flat all-reduce (mean) of all local grads over the dp group
                  after backward; each dp group feeds its 4-sequence batch slice.
   plain        : train_gpt.build(args, None) on rank 0 (other ranks wait in a barrier).
+  no_comm      : each rank steps its own model on its DDP batch slice and sends nothing: the
+                 floor of any data-parallel step here (its losses are its slice's, not checked).
 With --accum K (K > 1) only data parallelism runs, one step = K micro-batches (the losses
 divided by K, one optimizer step): autopar_dp_accum (regions notice the accumulation and
 reduce once per step), ddp_accum (DDP as written: one all-reduce per micro-batch) and
@@ -180,6 +182,10 @@ def main():
     runners["ddp"] = Runner("ddp", dm, torch.optim.AdamW(dm.parameters(), lr=args.lr), ddata, args.vocab,
                             loss_fn=world_mean)
 
+    torch.manual_seed(args.seed)
+    nm = G.GPT(args.vocab, args.dim, args.heads, args.layers, args.seq)
+    runners["no_comm"] = Runner("no_comm", nm, torch.optim.AdamW(nm.parameters(), lr=args.lr), ddata, args.vocab)
+
     # autopar DP x TP
     mesh_2d = dist.ProcessMesh(torch.arange(k).reshape(dp, tp).tolist(), dim_names=["dp", "mp"])
     m, o = G.build(args, mesh_2d)
@@ -222,7 +228,8 @@ def main():
     # single process
     pm, po = G.build(args, None)
     runners["plain"] = Runner("plain", pm, po, data, args.vocab)
-    peer = {"autopar_dp": ("ddp",), "autopar_dp_sum": ("ddp", "autopar_dp"), "autopar_dp_op_by_op": ("ddp",), "autopar_dp_static": ("ddp",),
+    peer = {"autopar_dp": ("ddp", "no_comm"), "autopar_dp_sum": ("ddp", "autopar_dp"), "autopar_dp_op_by_op": ("ddp",),
+            "autopar_dp_static": ("ddp", "no_comm"), "ddp": ("no_comm",),
             "autopar_dptp": ("dtensor_dptp",), "autopar_dptp_static": ("dtensor_dptp",)}
     report(runners, peer, rank, k, args, "gpt_step")
 
@@ -238,7 +245,7 @@ def report(runners: dict, peer: dict, rank: int, k: int, args, bench: str) -> No
     max_rel = {}
     if rank == 0:
         for n, r in runners.items():
-            if n == "plain":
+            if n in ("plain", "no_comm"):
                 continue
             C.assert_close(torch.tensor(r.losses), torch.tensor(ref), f"{n} vs single-process losses")
             max_rel[n] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r.losses, ref))
