@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 class TransferCapture(Protocol):
     """Sees each transfer (`collectives.Wire`) and each value read while attached."""
 
+    # True for a capture that records the local ops of the step it watches (`to_static`'s):
+    # a module that a module rule vouches for runs as its region then (`runtime.local_region`)
+    records_local_ops: bool
+
     def enter_wire(self) -> None:
         """A transfer starts: the ops it runs itself follow, up to `exit_wire`."""
 
@@ -47,6 +51,8 @@ class TransferCapture(Protocol):
 
 class CaptureBase:
     """A TransferCapture that ignores everything: subclass it and override what you watch."""
+
+    records_local_ops = False
 
     def enter_wire(self) -> None:
         pass

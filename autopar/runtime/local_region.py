@@ -132,8 +132,10 @@ class RegionForward:
     def _vouched(self, args, kwargs) -> bool:
         """While an ancestor is verified (its watches are the only captures), a module that a
         module rule vouches for still runs as its region: the ancestor's verdict then rests on
-        the ops around it."""
-        return all(type(c) is _Watch for c in active_captures()) and (
+        the ops around it.  So it does while `to_static` records the step (a capture that
+        records local ops): the program holds the region's local ops, not the op-by-op
+        dispatch's transfers (a MoE block's routing of a token-split batch)."""
+        return all(type(c) is _Watch or c.records_local_ops for c in active_captures()) and (
             _declared_out_specs(self.module, args, kwargs) is not None)
 
     def __getstate__(self):

@@ -236,6 +236,8 @@ def _written(func, args, kwargs):
 class Recorder(TorchDispatchMode):
     """Active during an eager step: records the local program it runs (see the module doc)."""
 
+    records_local_ops = True
+
     def __init__(self, inputs: Sequence[torch.Tensor]):
         super().__init__()
         self.entries: list[Entry] = []
