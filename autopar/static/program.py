@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.observers import capturing
-from ..tensor.dispatch import VALUE_READ_OPS
+from ..tensor.dispatch import VALUE_READ_OPS, written_tensors
 from ..tensor.dtensor import DistTensor
 from ..tensor.op_call import fast_op
 
@@ -225,14 +225,6 @@ def _storage(t: torch.Tensor):
         return None
 
 
-def _written(func, args, kwargs):
-    """The tensors the op writes in place (its mutable arguments)."""
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            yield from (t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
-
-
 class Recorder(TorchDispatchMode):
     """Active during an eager step: records the local program it runs (see the module doc)."""
 
@@ -307,7 +299,7 @@ class Recorder(TorchDispatchMode):
     def _note_written(self, func, args, kwargs, out, fixed: bool) -> None:
         """What the op wrote is fixed when it drew nothing random and read only fixed values."""
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        for t in [*outs, *_written(func, args, kwargs)]:
+        for t in [*outs, *written_tensors(func, args, kwargs)]:
             key = _storage(t)
             if fixed and key is not None:
                 self.fixed.add(key)

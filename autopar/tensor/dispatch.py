@@ -251,6 +251,14 @@ def _mutated_inputs(func, args, kwargs) -> tuple[list[int], Any]:
     return mutated, alias
 
 
+def written_tensors(func, args, kwargs) -> list:
+    """The tensors the op writes in place: its mutable arguments, and those its rule says it
+    writes without declaring them (batch norm's running statistics)."""
+    in_schema_order = [t for i, arg in enumerate(func._schema.arguments)
+                       for t in _flatten_out(args[i] if i < len(args) else kwargs.get(arg.name), [])]
+    return [in_schema_order[i] for i in _mutated_inputs(func, args, kwargs)[0]]
+
+
 def _substitute(args, kwargs, new_flat):
     """args/kwargs with their tensor leaves replaced, in order, by `new_flat`."""
     it = iter(new_flat)
