@@ -26,7 +26,7 @@ def _next_token_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
-def _collectives(static, mp=False, steps=STEPS, family="llama", **config):
+def _collectives(static, mp=False, steps=STEPS, family="llama", **model_config):
     if mp:
         mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
         plan = {"model." + name: layer for name, layer in mp_plan().items()}
@@ -34,7 +34,7 @@ def _collectives(static, mp=False, steps=STEPS, family="llama", **config):
     else:
         mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
         config = {"dp_config": {"sharding_level": 0}}
-    model = _Logits(tiny_llama(attention="sdpa", **config) if family == "llama" else tiny(family, **config))
+    model = _Logits(tiny_llama(attention="sdpa", **model_config) if family == "llama" else tiny(family, **model_config))
     model, opt = dist.parallelize(model, optimizer(model.parameters()), mesh, config)
     step_fn = dist.to_static(model, None, _next_token_loss, opt) if static else None
     losses, logs = [], []
