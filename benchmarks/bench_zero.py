@@ -236,10 +236,11 @@ def main():
             if name != "plain" or rank == 0:
                 r.step()
         C.barrier()
-        if name not in ("plain", "no_comm"):
-            if isinstance(r, StaticRunner):  # (one step, as memory's: the losses stay in line)
-                r.step()
-            facts[name] = collectives(r), ({} if isinstance(r, StaticRunner) else memory(r))
+        if isinstance(r, StaticRunner):  # a replayed step has no backward to look into for memory
+            facts[name] = collectives(r), {}
+            r.step()  # (memory's step: the losses stay in line with the others')
+        elif name not in ("plain", "no_comm"):
+            facts[name] = collectives(r), memory(r)
         elif rank == 0:
             r.step(), r.step()
     C.barrier()
