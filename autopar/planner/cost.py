@@ -558,13 +558,13 @@ def _host_measures(worlds: list) -> dict:
 
 GEMM_SIDES = (8, 16, 32, 64, 128, 256, 512)  # the GEMM rate curve's square sides
 CHECKED_GEMM = 128  # the side of the GEMM whose rate `profile_check` measures again
+MEMORY_SIZES = tuple(1 << k for k in range(10, 25, 2))  # the memory rate curve's element counts
 
 
 def checked_gemm_rate(seconds: float, op: float) -> float:
     """FLOP/s of a CHECKED_GEMM-sided GEMM that took `seconds`, net of the per-op latency
     `op`: as the calibration's rounds and `profile_check` both derive it."""
     return 2.0 * CHECKED_GEMM**3 / _net(seconds, op)
-MEMORY_SIZES = tuple(1 << k for k in range(10, 25, 2))  # the memory rate curve's element counts
 
 
 def calibrate(world: int = 2, crowding: tuple = (2, 4), working_set: int = 1 << 26, rounds: int = 5) -> DeviceProfile:
