@@ -740,9 +740,9 @@ def _deliver(params: list, grads: list, edges: tuple) -> list:
     autograd to accumulate."""
     for j, (p, g, (node, _)) in enumerate(zip(params, grads, edges)):
         if (
-            g is None or p.grad is not None or _user_hooks(p) or p._post_accumulate_grad_hooks is not None
-            or type(node) is not _ACCUMULATE_GRAD or node.variable is not p
-            or g._spec.meta.stride != p._spec.meta.stride
+            g is None or type(node) is not _ACCUMULATE_GRAD or node.variable is not p or p.grad is not None
+            or p._post_accumulate_grad_hooks is not None or _user_hooks(p._backward_hooks)
+            or (g._spec is not p._spec and g._spec.meta.stride != p._spec.meta.stride)
         ):
             continue
         try:
@@ -755,11 +755,14 @@ def _deliver(params: list, grads: list, edges: tuple) -> list:
     return grads
 
 
-def _user_hooks(p) -> bool:
-    """Gradient hooks on `p` besides its own placement hook (a region's gradients are placed
-    like their parameters already: that one would do nothing)."""
-    hooks = p._backward_hooks
-    return bool(hooks) and any(type(h) is not GradToPlacement for h in hooks.values())
+def _user_hooks(hooks) -> bool:
+    """A parameter's gradient `hooks` hold one besides its own placement hook (a region's
+    gradients are placed like their parameters already: that one would do nothing)."""
+    if hooks:
+        for h in hooks.values():
+            if type(h) is not GradToPlacement:
+                return True
+    return False
 
 
 def _accumulate_grad_type() -> type:

@@ -33,6 +33,7 @@ state replaced) runs per parameter.
 """
 from __future__ import annotations
 
+from operator import attrgetter, is_
 from typing import Optional
 
 import torch
@@ -41,6 +42,13 @@ from ...tensor.dtensor import DistTensor
 from ...tensor.grad_landing import follows
 
 CPU_CHUNK = 1 << 16
+_GRAD, _LOCAL, _SPEC, _DTYPE = (attrgetter(a) for a in ("grad", "_local", "_spec", "dtype"))
+_ONLY_DIST = {DistTensor}
+
+
+def same_values(d: dict, values: tuple) -> bool:
+    """`d` still holds exactly these objects."""
+    return len(d) == len(values) and all(map(is_, d.values(), values))
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
@@ -60,8 +68,11 @@ class FlatGroup:
         self.buffer = buffer
         self.sizes = [zp.param._local.numel() for zp in members]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(members))]
-        self.pieces = [zp.param._local for zp in members]
-        self.state_pieces = [tuple(st[k]._local for k in tensor_keys) for st in states]
+        self.params = [zp.param for zp in members]
+        self.pieces = [p._local for p in self.params]
+        self.dtypes = {buffer.dtype}
+        self.state_tensors = [st[k] for st in states for k in tensor_keys]  # (tensor states, member by member)
+        self.state_pieces = [t._local for t in self.state_tensors]
         numel = buffer.numel()
         limit = CPU_CHUNK if buffer.device.type == "cpu" else numel
         self.bounds = [(a, min(a + limit, numel)) for a in range(0, numel, limit)]
@@ -126,24 +137,27 @@ class FlatGroup:
 
     def stand_ins(self, zero_params: list, state: dict) -> Optional[list]:
         """The chunks to step this time, their gradients set, or None when the group no longer
-        holds as flattened (then it steps per parameter)."""
+        holds as flattened (then it steps per parameter).  Every member is checked each step,
+        by C-level passes over the group (a Python loop per parameter cost more than the step)."""
         if zero_params is not self.zero_params or self._versions() != self.versions:
             return None
-        grads = []
-        for zp, piece, st, values, state_pieces in zip(self.members, self.pieces, self.states, self.values,
-                                                       self.state_pieces):
-            p = zp.param
-            g = p.grad
-            if (
-                p._local is not piece or state.get(p) is not st or len(st) != len(values)
-                or any(a is not b for a, b in zip(st.values(), values))
-                or any(st[k]._local is not t for k, t in zip(self.tensor_keys, state_pieces))
-                or type(g) is not DistTensor or g._local.dtype != piece.dtype
-                or not (g._spec is p._spec or g._spec.same_pieces(p._spec))
-            ):
-                return None
-            grads.append(g._local)
-        runs = _runs(grads, self.offsets)
+        params = self.params
+        grads = list(map(_GRAD, params))
+        if not (
+            all(map(is_, map(_LOCAL, params), self.pieces))
+            and all(map(is_, map(state.get, params), self.states))
+            and all(map(same_values, self.states, self.values))
+            and all(map(is_, map(_LOCAL, self.state_tensors), self.state_pieces))
+            and set(map(type, grads)) == _ONLY_DIST
+        ):
+            return None
+        locals_ = list(map(_LOCAL, grads))
+        if set(map(_DTYPE, locals_)) != self.dtypes or not (
+            all(map(is_, map(_SPEC, grads), map(_SPEC, params)))
+            or all(g._spec.same_pieces(p._spec) for g, p in zip(grads, params))
+        ):
+            return None
+        runs = _runs(locals_, self.offsets)
         for chunk, bounds in zip(self.chunks, self.bounds):
             chunk.grad = _within(runs, *bounds)
         return self.chunks

@@ -21,13 +21,12 @@ steps run on chunks of them (`flat_step.py`) while the group holds as flattened.
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 
 from ...tensor.dtensor import DistTensor, local_piece
 from ...spec import DistSpec
-from .flat_step import FlatGroup
+from .flat_step import FlatGroup, same_values
 
 ELEMENTWISE = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
@@ -62,11 +61,6 @@ def _stand_in(p, piece, grad, state: dict):
 _NO_STATE: dict = {}
 
 
-def _same(d: dict, values: tuple) -> bool:
-    """`d` still holds exactly these objects."""
-    return len(d) == len(values) and all(map(operator.is_, d.values(), values))
-
-
 class _Pair:
     """A parameter's distributed states and the local stand-in dict the step updates: kept
     from step to step while the step updates the states in place (every step after the
@@ -81,7 +75,7 @@ class _Pair:
     def holds(self, piece: tuple, state: dict) -> bool:
         return (
             self.state is state and self.piece[0] is piece[0] and self.piece[1] is piece[1]
-            and _same(state, self.values)
+            and same_values(state, self.values)
         )
 
 
@@ -191,7 +185,7 @@ class LocalStep:
                 if new is None:
                     continue
                 if type(old) is _Pair:
-                    if new is old.local and _same(new, old.local_values):
+                    if new is old.local and same_values(new, old.local_values):
                         zp.pair = old
                         continue
                     old = old.state
