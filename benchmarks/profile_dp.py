@@ -14,6 +14,15 @@ barrier first, for the same number of steps, measured twice:
 - cProfile of rank 0 over as many steps again: the functions with the most cumulative and
   self time, in ms per step (the profiler's own cost inflates both impls alike).
 Rank 0 writes the summary to `--out` (default `benchmarks/results/profile_dp.<commit>.txt`).
+
+`--loop IMPL` runs only IMPL's steps, back to back as a training loop does (no barriers, no
+cProfile; the phases' clock reads stay, a few percent of the samples, under `clock`), in a
+function named `loop`, for a sampling profiler that leaves the step's own costs as they are
+(`py-spy` samples every rank):
+
+    py-spy record -r 1000 -f raw --subprocesses -o /tmp/dp.txt -- \
+        python -m autopar.launch --nproc_per_node 2 benchmarks/profile_dp.py --loop autopar_dp --steps 600
+    python benchmarks/pyspy_summary.py /tmp/dp.txt --under loop
 """
 from __future__ import annotations
 
@@ -198,6 +207,13 @@ def write_summary(lines: list, profiles: dict, args, name: str) -> None:
     print(text, flush=True)
 
 
+def loop(step: "PhasedStep", steps: int) -> None:
+    """`steps` training steps, unrecorded: a sampling profiler's window (the frames under this
+    function)."""
+    for _ in range(steps):
+        step.step(record=False)
+
+
 def main():
     p = argparse.ArgumentParser()
     G.add_model_args(p)
@@ -206,9 +222,15 @@ def main():
     p.add_argument("--top", type=int, default=22)
     p.add_argument("--out", default=None)
     p.add_argument("--dump", default=None, help="also write each impl's raw cProfile stats to DUMP.<impl>.prof")
+    p.add_argument("--loop", default=None, choices=("autopar_dp", "ddp"),
+                   help="only run this impl's steps back to back (for py-spy; see the module doc)")
     args = p.parse_args()
     rank, world = C.setup()
     steps = runners(args, rank, world)
+    if args.loop:
+        for _ in range(args.warmup):
+            steps[args.loop].step(record=False)
+        return loop(steps[args.loop], args.steps)
     for _ in range(args.warmup):
         for r in steps.values():
             C.barrier()
