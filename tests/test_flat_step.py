@@ -4,6 +4,7 @@ one process (rtol 1e-5) under gradient accumulation, clip_grad_norm_, zero_grad 
 set_to_none, a skipped parameter and a reloaded state dict; the gradient collectives from
 `comm_log`, the same before and after the group is flattened."""
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -150,6 +151,40 @@ def test_a_reloaded_state_dict_flattens_again():
     for *_, stepped, storages in results:
         assert stepped == [6, 1, 6, 1, 1], stepped
         assert storages == 1
+
+
+def _replaced_run(what: str):
+    """Two steps (the group flat from the second), then one piece of `what` ("piece": a
+    parameter's local piece, "state": a tensor state) replaced by a copy behind the group's
+    back, then the rest: per step the tensors handed to the optimizer, and the numbers."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(Net(), None, mesh, {"dp_config": {}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    stepped = []
+    opt.register_step_pre_hook(lambda o, a, k: stepped.append(len(o.param_groups[0]["params"])))
+    wrap = lambda t: dist.shard_tensor(t, mesh, [dist.Shard(0)])  # noqa: E731
+    losses, _ = _train(model, opt, STEPS[:2], wrap)
+    w = model.b.weight
+    if what == "piece":
+        w._local = w._local.clone()
+    else:
+        opt.state[w]["exp_avg"]._local = opt.state[w]["exp_avg"]._local.clone()
+    more, _ = _train(model, opt, STEPS[2:], wrap, first=2)
+    params = {k: dist.unshard_dtensor(v.detach()) for k, v in model.state_dict().items()}
+    return losses + more, params, stepped
+
+
+@pytest.mark.parametrize("what", ["piece", "state"])
+def test_a_piece_replaced_behind_the_flat_group_steps_per_parameter(what):
+    """The flat step checks every member each step: a parameter's piece or a state's piece
+    that is no longer the view of the flat buffer it was makes the group step per parameter,
+    with the same numbers."""
+    ref_losses, ref_params = _reference(STEPS)
+    for losses, params, stepped in run_dist(_replaced_run, 2, what):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], rtol=1e-5, atol=1e-6)
+        assert stepped[:2] == [6, 1] and stepped[2] == 6, stepped
 
 
 def test_chunks_take_their_gradients_from_the_buffers_they_lie_in():
