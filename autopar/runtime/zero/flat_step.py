@@ -43,7 +43,7 @@ from ...tensor.grad_landing import follows
 
 CPU_CHUNK = 1 << 16
 _GRAD, _LOCAL, _SPEC, _DTYPE = (attrgetter(a) for a in ("grad", "_local", "_spec", "dtype"))
-_ONLY_DIST = {DistTensor}
+_ONLY_DIST = frozenset({DistTensor})
 
 
 def same_values(d: dict, values: tuple) -> bool:
@@ -70,7 +70,7 @@ class FlatGroup:
         self.offsets = [sum(self.sizes[:i]) for i in range(len(members))]
         self.params = [zp.param for zp in members]
         self.pieces = [p._local for p in self.params]
-        self.dtypes = {buffer.dtype}
+        self.dtypes = frozenset({buffer.dtype})
         self.state_tensors = [st[k] for st in states for k in tensor_keys]  # (tensor states, member by member)
         self.state_pieces = [t._local for t in self.state_tensors]
         numel = buffer.numel()
@@ -138,7 +138,7 @@ class FlatGroup:
     def stand_ins(self, zero_params: list, state: dict) -> Optional[list]:
         """The chunks to step this time, their gradients set, or None when the group no longer
         holds as flattened (then it steps per parameter).  Every member is checked each step,
-        by C-level passes over the group (a Python loop per parameter cost more than the step)."""
+        in C-level passes over the group (`map`), not a Python loop per parameter."""
         if zero_params is not self.zero_params or self._versions() != self.versions:
             return None
         params = self.params

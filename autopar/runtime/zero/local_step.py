@@ -21,7 +21,6 @@ steps run on chunks of them (`flat_step.py`) while the group holds as flattened.
 """
 from __future__ import annotations
 
-
 import torch
 
 from ...tensor.dtensor import DistTensor, local_piece
