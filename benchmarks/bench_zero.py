@@ -254,8 +254,8 @@ def main():
         for n in names:
             C.assert_close(torch.tensor(runners[n].losses), torch.tensor(ref), f"{n} vs single-process losses")
     st = {n: C.stats_ms(v) for n, v in times.items()}
-    peers = {"autopar_z0": "ddp", "autopar_z0_local": "ddp", "autopar_z0_static": "ddp", "autopar_z1": "ddp", "autopar_z2": "fsdp2_keep",
-             "autopar_z3": "fsdp2"}
+    peers = {"autopar_z0": "ddp", "autopar_z0_local": "ddp", "autopar_z0_static": "ddp", "autopar_z1": "ddp",
+             "autopar_z2": "fsdp2_keep", "autopar_z3": "fsdp2"}
     peers = {n: peer for n, peer in peers.items() if n in runners}
     for n in runners:
         rec = {"bench": "zero_llama_step", "impl": n, "ranks": 1 if n == "plain" else k, **st[n]}

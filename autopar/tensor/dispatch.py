@@ -254,9 +254,8 @@ def _mutated_inputs(func, args, kwargs) -> tuple[list[int], Any]:
 def written_tensors(func, args, kwargs) -> list:
     """The tensors the op writes in place: its mutable arguments, and those its rule says it
     writes without declaring them (batch norm's running statistics)."""
-    in_schema_order = [t for i, arg in enumerate(func._schema.arguments)
-                       for t in _flatten_out(args[i] if i < len(args) else kwargs.get(arg.name), [])]
-    return [in_schema_order[i] for i in _mutated_inputs(func, args, kwargs)[0]]
+    flat = _flatten_out([args, list(kwargs.values())], [])  # (the order `_mutated_inputs` counts in)
+    return [flat[i] for i in _mutated_inputs(func, args, kwargs)[0]]
 
 
 def _substitute(args, kwargs, new_flat):
