@@ -67,6 +67,29 @@ def test_an_async_save_holds_the_values_at_the_call_bit_exact(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary or lock file left
 
 
+
+def _calls_collectives(path):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    sd = _state(mesh)
+    logs = []
+    for async_save in (True, False):
+        with dist.comm_log() as log:
+            handle = save_state_dict(sd, path, async_save=async_save)
+        if handle is not None:
+            handle.wait()
+        logs.append([r.op for r in log])
+    return logs
+
+
+def test_an_async_save_call_meets_the_other_ranks_once(tmp_path):
+    """The call agrees once (an all-gather of the lengths, one of the JSON) and reduces the
+    Partial tensor; the thread does the rest on its own group.  A blocking save agrees four
+    times on the training's groups (the claim and the entries; every rank sees the claim;
+    the files are written; the checkpoint is in place)."""
+    for async_ops, blocking_ops in run_dist(_calls_collectives, 2, str(tmp_path / "ckpt")):
+        assert async_ops == ["all_gather", "all_gather", "all_reduce"], async_ops
+        assert blocking_ops == ["all_gather", "all_gather", "all_reduce"] + ["all_gather"] * 6, blocking_ops
+
 def _second_save_waits(path):
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     first, second = _state(mesh), _state(mesh, offset=100.0)

@@ -117,17 +117,18 @@ def _paused_save(path, signals, stage):
     save_state_dict(_sd(1, mesh), path)
     go, done, at_swap = (os.path.join(signals, n) for n in ("go", "done", "at_swap"))
     rank = dist.get_rank()
-    original_pieces, original_point, original_exchange = save_mod._my_pieces, save_mod._crash_point, save_mod._exchange
+    original_write, original_point, original_exchange = (
+        save_mod._write_rank_file, save_mod._crash_point, save_mod._exchange)
 
     def let_other_job_save():
         open(go, "w").close()
         _wait_for(done)
 
-    def pieces_after_rank1_wrote(tensors, r, **kwargs):
+    def write_after_rank1_wrote(tensors, filename):
         parent, base = os.path.split(path)
         _wait_for_glob(os.path.join(parent, f".{base}.tmp-*", "rank00001.safetensors"))
         let_other_job_save()
-        return original_pieces(tensors, r, **kwargs)
+        original_write(tensors, filename)
 
     def point(at):
         if at == stage == "files_written":
@@ -139,15 +140,15 @@ def _paused_save(path, signals, stage):
 
     if rank == 0:
         if stage == "before_rank0_writes":
-            save_mod._my_pieces = pieces_after_rank1_wrote
+            save_mod._write_rank_file = write_after_rank1_wrote
         save_mod._crash_point = point
         if stage == "old_moved_away":
             save_mod._exchange = lambda a, b: False
     try:
         save_state_dict(_sd(2, mesh), path)
     finally:
-        save_mod._my_pieces, save_mod._crash_point, save_mod._exchange = (
-            original_pieces, original_point, original_exchange)
+        save_mod._write_rank_file, save_mod._crash_point, save_mod._exchange = (
+            original_write, original_point, original_exchange)
     return "saved"
 
 

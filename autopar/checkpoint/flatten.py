@@ -8,7 +8,7 @@ a leaf's name is its path joined with dots, and two leaves may not share a name.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,28 +39,31 @@ def _holds_tensor(obj) -> bool:
     return False
 
 
-def _walk(obj, path: Path) -> Iterator[Leaf]:
+def _walk(obj, path: Path, out: list[Leaf]) -> None:
+    """Append the leaves under `obj` to `out` (a list, not generators: a save walks every leaf
+    of a model's and an optimizer's state dicts each time)."""
     if isinstance(obj, torch.Tensor):
-        yield Leaf(path, path_name(path), obj)
+        out.append(Leaf(path, path_name(path), obj))
     elif isinstance(obj, Mapping):  # an empty dict has no leaves (a fresh optimizer's state)
         for k, v in obj.items():
             if isinstance(k, bool) or not isinstance(k, (str, int)):
                 raise TypeError(
                     f"state dict key {k!r} under {path_name(path) or '<root>'!r} must be a str or an int"
                 )
-            yield from _walk(v, path + (k,))
+            _walk(v, path + (k,), out)
     elif isinstance(obj, (list, tuple)) and _holds_tensor(obj):
         for i, v in enumerate(obj):
-            yield from _walk(v, path + (i,))
+            _walk(v, path + (i,), out)
     else:
-        yield Leaf(path, path_name(path), obj)
+        out.append(Leaf(path, path_name(path), obj))
 
 
 def flatten(state_dict: Mapping) -> list[Leaf]:
     """Every leaf of `state_dict` in its iteration order; raises on clashing names."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"a state dict must be a mapping, got {type(state_dict).__name__}")
-    leaves = list(_walk(state_dict, ()))
+    leaves: list[Leaf] = []
+    _walk(state_dict, (), leaves)
     names: dict[str, Path] = {}
     for leaf in leaves:
         other = names.setdefault(leaf.name, leaf.path)

@@ -6,15 +6,15 @@ error on every rank when any rank had one):
 
 1. flatten the state dict; rank 0 claims this save's names next to `path` (same filesystem,
    so renames are atomic; see claim.py): its lock file `.<name>.lock-<token>`, flock-ed for
-   the whole save, then the temporary directory `.<name>.tmp-<token>`; agree on the token;
-2. agree that every rank has the same entries (names, shapes, dtypes, meshes, placements)
-   and sees rank 0's lock file and directory (a path on a disk of each node's own is caught
-   here, before anything is written);
-3. reduce Partial tensors (the checkpoint holds global values), write this rank's pieces -
-   a box several ranks hold is written once: a large one in row slices by all its holders
-   (`_share`), a small one by the lowest - into
-   `rankNNNNN.safetensors`, fsync it, checksum every piece; agree (on failure the temporary
-   directory is removed and `path` was never touched);
+   the whole save, then the temporary directory `.<name>.tmp-<token>`; agree on the token and
+   on a digest of the entries (names, shapes, dtypes, meshes, placements);
+2. where the entries differ, every rank raises the same error (one more agreement); each rank
+   takes the pieces it writes, Partial tensors reduced (the checkpoint holds global values);
+3. every rank sees rank 0's lock file and directory: agree, before anything is written (a path
+   on a disk of each node's own is caught here); write this rank's pieces - a box several
+   ranks hold is written once: a large one in row slices by all its holders (`_share`), a
+   small one by the lowest - into `rankNNNNN.safetensors`, fsync it, checksum every piece;
+   agree (on failure the temporary directory is removed and `path` was never touched);
 4. rank 0 checks every file the ranks reported is there with its size, writes metadata.json,
    fsyncs, and swaps the directory in, one swap of `path` at a time: an atomic exchange
    (renameat2 RENAME_EXCHANGE) where the OS has one, else rename old away / rename new in
@@ -25,9 +25,9 @@ error on every rank when any rank had one):
 
 `path` is resolved (symlinks followed) first: saving to `latest -> step_10` replaces step_10.
 
-With `async_save=True` the call runs steps 1 and 2 and takes the pieces of step 3 (copied to host
-buffers); a thread (`AsyncSave`) writes them and does step 4, its agreements on a gloo group of
-their own so they never pair with the training's collectives.
+With `async_save=True` the call runs steps 1 and 2 (one agreement), the pieces copied to host
+buffers; a thread (`AsyncSave`) runs steps 3 and 4, its agreements on a gloo group of their
+own so they never pair with the training's collectives.
 """
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ class _Save:
             self.claim.abandon()
 
     def agree_on_entries(self, state_dict) -> None:
-        """Steps 1 and 2: the entries, rank 0's claim, and that every rank sees it."""
+        """Step 1 and step 2's error: rank 0's claim, and the same entries everywhere."""
         rank, nothing = self.rank, "nothing was written; " + self.untouched
         problems = Problems()
         leaves: list[Leaf] = []
@@ -162,22 +162,17 @@ class _Save:
         first = sync.agree(problems, self.what, nothing, mine, on_failure=self._abandon)
         self.token = first[0]["token"]
         _, self.tmp, _ = claim.names(self.parent, self.base, self.token)
-
-        problems = Problems()
-        if len({d["digest"] for d in first}) > 1:
+        if len({d["digest"] for d in first}) > 1:  # every rank sees it: one error, raised everywhere
+            problems = Problems()
             if rank == 0:
                 problems.add(_differ(first))
-        elif rank != 0:
-            blind = claim.unseen(self.parent, self.base, self.token)
-            if blind:
-                problems.add(blind)
-        sync.agree(problems, self.what, nothing, on_failure=self._abandon)
+            sync.agree(problems, self.what, nothing, on_failure=self._abandon)
         self.tensors = [l for l in leaves if l.is_tensor]
 
     def take_pieces(self, snapshot: bool) -> None:
-        """Step 3, first half: the pieces this rank writes (collective for Partial tensors: the
+        """Step 2's pieces: the pieces this rank writes (collective for Partial tensors: the
         same order everywhere); with `snapshot`, copies that training cannot change.  A
-        failure is told to the other ranks at the next agreement."""
+        failure is told to the other ranks at the next agreement, before anything is written."""
         self.problems = Problems()
         self.pieces: list = []
         try:
@@ -186,23 +181,30 @@ class _Save:
             self.problems.add(f"rank {self.rank} copying its pieces: {_err(e)}")
 
     def write_and_swap(self, agree) -> None:
-        """Step 3, second half, and step 4: write, agree, rank 0 swaps, agree (`agree`: the
-        collective every rank meets at, the training's groups or a save thread's own)."""
+        """Steps 3 and 4: every rank sees the claim, agree, write, agree, rank 0 swaps, agree
+        (`agree`: the collective every rank meets at, the training's groups or a save thread's
+        own)."""
         rank, tmp, problems = self.rank, self.tmp, self.problems
+        if rank != 0:
+            blind = claim.unseen(self.parent, self.base, self.token)
+            if blind:
+                problems.add(blind)
+        agree(problems, self.what, "nothing was written; " + self.untouched, on_failure=self._abandon)
+
+        problems = Problems()
         records, file_info = [], None
-        if not problems:
-            try:
-                if self.pieces:
-                    fname = rank_file(rank)
-                    payload = {}
-                    for name, box, data in self.pieces:
-                        payload[name] = data
-                        records.append({"name": name, "key": name, "box": box, "checksum": checksum(data)})
-                    _write_rank_file(payload, os.path.join(tmp, fname))
-                    file_info = {"name": fname, "size": os.path.getsize(os.path.join(tmp, fname))}
-                _crash_point("files_written")
-            except Exception as e:
-                problems.add(f"rank {rank} writing its pieces into {tmp}: {_err_in(e, tmp)}")
+        try:
+            if self.pieces:
+                fname = rank_file(rank)
+                payload = {}
+                for name, box, data in self.pieces:
+                    payload[name] = data
+                    records.append({"name": name, "key": name, "box": box, "checksum": checksum(data)})
+                _write_rank_file(payload, os.path.join(tmp, fname))
+                file_info = {"name": fname, "size": os.path.getsize(os.path.join(tmp, fname))}
+            _crash_point("files_written")
+        except Exception as e:
+            problems.add(f"rank {rank} writing its pieces into {tmp}: {_err_in(e, tmp)}")
         self.pieces = []  # the host copies are on disk now
         gathered = agree(problems, self.what, self.untouched, {"file": file_info, "pieces": records},
                          on_failure=self._abandon)
@@ -398,14 +400,21 @@ def _piece(t: torch.Tensor, rank: int):
     return _share(box, local, holders.index(rank), len(holders))
 
 
-def _holders(spec, coord) -> list[int]:
+def _holders(spec, coord) -> tuple[int, ...]:
     """The ranks holding the same (non-empty) box as `coord`: along the mesh dims that replicate
     the tensor, since distinct shards of a dim never share a non-empty box."""
     if all(type(p) in (Shard, Replicate) for p in spec.placements):
-        at = tuple(slice(None) if type(p) is Replicate else c for p, c in zip(spec.placements, coord))
-        return sorted(int(r) for r in np.asarray(spec.mesh.mesh)[at].reshape(-1))
+        return _replica_ranks(spec.mesh, spec.placements, coord)
     mine = spec.local_box(coord)
-    return sorted(int(r) for c, r in np.ndenumerate(spec.mesh.mesh) if spec.local_box(c) == mine)
+    return tuple(sorted(int(r) for c, r in np.ndenumerate(spec.mesh.mesh) if spec.local_box(c) == mine))
+
+
+@functools.lru_cache(maxsize=1024)
+def _replica_ranks(mesh, placements: tuple, coord: tuple) -> tuple[int, ...]:
+    """`_holders` of a Shard/Replicate layout, which depends on nothing else: a state dict
+    holds many tensors laid out alike, and a save asks for each."""
+    at = tuple(slice(None) if type(p) is Replicate else c for p, c in zip(placements, coord))
+    return tuple(sorted(int(r) for r in np.asarray(mesh.mesh)[at].reshape(-1)))
 
 
 SHARED_WRITE_BYTES = 1 << 16  # a piece held alike by several ranks and at least this large is written by all
@@ -446,9 +455,21 @@ def _describe(leaf: Leaf) -> dict:
 
 
 def _digest(leaves: list[Leaf]) -> tuple[str, int]:
-    desc = [_describe(l) if l.is_tensor else {"path": list(l.path)} for l in leaves]
-    text = json.dumps(desc, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest(), len(leaves)
+    """A hash of every entry's name, shape, dtype, mesh and placements, compared across ranks
+    (never stored): the reprs of tuples, which cost a fraction of describing each entry as
+    JSON on every save."""
+    desc = [(l.path, tuple(l.value.shape), str(l.value.dtype), _layout(l.value)) if l.is_tensor else (l.path,)
+            for l in leaves]
+    return hashlib.sha256(repr(desc).encode()).hexdigest(), len(leaves)
+
+
+def _layout(t: torch.Tensor) -> str | None:
+    return _layout_text(t._spec.mesh, t._spec.placements) if isinstance(t, DistTensor) else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_text(mesh, placements: tuple) -> str:
+    return repr((mesh.process_ids, mesh.shape, mesh.dim_names, placements))
 
 
 def _build_metadata(tensors: list[Leaf], values: dict, gathered: list, world: int) -> dict:
