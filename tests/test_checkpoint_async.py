@@ -67,7 +67,6 @@ def test_an_async_save_holds_the_values_at_the_call_bit_exact(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary or lock file left
 
 
-
 def _calls_collectives(path):
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     sd = _state(mesh)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
-import json
 import os
 import shutil
 import sys
