@@ -265,23 +265,32 @@ def test_a_file_lost_before_the_swap_fails_every_rank_old_checkpoint_kept(tmp_pa
 
 
 # -- a path each node sees on its own disk ------------------------------------------------------------------
-def test_path_not_shared_between_nodes_fails_every_rank_before_writing(tmp_path):
-    results = run_dist(_unshared_save, 2, str(tmp_path))
+@pytest.mark.parametrize("async_save", [False, True])  # (asynchronous: the thread checks, wait() raises)
+def test_path_not_shared_between_nodes_fails_every_rank_before_writing(tmp_path, async_save):
+    results = run_dist(_unshared_save, 2, str(tmp_path), async_save)
     messages = {msg for (msg, _), _ in results}
     assert len(messages) == 1, messages
     for (msg, not_found), written in results:
         assert not not_found
-        assert "[rank 1]" in msg and "shared by all ranks" in msg, msg
+        assert "[rank 1]" in msg and "shared by all ranks" in msg and "nothing was written" in msg, msg
         assert written == []  # nothing written on either node, no temporary name left
     assert sorted(os.listdir(tmp_path)) == ["node0", "node1"]
 
 
-def _unshared_save(root):
+def _unshared_save(root, async_save):
     rank = dist.get_rank()
     own = os.path.join(root, f"node{rank}")
     os.makedirs(own, exist_ok=True)
     os.chdir(own)
-    failure = _failure(save_state_dict, _sd(1, _mesh()), "ckpt")
+    writes = []
+    original = save_mod._write_rank_file
+    save_mod._write_rank_file = lambda *a: (writes.append(a[1]), original(*a))
+    try:
+        failure = _failure(lambda: save_state_dict(_sd(1, _mesh()), "ckpt", async_save=async_save).wait()
+                           if async_save else save_state_dict(_sd(1, _mesh()), "ckpt"))
+    finally:
+        save_mod._write_rank_file = original
+    assert writes == []  # no rank began writing its pieces
     return failure, sorted(os.listdir(own))
 
 
