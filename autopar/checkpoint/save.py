@@ -128,6 +128,7 @@ class _Save:
         self.parent, self.base = os.path.split(self.path)
         self.what = f"save_state_dict({self.given!r})"
         self.untouched = f"the checkpoint at {self.given} is unchanged"
+        self.unwritten = "nothing was written; " + self.untouched  # (a failure before any rank writes)
         self.claim: claim.Claim | None = None
 
     def release(self) -> None:
@@ -140,7 +141,7 @@ class _Save:
 
     def agree_on_entries(self, state_dict) -> None:
         """Step 1 and step 2's error: rank 0's claim, and the same entries everywhere."""
-        rank, nothing = self.rank, "nothing was written; " + self.untouched
+        rank, nothing = self.rank, self.unwritten
         problems = Problems()
         leaves: list[Leaf] = []
         self.values: dict = {}
@@ -188,7 +189,7 @@ class _Save:
             blind = claim.unseen(self.parent, self.base, self.token)
             if blind:
                 problems.add(blind)
-        agree(problems, self.what, "nothing was written; " + self.untouched, on_failure=self._abandon)
+        agree(problems, self.what, self.unwritten, on_failure=self._abandon)
 
         problems = Problems()
         records, file_info = [], None
@@ -468,7 +469,8 @@ def _layout(t: torch.Tensor) -> str | None:
 
 @functools.lru_cache(maxsize=1024)
 def _layout_text(mesh, placements: tuple) -> str:
-    return repr((mesh.process_ids, mesh.shape, mesh.dim_names, placements))
+    """The layout as the metadata describes it, once per distinct layout."""
+    return repr((describe_mesh(mesh), [describe_placement(p) for p in placements]))
 
 
 def _build_metadata(tensors: list[Leaf], values: dict, gathered: list, world: int) -> dict:
