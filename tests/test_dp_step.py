@@ -244,3 +244,92 @@ def test_a_pipeline_fed_locally_matches_one_process(static):
     ref = P._loss_inside(False)
     for losses in run_dist(_pipeline_fed_locally, 4, static):
         np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+
+def _padded_llama_batches():
+    """HF-style dict batches whose labels end in padding (-100), more of it in the second
+    half of each batch: the ranks count different targets."""
+    import hf_llama as L
+
+    rows = []
+    for ids, labels in L.batches(3, batch=4):
+        for i, (row, lab) in enumerate(zip(ids, labels)):
+            lab = lab.clone()
+            lab[L.SEQ - (2 + 5 * (i >= 2) + i % 2):] = -100
+            rows.append({"input_ids": row, "labels": lab})
+    return rows
+
+
+def _shifted_targets(batch) -> torch.Tensor:
+    """The targets HF's causal-LM loss keeps: the labels shifted by one, padding ignored."""
+    return (batch["labels"][..., 1:] != -100).sum()
+
+
+def _llama_reference() -> list:
+    import hf_llama as L
+
+    model = L.tiny_llama(use_cache=False)
+    opt = L.optimizer(model.parameters())
+    losses = []
+    for batch in torch.utils.data.DataLoader(_padded_llama_batches(), batch_size=4):
+        loss = model(**batch).loss  # HF's mean over the targets not ignored
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _llama_counted_by_the_loader():
+    import hf_llama as L
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = L.tiny_llama(use_cache=False)
+    model, opt = dist.parallelize(model, L.optimizer(model.parameters()), mesh, {"dp_config": {}})
+    loader = torch.utils.data.DataLoader(_padded_llama_batches(), batch_size=4)
+    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=_shifted_targets)
+    losses, handouts, forwards, placements, counts = [], [], [], [], []
+    it = iter(batches)
+    for _ in range(len(loader)):
+        with dist.comm_log() as handed:
+            batch = next(it)
+        with dist.comm_log() as forward:
+            loss = model(**batch).loss  # the loss divides by batch["num_items_in_batch"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        handouts.append([(r.op, r.bytes) for r in handed])
+        forwards.append([(r.op, r.bytes) for r in forward])
+        placements.append(loss.placements)
+        counts.append((batch["num_items_in_batch"], batches.num_items_in_batch))
+        losses.append(loss.item())
+    return losses, handouts, forwards, placements, counts
+
+
+def test_a_loader_counting_the_targets_leaves_the_forward_no_collective():
+    """HF's Llama with `num_items_in_batch` from `shard_dataloader(count_items=...)`: each rank
+    counts its rows' targets, the loader sums the counts at hand-out (one 8-byte all-reduce),
+    the model's loss is a sum over it (Partial, nothing moved in the forward) and equals the
+    single process's mean over the targets not ignored, though the ranks count differently."""
+    ref = _llama_reference()
+    want_counts = [int(_shifted_targets(b)) for b in torch.utils.data.DataLoader(_padded_llama_batches(), batch_size=4)]
+    for losses, handouts, forwards, placements, counts in run_dist(_llama_counted_by_the_loader, 2):
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+        assert counts == [(n, n) for n in want_counts], counts
+        assert handouts == [[("all_reduce", 8)]] * 3, handouts
+        assert forwards[1:] == [[]] * 2, forwards  # (the first forward verifies the model's local region)
+        assert placements == [[dist.Partial("sum")]] * 3
+
+
+def test_count_items_refuses_what_it_cannot_count():
+    mesh = dist.ProcessMesh([0], dim_names=["dp"])
+    loader = torch.utils.data.DataLoader(torch.arange(4), batch_size=2)
+    with pytest.raises(ValueError, match="count_items needs the batch on one mesh; this loader places it on 2"):
+        dist.shard_dataloader(loader, [mesh, mesh], shard_dims="dp", count_items=len)
+    with pytest.raises(TypeError, match="count_items must return an integer .* got 2.5"):
+        next(iter(dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: 2.5)))
+    with pytest.raises(TypeError, match="got tensor\\(\\[1, 1\\]\\)"):
+        next(iter(dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: torch.ones(2).long())))
+    dicts = torch.utils.data.DataLoader([{"x": 1, "num_items_in_batch": 2}] * 2, batch_size=2)
+    with pytest.raises(ValueError, match="already has a 'num_items_in_batch' item"):
+        next(iter(dist.shard_dataloader(dicts, mesh, shard_dims="dp", count_items=lambda b: 1)))
