@@ -13,7 +13,8 @@ process seeded like rank 0 draws.  `set_epoch(e)` is passed on to a sampler that
 Counting: `count_items(piece)` counts what a loss over the batch divides by (its targets not
 ignored) on this rank's piece; the sum over the pieces is handed out with the batch, so a
 loss summed over a rank's rows and divided by it is the exact global mean without a
-collective in the step's forward (the one small all-reduce happens here, at hand-out).
+collective in the step's forward.  The loader then reads one batch ahead: the sum's small
+all-reduce moves while the step before computes.
 
 Resuming: `state_dict()` says where the epoch is (how many batches have been handed out, and
 the random states its order was drawn from); `load_state_dict(state)` on a fresh loader makes
@@ -27,14 +28,13 @@ import operator
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
-from torch.utils._pytree import tree_map
 
 from ..tensor import rng
-from ..comm import all_reduce, get_rank
+from ..comm import Pending, all_reduce_start, get_rank
 from ..mesh import ProcessMesh
 from ..placement import Replicate, Shard
 from ..spec import split_range
-from ..tensor.dtensor import DistTensor
+from ..tensor.dtensor import local_piece
 from .tensors import dtensor_from_local, shard_tensor
 
 
@@ -221,38 +221,53 @@ class ShardDataloader:
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self):
         self._handed_out = 0
-        for batch in self._batches():
-            if self.count_items is not None:
-                batch = self._counted(batch)
+        batches = self._batches() if self.count_items is None else self._counted(self._batches())
+        for batch in batches:
             self._handed_out += 1
             yield batch
 
-    def _counted(self, batch):
-        """`count_items` of this rank's piece, summed over the ranks holding the other pieces:
-        one 8-byte all-reduce here, where the ranks have just left the same optimizer step,
-        instead of a mean loss's count all-reduce in the forward, where they have drifted apart
-        (docs/training.md, The loss)."""
+    def _counted(self, batches):
+        """The batches with their global counts, read one batch ahead: the sum of a batch's
+        counts over the ranks (one 8-byte all-reduce) is posted when the batch before it is
+        handed out and has arrived by the time it is handed out itself, so no rank waits for
+        it, in the loader or in the step (a mean loss's count all-reduce waits in the forward;
+        docs/training.md, The loss)."""
+        ahead = None
+        for batch in batches:
+            read = (batch, self._count_start(batch))
+            if ahead is not None:
+                yield self._with_count(*ahead)
+            ahead = read
+        if ahead is not None:
+            yield self._with_count(*ahead)
+
+    def _count_start(self, batch):
+        """`count_items` of this rank's piece; its sum over the ranks holding the other pieces
+        posted (a `comm.Pending`), or the count itself where no other rank holds a piece."""
         mesh, dim, rank = self.meshes[0], self.shard_dims[0], get_rank()
         if rank not in mesh:
-            self.num_items_in_batch = None
-            return batch
-        piece = tree_map(lambda t: t.local_value() if isinstance(t, DistTensor) else t, batch)
-        n = self.count_items(piece)
+            return None
+        n = self.count_items(_pieces(batch))
         if isinstance(n, torch.Tensor) and n.numel() == 1 and not (n.is_floating_point() or n.is_complex()):
             n = n.item()
         if isinstance(n, (bool, torch.Tensor)) or not hasattr(n, "__index__"):
             raise TypeError(f"shard_dataloader: count_items must return an integer or a one-element integer "
                             f"tensor, got {n!r}")
         n = operator.index(n)
-        if dim is not None and mesh.shape[dim] > 1:
-            n = int(all_reduce(torch.tensor([n], dtype=torch.int64), mesh.dim_group_of(rank, dim))[0])
-        self.num_items_in_batch = n
-        if isinstance(batch, dict):
-            if COUNT_KEY in batch:
-                raise ValueError(f"shard_dataloader: the batch already has a {COUNT_KEY!r} item; count_items would "
-                                 f"replace it: drop one of them")
-            batch = {**batch, COUNT_KEY: n}
-        return batch
+        if dim is None or mesh.shape[dim] == 1:
+            return n
+        return all_reduce_start(torch.tensor([n], dtype=torch.int64), mesh.dim_group_of(rank, dim))
+
+    def _with_count(self, batch, count):
+        if isinstance(count, Pending):
+            count = int(count.wait()[0])
+        self.num_items_in_batch = count
+        if count is None or not isinstance(batch, dict):
+            return batch
+        if COUNT_KEY in batch:
+            raise ValueError(f"shard_dataloader: the batch already has a {COUNT_KEY!r} item; count_items would "
+                             f"replace it: drop one of them")
+        return {**batch, COUNT_KEY: count}
 
     def _batches(self):
         if self.is_dataset_splitted:
@@ -309,6 +324,15 @@ class ShardDataloader:
         index, parts = self._piece(0, rank)
         a, b = split_range(len(indices), parts, index)
         return indices[a:b]
+
+
+def _pieces(batch):
+    """A handed-out batch with each distributed tensor replaced by this rank's piece."""
+    if isinstance(batch, dict):
+        return {k: local_piece(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(local_piece(v) for v in batch)
+    return local_piece(batch)
 
 
 def shard_dataloader(
