@@ -448,6 +448,28 @@ def test_shard_dataloader_reads_only_its_samples_and_splits_unevenly():
         assert reads == sorted(mine[0] + mine[1])  # this rank fetched only its own samples
 
 
+class _PerRankStream(torch.utils.data.IterableDataset):
+    """An iterable dataset yielding other samples on each rank (a stream read per process)."""
+
+    def __iter__(self):
+        return iter([torch.tensor(float(i + 100 * dist.get_rank())) for i in range(8)])
+
+
+def _iterable_loader():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    loader = torch.utils.data.DataLoader(_PerRankStream(), batch_size=4)
+    return [(b.placements, dist.unshard_dtensor(b).tolist(), b.local_value().tolist())
+            for b in dist.shard_dataloader(loader, mesh, shard_dims="dp")]
+
+
+def test_shard_dataloader_reads_an_iterable_dataset_whole_and_cuts_rank0s_batch():
+    """An iterable dataset has no samples to fetch by index (its __getitem__ is Dataset's,
+    which raises): the loader is read whole on every rank and rank 0's batch is the one cut."""
+    for rank, got in enumerate(run_dist(_iterable_loader, 2)):
+        whole = [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+        assert got == [([S0], w, w[2 * rank:2 * rank + 2]) for w in whole], got
+
+
 def _dataloader_pipeline():
     mesh0, mesh1 = dist.ProcessMesh([0, 1], dim_names=["x"]), dist.ProcessMesh([2, 3], dim_names=["x"])
     data = [(torch.full((2,), float(i)), torch.tensor(float(i))) for i in range(4)]
