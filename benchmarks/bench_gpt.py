@@ -7,6 +7,11 @@ Model and data: train_gpt.GPT / train_gpt.batches with train_gpt's defaults (voc
 cross-entropy, backward, optimizer step, zero_grad, loss.item().
   autopar_dp   : train_gpt.build on a 4x1 (dp, mp) mesh (mp=1: pure data parallel); the model
                  is one local region (verified on the first step, then plain torch ops).
+  autopar_dp_loader : autopar_dp fed by `shard_dataloader` (each rank reads its rows of the same
+                 batches).
+  autopar_dp_counted : autopar_dp_loader with the targets counted by the loader (`count_items`: the
+                 sum's 8-byte all-reduce posted a batch ahead) and the loss their sum over that
+                 count: nothing moved in the forward.
   autopar_dp_op_by_op : the same with local regions off (every op through the dispatch).
   autopar_dp_sum : autopar_dp with the loss as cross_entropy(reduction="sum") / the global
                  count of targets (known here: none is ignored), as docs/training.md offers
@@ -120,22 +125,48 @@ class Runner:
         self.quiet = quiet or contextlib.nullcontext
         self.losses: list[float] = []
 
+    def batch(self) -> tuple:
+        """The next (input, targets, their global count or None)."""
+        x, y = self.data[len(self.losses) % len(self.data)]
+        return x, y, self.count
+
     def step(self):
         with local_regions(self.regions):
             for j in range(self.k):
-                x, y = self.data[len(self.losses) % len(self.data)]
+                x, y, count = self.batch()
                 with self.quiet() if j < self.k - 1 else contextlib.nullcontext():
                     logits = self.model(x).reshape(-1, self.vocab)
-                    if self.count is None:
+                    if count is None:
                         loss = F.cross_entropy(logits, y.reshape(-1))
                     else:
-                        loss = F.cross_entropy(logits, y.reshape(-1), reduction="sum") / self.count
+                        loss = F.cross_entropy(logits, y.reshape(-1), reduction="sum") / count
                     (loss if self.k == 1 else loss / self.k).backward()
                 self.losses.append(self.loss_fn(loss))
             if self.after_backward is not None:
                 self.after_backward()
             self.opt.step()
             self.opt.zero_grad()
+
+
+class LoaderRunner(Runner):
+    """Batches from `shard_dataloader` over the same data, each rank reading its rows; with
+    `counted`, the targets counted by the loader (`count_items`) and the loss a sum over that
+    count."""
+
+    def __init__(self, name, model, opt, data, vocab, mesh, counted):
+        xs, ys = (torch.cat(t) for t in zip(*data))
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=len(data[0][0]))
+        self.loader = dist.shard_dataloader(loader, mesh, shard_dims="dp",
+                                            count_items=(lambda b: b[1].numel()) if counted else None)
+        self.batches = iter(())
+        super().__init__(name, model, opt, data, vocab)
+
+    def batch(self) -> tuple:
+        x, y = next(self.batches, (None, None))
+        if x is None:
+            self.batches = iter(self.loader)
+            x, y = next(self.batches)
+        return x, y, self.loader.num_items_in_batch
 
 
 def main():
@@ -166,6 +197,10 @@ def main():
     m, o = G.build(args, mesh_dp)
     runners["autopar_dp_sum"] = Runner("autopar_dp_sum", m, o, [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data],
                                        args.vocab, count=data[0][1].numel())
+    m, o = G.build(args, mesh_dp)
+    runners["autopar_dp_loader"] = LoaderRunner("autopar_dp_loader", m, o, data, args.vocab, mesh_dp, False)
+    m, o = G.build(args, mesh_dp)
+    runners["autopar_dp_counted"] = LoaderRunner("autopar_dp_counted", m, o, data, args.vocab, mesh_dp, True)
     m, o = G.build(args, mesh_dp)
     runners["autopar_dp_op_by_op"] = Runner("autopar_dp_op_by_op", m, o,
                                             [(sh(x, mesh_dp), sh(y, mesh_dp)) for x, y in data], args.vocab,
@@ -228,7 +263,9 @@ def main():
     # single process
     pm, po = G.build(args, None)
     runners["plain"] = Runner("plain", pm, po, data, args.vocab)
-    peer = {"autopar_dp": ("ddp", "no_comm"), "autopar_dp_sum": ("ddp", "autopar_dp"), "autopar_dp_op_by_op": ("ddp",),
+    peer = {"autopar_dp": ("ddp", "no_comm"), "autopar_dp_sum": ("ddp", "autopar_dp"),
+            "autopar_dp_loader": ("ddp", "autopar_dp"), "autopar_dp_counted": ("ddp", "autopar_dp_loader"),
+            "autopar_dp_op_by_op": ("ddp",),
             "autopar_dp_static": ("ddp", "no_comm"), "ddp": ("no_comm",),
             "autopar_dptp": ("dtensor_dptp",), "autopar_dptp_static": ("dtensor_dptp",)}
     report(runners, peer, rank, k, args, "gpt_step")

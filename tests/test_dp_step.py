@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar as dist
+from autopar.tensor.observers import watching
 from distpool import run_dist
 
 BATCH, IN, OUT = 6, 16, 8
@@ -244,3 +245,135 @@ def test_a_pipeline_fed_locally_matches_one_process(static):
     ref = P._loss_inside(False)
     for losses in run_dist(_pipeline_fed_locally, 4, static):
         np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+
+def _padded_llama_batches():
+    """HF-style dict batches whose labels end in padding (-100), more of it in the second
+    half of each batch: the ranks count different targets."""
+    import hf_llama as L
+
+    rows = []
+    for b, (ids, labels) in enumerate(L.batches(3, batch=4)):
+        for i, (row, lab) in enumerate(zip(ids, labels)):
+            lab = lab.clone()
+            lab[L.SEQ - (2 + 5 * (i >= 2) + i % 2 + b):] = -100  # (each batch counts other targets too)
+            rows.append({"input_ids": row, "labels": lab})
+    return rows
+
+
+def _shifted_targets(batch) -> torch.Tensor:
+    """The targets HF's causal-LM loss keeps: the labels shifted by one, padding ignored."""
+    return (batch["labels"][..., 1:] != -100).sum()
+
+
+def _llama_reference() -> list:
+    import hf_llama as L
+
+    model = L.tiny_llama(use_cache=False)
+    opt = L.optimizer(model.parameters())
+    losses = []
+    for batch in torch.utils.data.DataLoader(_padded_llama_batches(), batch_size=4):
+        loss = model(**batch).loss  # HF's mean over the targets not ignored
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _llama_counted_by_the_loader():
+    import hf_llama as L
+
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model = L.tiny_llama(use_cache=False)
+    model, opt = dist.parallelize(model, L.optimizer(model.parameters()), mesh, {"dp_config": {}})
+    loader = torch.utils.data.DataLoader(_padded_llama_batches(), batch_size=4)
+    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=_shifted_targets)
+    losses, handouts, forwards, placements, counts, dispatched = [], [], [], [], [], []
+    it = iter(batches)
+    for _ in range(len(loader)):
+        with dist.comm_log() as handed:
+            batch = next(it)
+        ops = []
+        with dist.comm_log() as forward, watching(type("Ops", (), {"see": lambda self, op, *a: ops.append(op)})()):
+            loss = model(**batch).loss  # the loss divides by batch["num_items_in_batch"]
+        dispatched.append(len(ops))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        handouts.append([(r.op, r.bytes) for r in handed])
+        forwards.append([(r.op, r.bytes) for r in forward])
+        placements.append(loss.placements)
+        counts.append((int(batch["num_items_in_batch"]), int(batches.num_items_in_batch)))
+        losses.append(loss.item())
+    return losses, handouts, forwards, placements, counts, dispatched
+
+
+def test_a_loader_counting_the_targets_leaves_the_forward_no_collective():
+    """HF's Llama with `num_items_in_batch` from `shard_dataloader(count_items=...)`: each rank
+    counts its rows' targets, the loader sums the counts (one 8-byte all-reduce, posted a batch
+    ahead), the model's loss is a sum over it (Partial, nothing moved in the forward) and equals
+    the single process's mean over the targets not ignored, though the ranks and the batches
+    count differently.  After the first step (which verifies it) the whole model, LM head and
+    loss included, runs as one local region for every count: no op dispatched."""
+    ref = _llama_reference()
+    want_counts = [int(_shifted_targets(b)) for b in torch.utils.data.DataLoader(_padded_llama_batches(), batch_size=4)]
+    assert len(set(want_counts)) == 3
+    for losses, handouts, forwards, placements, counts, dispatched in run_dist(_llama_counted_by_the_loader, 2):
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+        assert counts == [(n, n) for n in want_counts], counts
+        assert handouts == [[("all_reduce", 8)]] * 3, handouts
+        assert forwards[1:] == [[]] * 2, forwards  # (the first forward verifies the model's local region)
+        assert placements == [[dist.Partial("sum")]] * 3
+        assert dispatched[0] > 0 and dispatched[1:] == [0, 0], dispatched
+
+
+class _TargetsPerRank(torch.utils.data.IterableDataset):
+    """An iterable dataset (a loader read whole) yielding other targets on rank 0 than on
+    rank 1: rank 0's batch is the one cut, so its targets are the ones to count."""
+
+    def __iter__(self):
+        ignored = dist.get_rank() == 0
+        return iter([torch.tensor(-100 if ignored and i % 3 == 0 else i) for i in range(8)])
+
+
+def _counts_of_a_loader_read_whole():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    loader = torch.utils.data.DataLoader(_TargetsPerRank(), batch_size=4)
+    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda t: (t != -100).sum())
+    return [(batches.num_items_in_batch.item(), dist.unshard_dtensor(b).tolist()) for b in batches]
+
+
+def test_a_loader_read_whole_counts_the_batch_it_cuts():
+    for got in run_dist(_counts_of_a_loader_read_whole, 2):
+        assert got == [(2, [-100, 1, 2, -100]), (3, [4, 5, -100, 7])], got
+
+
+def test_a_counting_loader_reads_ahead_but_resumes_after_what_it_handed_out():
+    """The loader reads one batch ahead to post its count early; the state says how many it
+    handed out, so a resumed loader gives the next one, counted."""
+    mesh = dist.ProcessMesh([0], dim_names=["dp"])
+    loader = torch.utils.data.DataLoader(torch.tensor([1, -100, 3, -100, -100, -100]), batch_size=2)
+    count = lambda t: (t != -100).sum()  # noqa: E731
+    first = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=count)
+    it = iter(first)
+    assert next(it).tolist() == [1, -100] and first.num_items_in_batch.item() == 1
+    state = first.state_dict()
+    assert state["batches"] == 1
+    resumed = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=count)
+    resumed.load_state_dict(state)
+    assert [(b.tolist(), resumed.num_items_in_batch.item()) for b in resumed] == [([3, -100], 1), ([-100, -100], 0)]
+
+
+def test_count_items_refuses_what_it_cannot_count():
+    mesh = dist.ProcessMesh([0], dim_names=["dp"])
+    loader = torch.utils.data.DataLoader(torch.arange(4), batch_size=2)
+    with pytest.raises(ValueError, match="count_items needs the batch on one mesh; this loader places it on 2"):
+        dist.shard_dataloader(loader, [mesh, mesh], shard_dims="dp", count_items=len)
+    with pytest.raises(TypeError, match="count_items must return an integer .* got 2.5"):
+        next(iter(dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: 2.5)))
+    with pytest.raises(TypeError, match="got tensor\\(\\[1, 1\\]\\)"):
+        next(iter(dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: torch.ones(2).long())))
+    dicts = torch.utils.data.DataLoader([{"x": 1, "num_items_in_batch": 2}] * 2, batch_size=2)
+    with pytest.raises(ValueError, match="already has a 'num_items_in_batch' item"):
+        next(iter(dist.shard_dataloader(dicts, mesh, shard_dims="dp", count_items=lambda b: 1)))

@@ -10,6 +10,13 @@ order.  Before every epoch the generator the sampler draws from (its own, or tor
 one) takes rank 0's state: every rank cuts rank 0's permutation, which is the one a single
 process seeded like rank 0 draws.  `set_epoch(e)` is passed on to a sampler that has one.
 
+Counting: `count_items(piece)` counts what a loss over the batch divides by (its targets not
+ignored) on this rank's piece; the sum over the pieces is handed out with the batch, so a
+loss summed over a rank's rows and divided by it is the exact global mean without a
+collective in the step's forward, and a model that computes its loss in its forward (HF's)
+runs whole as one local region.  The loader then reads one batch ahead: the sum's small
+all-reduce is posted while the step before runs.
+
 Resuming: `state_dict()` says where the epoch is (how many batches have been handed out, and
 the random states its order was drawn from); `load_state_dict(state)` on a fresh loader makes
 its next iteration continue with the next batch, on any data-parallel degree (a batch is the
@@ -18,19 +25,22 @@ loader's global batch; each rank takes its piece of it).
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence, Union
+import operator
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from ..tensor import rng
-from ..comm import get_rank
+from ..comm import Pending, all_reduce_start, get_rank
 from ..mesh import ProcessMesh
 from ..placement import Replicate, Shard
 from ..spec import split_range
+from ..tensor.dtensor import local_piece
 from .tensors import dtensor_from_local, shard_tensor
 
 
 _INFERRED = object()  # a batch item's global size comes from every rank's piece
+COUNT_KEY = "num_items_in_batch"  # HF's name: `model(**batch)` passes it to the model's loss
 
 
 class ShardDataloader:
@@ -43,6 +53,7 @@ class ShardDataloader:
         input_keys: Optional[Sequence[str]] = None,
         shard_dims=None,
         is_dataset_splitted: bool = False,
+        count_items: Optional[Callable[[Any], Union[int, torch.Tensor]]] = None,
     ):
         self.loader = dataloader
         self.meshes = [meshes] if isinstance(meshes, ProcessMesh) else list(meshes)
@@ -54,6 +65,13 @@ class ShardDataloader:
         self.shard_dims = [None if d is None else m.dim_index(d) for m, d in zip(self.meshes, dims)]
         self.input_keys = list(input_keys) if input_keys is not None else None
         self.is_dataset_splitted = is_dataset_splitted
+        if count_items is not None and len(self.meshes) > 1:
+            raise ValueError(
+                f"shard_dataloader: count_items needs the batch on one mesh; this loader places it on "
+                f"{len(self.meshes)} (pipeline stages): count the targets in the step instead"
+            )
+        self.count_items = count_items
+        self.num_items_in_batch: Optional[torch.Tensor] = None  # the global count of the last batch handed out
         self._handed_out = 0  # batches of the current epoch
         self._epoch_states: list = []  # (generator, state) each draw of this epoch's order started from
         self._resume: Optional[dict] = None
@@ -204,9 +222,57 @@ class ShardDataloader:
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self):
         self._handed_out = 0
-        for batch in self._batches():
+        batches = self._batches() if self.count_items is None else self._counted(self._batches())
+        for batch in batches:
             self._handed_out += 1
             yield batch
+
+    def _counted(self, batches):
+        """The batches with their global counts, read one batch ahead: the sum of a batch's
+        counts over the ranks (one 8-byte all-reduce) is posted when the batch before it is
+        handed out and has mostly arrived by the time it is handed out itself (a mean loss's
+        count all-reduce waits in the forward instead; docs/training.md, The loss)."""
+        ahead = None
+        for batch in batches:
+            read = (batch, self._count_start(batch))
+            if ahead is not None:
+                yield self._with_count(*ahead)
+            ahead = read
+        if ahead is not None:
+            yield self._with_count(*ahead)
+
+    def _count_start(self, batch):
+        """`count_items` of this rank's piece; its sum over the ranks holding the other pieces
+        posted (a `comm.Pending`), or the count itself where no other rank holds a piece."""
+        mesh, dim, rank = self.meshes[0], self.shard_dims[0], get_rank()
+        if rank not in mesh:
+            return None
+        n = self.count_items(_pieces(batch))
+        if isinstance(n, torch.Tensor) and n.numel() == 1 and not (n.is_floating_point() or n.is_complex()):
+            n = n.item()
+        if isinstance(n, (bool, torch.Tensor)) or not hasattr(n, "__index__"):
+            raise TypeError(f"shard_dataloader: count_items must return an integer or a one-element integer "
+                            f"tensor, got {n!r}")
+        n = operator.index(n)
+        if dim is None or mesh.shape[dim] == 1:
+            return n
+        return all_reduce_start(torch.tensor([n], dtype=torch.int64), mesh.dim_group_of(rank, dim))
+
+    def _with_count(self, batch, count):
+        """The batch with its count: a 0-dim int64 tensor, as HF's Trainer passes it (a
+        tensor, not an int: a module run as a local region is keyed by a tensor argument's
+        shape, by an int's value, so every new count would verify it again)."""
+        if isinstance(count, Pending):
+            count = count.wait().reshape(())
+        elif count is not None:
+            count = torch.tensor(count, dtype=torch.int64)
+        self.num_items_in_batch = count
+        if count is None or not isinstance(batch, dict):
+            return batch
+        if COUNT_KEY in batch:
+            raise ValueError(f"shard_dataloader: the batch already has a {COUNT_KEY!r} item; count_items would "
+                             f"replace it: drop one of them")
+        return {**batch, COUNT_KEY: count}
 
     def _batches(self):
         if self.is_dataset_splitted:
@@ -266,12 +332,22 @@ class ShardDataloader:
         return indices[a:b]
 
 
+def _pieces(batch):
+    """A handed-out batch with each distributed tensor replaced by this rank's piece."""
+    if isinstance(batch, dict):
+        return {k: local_piece(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(local_piece(v) for v in batch)
+    return local_piece(batch)
+
+
 def shard_dataloader(
     dataloader,
     meshes: Union[ProcessMesh, Sequence[ProcessMesh]],
     input_keys: Optional[Sequence[str]] = None,
     shard_dims=None,
     is_dataset_splitted: bool = False,
+    count_items: Optional[Callable[[Any], Union[int, torch.Tensor]]] = None,
 ) -> ShardDataloader:
     """Wrap a DataLoader so its batches are distributed tensors.
 
@@ -283,13 +359,25 @@ def shard_dataloader(
     loader drop_last=True).  A shuffled
     loader gives every rank rank 0's order (collective: every rank iterates the loader).
 
+    `count_items(piece)`, given this rank's piece of a batch (plain tensors, the batch's
+    structure), returns what a loss over it divides by, e.g. its targets not ignored; the sum
+    over the pieces, a 0-dim int64 tensor, is `loader.num_items_in_batch` and, for a dict
+    batch, its `"num_items_in_batch"` item (HF models take it: `model(**batch)` divides the
+    summed loss by it).  The step's loss is then a sum over a known count: it stays Partial,
+    with no collective before backward.  To post the sum early the loader reads one batch
+    ahead.
+
     >>> import torch, autopar as dist
     >>> loader = torch.utils.data.DataLoader(torch.arange(8.).reshape(4, 2), batch_size=2)
     >>> mesh = dist.ProcessMesh([0], dim_names=["dp"])
     >>> [b.placements for b in dist.shard_dataloader(loader, mesh, shard_dims="dp")]
     [[Shard(0)], [Shard(0)]]
+    >>> targets = torch.utils.data.DataLoader(torch.tensor([3, -100, 5, 7]), batch_size=4)
+    >>> counted = dist.shard_dataloader(targets, mesh, shard_dims="dp", count_items=lambda t: (t != -100).sum())
+    >>> [int(counted.num_items_in_batch) for _ in counted]
+    [3]
     """
-    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, is_dataset_splitted)
+    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, is_dataset_splitted, count_items)
 
 
 __all__ = ["ShardDataloader", "shard_dataloader"]
