@@ -377,3 +377,84 @@ def test_count_items_refuses_what_it_cannot_count():
     dicts = torch.utils.data.DataLoader([{"x": 1, "num_items_in_batch": 2}] * 2, batch_size=2)
     with pytest.raises(ValueError, match="already has a 'num_items_in_batch' item"):
         next(iter(dist.shard_dataloader(dicts, mesh, shard_dims="dp", count_items=lambda b: 1)))
+
+
+def _windows(k=2, n=4):
+    """n micro-batches of (x, targets), targets ignored (-100) unevenly over ranks and batches."""
+    g = torch.Generator().manual_seed(3)
+    xs = torch.randn(n * BATCH, IN, generator=g)
+    ts = torch.randint(0, OUT, (n * BATCH,), generator=g)
+    ts[torch.tensor([0, 1, 2, 7, 8, 13, 15, 16, 17, 22])] = -100
+    return xs, ts
+
+
+def _accumulated_reference(k):
+    xs, ts = _windows()
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for w in range(0, len(xs), k * BATCH):  # one step: the mean over the window's targets
+        loss = F.cross_entropy(model(xs[w:w + k * BATCH]), ts[w:w + k * BATCH])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _accumulated_with_counts(k):
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_windows()), batch_size=BATCH)
+    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: (b[1] != -100).sum(),
+                                    count_window=k)
+    losses, forwards, counts, total = [], [], [], 0.0
+    for i, (x, t) in enumerate(batches):
+        with dist.comm_log() as forward:
+            loss = F.cross_entropy(model(x), t, reduction="sum") / batches.num_items_in_batch
+        forwards.append([(r.op, r.bytes) for r in forward])
+        counts.append(int(batches.num_items_in_batch))
+        loss.backward()
+        total = total + loss.detach()
+        if i % k == k - 1:
+            opt.step()
+            opt.zero_grad()
+            losses.append(total.item())
+            total = 0.0
+    return losses, {n: dist.unshard_dtensor(v.detach()) for n, v in model.state_dict().items()}, forwards, counts
+
+
+def test_a_count_window_makes_accumulated_micro_batches_the_exact_mean_of_the_step():
+    """`count_window=2`: each micro-batch's summed loss over the count of the step's two
+    micro-batches adds up to the mean over the step's targets (HF's Trainer's count), with
+    nothing moved in the micro-batches' forwards; weights as the single process's."""
+    ref_losses, ref_params = _accumulated_reference(2)
+    xs, ts = _windows()
+    want = [int((ts[w:w + 2 * BATCH] != -100).sum()) for w in range(0, len(ts), 2 * BATCH) for _ in range(2)]
+    for losses, params, forwards, counts in run_dist(_accumulated_with_counts, 2, 2):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for name, v in params.items():
+            torch.testing.assert_close(v, ref_params[name], rtol=1e-5, atol=1e-6)
+        assert counts == want and forwards == [[]] * 4, (counts, forwards)
+
+
+def test_a_count_window_resumes_only_at_a_window_boundary():
+    mesh = dist.ProcessMesh([0], dim_names=["dp"])
+    loader = torch.utils.data.DataLoader(torch.tensor([1, -100, 3, 4, -100, -100, 7, 8]), batch_size=2)
+    count = lambda t: (t != -100).sum()  # noqa: E731
+    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=count, count_window=2)
+    assert [(b.tolist(), int(batches.num_items_in_batch)) for b in batches] == [
+        ([1, -100], 3), ([3, 4], 3), ([-100, -100], 2), ([7, 8], 2)]
+    it = iter(batches)
+    next(it)
+    mid_window = batches.state_dict()
+    resumed = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=count, count_window=2)
+    resumed.load_state_dict(mid_window)
+    with pytest.raises(ValueError, match="handed out 1 batches, not a whole number of count windows of 2"):
+        next(iter(resumed))
+    next(it)
+    resumed.load_state_dict(batches.state_dict())
+    assert [(b.tolist(), int(resumed.num_items_in_batch)) for b in resumed] == [([-100, -100], 2), ([7, 8], 2)]
+    with pytest.raises(ValueError, match="count_window is the number of batches count_items counts together"):
+        dist.shard_dataloader(loader, mesh, shard_dims="dp", count_window=2)

@@ -14,8 +14,9 @@ Counting: `count_items(piece)` counts what a loss over the batch divides by (its
 ignored) on this rank's piece; the sum over the pieces is handed out with the batch, so a
 loss summed over a rank's rows and divided by it is the exact global mean without a
 collective in the step's forward, and a model that computes its loss in its forward (HF's)
-runs whole as one local region.  The loader then reads one batch ahead: the sum's small
-all-reduce is posted while the step before runs.
+runs whole as one local region.  `count_window=k` counts k batches in a row together (the
+micro-batches of one optimizer step).  The loader then reads one window ahead: the sum's
+small all-reduce is posted while the window before runs.
 
 Resuming: `state_dict()` says where the epoch is (how many batches have been handed out, and
 the random states its order was drawn from); `load_state_dict(state)` on a fresh loader makes
@@ -25,6 +26,7 @@ loader's global batch; each rank takes its piece of it).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -54,6 +56,7 @@ class ShardDataloader:
         shard_dims=None,
         is_dataset_splitted: bool = False,
         count_items: Optional[Callable[[Any], Union[int, torch.Tensor]]] = None,
+        count_window: int = 1,
     ):
         self.loader = dataloader
         self.meshes = [meshes] if isinstance(meshes, ProcessMesh) else list(meshes)
@@ -70,7 +73,13 @@ class ShardDataloader:
                 f"shard_dataloader: count_items needs the batch on one mesh; this loader places it on "
                 f"{len(self.meshes)} (pipeline stages): count the targets in the step instead"
             )
-        self.count_items = count_items
+        if count_window != 1 and count_items is None:
+            raise ValueError("shard_dataloader: count_window is the number of batches count_items counts together; "
+                             "pass count_items too")
+        if not isinstance(count_window, int) or count_window < 1:
+            raise ValueError(f"shard_dataloader: count_window must be a positive int (the batches of one optimizer "
+                             f"step), got {count_window!r}")
+        self.count_items, self.count_window = count_items, count_window
         self.num_items_in_batch: Optional[torch.Tensor] = None  # the global count of the last batch handed out
         self._handed_out = 0  # batches of the current epoch
         self._epoch_states: list = []  # (generator, state) each draw of this epoch's order started from
@@ -228,44 +237,58 @@ class ShardDataloader:
             yield batch
 
     def _counted(self, batches):
-        """The batches with their global counts, read one batch ahead: the sum of a batch's
-        counts over the ranks (one 8-byte all-reduce) is posted when the batch before it is
-        handed out and has mostly arrived by the time it is handed out itself (a mean loss's
-        count all-reduce waits in the forward instead; docs/training.md, The loss)."""
-        ahead = None
-        for batch in batches:
-            read = (batch, self._count_start(batch))
-            if ahead is not None:
-                yield self._with_count(*ahead)
-            ahead = read
-        if ahead is not None:
-            yield self._with_count(*ahead)
+        """The batches with their global counts, a window (`count_window` batches) at a time,
+        read one window ahead: the sum of a window's counts over its batches and the ranks
+        (one 8-byte all-reduce) is posted when the window before it is handed out and has
+        mostly arrived by the time it is handed out itself (a mean loss's count all-reduce
+        waits in the forward instead; docs/training.md, The loss)."""
+        k = self.count_window
+        window = list(itertools.islice(batches, k))
+        if self._handed_out % k:  # (`_resumed` has set where the epoch goes on)
+            raise ValueError(
+                f"ShardDataloader: the loaded state handed out {self._handed_out} batches, not a whole number of "
+                f"count windows of {k} batches: save the state at the end of an optimizer step"
+            )
+        current = (window, self._count_start(window)) if window else None
+        while current is not None:
+            window = list(itertools.islice(batches, k))
+            ahead = (window, self._count_start(window)) if window else None
+            count = self._arrived(current[1])
+            for batch in current[0]:
+                yield self._with_count(batch, count)
+            current = ahead
 
-    def _count_start(self, batch):
-        """`count_items` of this rank's piece; its sum over the ranks holding the other pieces
-        posted (a `comm.Pending`), or the count itself where no other rank holds a piece."""
+    def _count_start(self, window: list):
+        """`count_items` of this rank's pieces of the window's batches; their sum over the
+        ranks holding the other pieces posted (a `comm.Pending`), or the count itself where no
+        other rank holds a piece."""
         mesh, dim, rank = self.meshes[0], self.shard_dims[0], get_rank()
         if rank not in mesh:
             return None
+        n = sum(self._count_of(batch) for batch in window)
+        if dim is None or mesh.shape[dim] == 1:
+            return n
+        return all_reduce_start(torch.tensor([n], dtype=torch.int64), mesh.dim_group_of(rank, dim))
+
+    def _count_of(self, batch) -> int:
         n = self.count_items(_pieces(batch))
         if isinstance(n, torch.Tensor) and n.numel() == 1 and not (n.is_floating_point() or n.is_complex()):
             n = n.item()
         if isinstance(n, (bool, torch.Tensor)) or not hasattr(n, "__index__"):
             raise TypeError(f"shard_dataloader: count_items must return an integer or a one-element integer "
                             f"tensor, got {n!r}")
-        n = operator.index(n)
-        if dim is None or mesh.shape[dim] == 1:
-            return n
-        return all_reduce_start(torch.tensor([n], dtype=torch.int64), mesh.dim_group_of(rank, dim))
+        return operator.index(n)
 
-    def _with_count(self, batch, count):
-        """The batch with its count: a 0-dim int64 tensor, as HF's Trainer passes it (a
+    @staticmethod
+    def _arrived(count) -> Optional[torch.Tensor]:
+        """A window's count as handed out: a 0-dim int64 tensor, as HF's Trainer passes it (a
         tensor, not an int: a module run as a local region is keyed by a tensor argument's
         shape, by an int's value, so every new count would verify it again)."""
         if isinstance(count, Pending):
-            count = count.wait().reshape(())
-        elif count is not None:
-            count = torch.tensor(count, dtype=torch.int64)
+            return count.wait().reshape(())
+        return None if count is None else torch.tensor(count, dtype=torch.int64)
+
+    def _with_count(self, batch, count: Optional[torch.Tensor]):
         self.num_items_in_batch = count
         if count is None or not isinstance(batch, dict):
             return batch
@@ -348,6 +371,7 @@ def shard_dataloader(
     shard_dims=None,
     is_dataset_splitted: bool = False,
     count_items: Optional[Callable[[Any], Union[int, torch.Tensor]]] = None,
+    count_window: int = 1,
 ) -> ShardDataloader:
     """Wrap a DataLoader so its batches are distributed tensors.
 
@@ -364,8 +388,11 @@ def shard_dataloader(
     over the pieces, a 0-dim int64 tensor, is `loader.num_items_in_batch` and, for a dict
     batch, its `"num_items_in_batch"` item (HF models take it: `model(**batch)` divides the
     summed loss by it).  The step's loss is then a sum over a known count: it stays Partial,
-    with no collective before backward.  To post the sum early the loader reads one batch
-    ahead.
+    with no collective before backward.  Under gradient accumulation pass `count_window=k`
+    (the micro-batches of one optimizer step): each of k batches in a row gets the count over
+    all k, so the summed micro-batch losses, each over that count, are the exact mean over
+    the step's batches (HF's Trainer's count).  To post the sum early the loader reads one
+    window ahead.
 
     >>> import torch, autopar as dist
     >>> loader = torch.utils.data.DataLoader(torch.arange(8.).reshape(4, 2), batch_size=2)
@@ -377,7 +404,7 @@ def shard_dataloader(
     >>> [int(counted.num_items_in_batch) for _ in counted]
     [3]
     """
-    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, is_dataset_splitted, count_items)
+    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, is_dataset_splitted, count_items, count_window)
 
 
 __all__ = ["ShardDataloader", "shard_dataloader"]
