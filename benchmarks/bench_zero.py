@@ -9,6 +9,9 @@ Model: HuggingFace LlamaForCausalLM built from a config (no download; --hidden, 
 zero_grad, loss.item().
   autopar_z0..z3 : `parallelize(model, opt, mesh, {"dp_config": {"sharding_level": L}})`.
   autopar_z0_local : level 0 with `"input_source": "local"`, each rank fed its own rows as DDP is.
+  autopar_z0_known : autopar_z0_local with the count of targets the job knows passed to HF's loss
+                   (`num_items_in_batch`; no padding here): the loss a sum over it, no collective
+                   in the forward, the whole model one local region.
   autopar_z0_static : autopar_z0_local's step captured once by `dist.to_static` and replayed.
   ddp            : torch DistributedDataParallel (what level 0 does).
   fsdp2          : `fully_shard` on every decoder layer and the model (what ZeRO-3 does).
@@ -84,14 +87,17 @@ class C10dCounter(TorchDispatchMode):
 
 
 class Runner:
-    def __init__(self, name, model, opt, batches, loss_of=None):
+    """`counted`: HF's loss as a sum over the count of targets, given (`num_items_in_batch`)."""
+
+    def __init__(self, name, model, opt, batches, loss_of=None, counted=None):
         self.name, self.model, self.opt, self.batches = name, model, opt, batches
         self.loss_of = loss_of or (lambda loss: float(loss.item()))
+        self.counted = {} if counted is None else {"num_items_in_batch": counted}
         self.losses: list = []
 
     def step(self, after_backward=None):
         ids = self.batches[len(self.losses) % len(self.batches)]
-        loss = self.model(input_ids=ids, labels=ids).loss
+        loss = self.model(input_ids=ids, labels=ids, **self.counted).loss
         loss.backward()
         if after_backward is not None:
             after_backward()
@@ -208,6 +214,12 @@ def main():
     model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
                                   {"dp_config": {"sharding_level": 0, "input_source": "local"}})
     runners["autopar_z0_local"] = Runner("autopar_z0_local", model, opt, mine)
+    # and with the count of targets known (no padding: every label but each row's first)
+    model = llama(args)
+    model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
+                                  {"dp_config": {"sharding_level": 0, "input_source": "local"}})
+    runners["autopar_z0_known"] = Runner("autopar_z0_known", model, opt, mine,
+                                         counted=torch.tensor(args.batch * (args.seq - 1)))
     model = C.CausalLMLoss(llama(args))
     model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
                                   {"dp_config": {"sharding_level": 0, "input_source": "local"}})
@@ -254,7 +266,8 @@ def main():
         for n in names:
             C.assert_close(torch.tensor(runners[n].losses), torch.tensor(ref), f"{n} vs single-process losses")
     st = {n: C.stats_ms(v) for n, v in times.items()}
-    peers = {"autopar_z0": "ddp", "autopar_z0_local": "ddp", "autopar_z0_static": "ddp", "autopar_z1": "ddp",
+    peers = {"autopar_z0": "ddp", "autopar_z0_local": "ddp", "autopar_z0_known": "ddp", "autopar_z0_static": "ddp",
+             "autopar_z1": "ddp",
              "autopar_z2": "fsdp2_keep", "autopar_z3": "fsdp2"}
     peers = {n: peer for n, peer in peers.items() if n in runners}
     for n in runners:
