@@ -33,7 +33,9 @@ cross-entropy, backward, optimizer step, zero_grad, loss.item().
 With --accum K (K > 1) only data parallelism runs, one step = K micro-batches (the losses
 divided by K, one optimizer step): autopar_dp_accum (regions notice the accumulation and
 reduce once per step), ddp_accum (DDP as written: one all-reduce per micro-batch) and
-ddp_accum_no_sync (the first K-1 backwards under `no_sync()`), against plain_accum.
+ddp_accum_no_sync (the first K-1 backwards under `no_sync()`), against plain_accum; and
+autopar_dp_accum_counted: the micro-batches from `shard_dataloader` with `count_items` over
+each step's K (`count_window`), each loss a sum over that count (no collective in any forward).
 Checks: per-step losses of every impl agree with the single-process run (rtol 1e-5,
 atol 1e-5); distributed losses are global means (all-reduced where the impl reports a local one).
 """
@@ -99,6 +101,10 @@ def accumulation_runners(args, k, rank, world, data, world_mean) -> tuple[dict, 
     m, o = G.build(args, mesh)
     runners = {"autopar_dp_accum": Runner("autopar_dp_accum", m, o, [(sh(x), sh(y)) for x, y in data], args.vocab,
                                           k=k)}
+    C.check(len(data) % k == 0, f"--accum {k} must divide the {len(data)} batches (a count window per step)")
+    m, o = G.build(args, mesh)
+    runners["autopar_dp_accum_counted"] = LoaderRunner("autopar_dp_accum_counted", m, o, data, args.vocab, mesh, True,
+                                                       k=k)
     per = args.batch // world
     ddata = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in data]
     for name in ("ddp_accum", "ddp_accum_no_sync"):
@@ -108,7 +114,8 @@ def accumulation_runners(args, k, rank, world, data, world_mean) -> tuple[dict, 
                                loss_fn=world_mean, k=k, quiet=dm.no_sync if name.endswith("no_sync") else None)
     pm, po = G.build(args, None)
     runners["plain"] = Runner("plain", pm, po, data, args.vocab, k=k)
-    return runners, {"autopar_dp_accum": ("ddp_accum", "ddp_accum_no_sync")}
+    return runners, {"autopar_dp_accum": ("ddp_accum", "ddp_accum_no_sync"),
+                     "autopar_dp_accum_counted": ("ddp_accum_no_sync", "autopar_dp_accum")}
 
 
 class Runner:
@@ -119,6 +126,7 @@ class Runner:
                  quiet=None, count=None):
         self.name, self.model, self.opt, self.data, self.vocab, self.k = name, model, opt, data, vocab, k
         self.count = count  # the global count of targets: the loss as their sum over it
+        self.window = 1  # micro-batches the count covers: their losses already add up to the step's mean
         self.after_backward = after_backward
         self.loss_fn = loss_fn or (lambda loss: float(loss.item()))
         self.regions = regions
@@ -132,6 +140,7 @@ class Runner:
 
     def step(self):
         with local_regions(self.regions):
+            losses = []
             for j in range(self.k):
                 x, y, count = self.batch()
                 with self.quiet() if j < self.k - 1 else contextlib.nullcontext():
@@ -140,8 +149,13 @@ class Runner:
                         loss = F.cross_entropy(logits, y.reshape(-1))
                     else:
                         loss = F.cross_entropy(logits, y.reshape(-1), reduction="sum") / count
-                    (loss if self.k == 1 else loss / self.k).backward()
-                self.losses.append(self.loss_fn(loss))
+                    (loss if self.k == self.window else loss / self.k).backward()
+                if self.window == 1:
+                    self.losses.append(self.loss_fn(loss))
+                else:  # a count over the step: its losses read once, at its end, as a log would
+                    losses.append(loss.detach())
+            if losses:  # (each the micro-batch's mean, as the others')
+                self.losses += [v * self.window for v in torch.stack(losses).tolist()]
             if self.after_backward is not None:
                 self.after_backward()
             self.opt.step()
@@ -150,16 +164,17 @@ class Runner:
 
 class LoaderRunner(Runner):
     """Batches from `shard_dataloader` over the same data, each rank reading its rows; with
-    `counted`, the targets counted by the loader (`count_items`) and the loss a sum over that
-    count."""
+    `counted`, the targets counted by the loader (`count_items`, over the step's `k`
+    micro-batches) and the loss a sum over that count."""
 
-    def __init__(self, name, model, opt, data, vocab, mesh, counted):
+    def __init__(self, name, model, opt, data, vocab, mesh, counted, k=1):
         xs, ys = (torch.cat(t) for t in zip(*data))
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=len(data[0][0]))
-        self.loader = dist.shard_dataloader(loader, mesh, shard_dims="dp",
-                                            count_items=(lambda b: b[1].numel()) if counted else None)
+        self.loader = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=(lambda b: b[1].numel())
+                                            if counted else None, count_window=k if counted else 1)
         self.batches = iter(())
-        super().__init__(name, model, opt, data, vocab)
+        super().__init__(name, model, opt, data, vocab, k=k)
+        self.window = k if counted else 1
 
     def batch(self) -> tuple:
         x, y = next(self.batches, (None, None))
