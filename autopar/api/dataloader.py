@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..tensor import rng
-from ..comm import Pending, all_reduce_start, get_rank
+from ..comm import Pending, all_reduce_start, current_device, get_rank
 from ..mesh import ProcessMesh
 from ..placement import Replicate, Shard
 from ..spec import split_range
@@ -268,7 +268,9 @@ class ShardDataloader:
         n = sum(self._count_of(batch) for batch in window)
         if dim is None or mesh.shape[dim] == 1:
             return n
-        return all_reduce_start(torch.tensor([n], dtype=torch.int64), mesh.dim_group_of(rank, dim))
+        # (on the device the job's collectives run on: NCCL reduces no host tensor)
+        return all_reduce_start(torch.tensor([n], dtype=torch.int64, device=current_device()),
+                                mesh.dim_group_of(rank, dim))
 
     def _count_of(self, batch) -> int:
         n = self.count_items(_pieces(batch))
@@ -281,12 +283,12 @@ class ShardDataloader:
 
     @staticmethod
     def _arrived(count) -> Optional[torch.Tensor]:
-        """A window's count as handed out: a 0-dim int64 tensor, as HF's Trainer passes it (a
-        tensor, not an int: a module run as a local region is keyed by a tensor argument's
-        shape, by an int's value, so every new count would verify it again)."""
+        """A window's count as handed out: a 0-dim int64 tensor on the job's device, as HF's
+        Trainer passes it (a tensor, not an int: a module run as a local region is keyed by a
+        tensor argument's shape, by an int's value, so every new count would verify it again)."""
         if isinstance(count, Pending):
             return count.wait().reshape(())
-        return None if count is None else torch.tensor(count, dtype=torch.int64)
+        return None if count is None else torch.tensor(count, dtype=torch.int64, device=current_device())
 
     def _with_count(self, batch, count: Optional[torch.Tensor]):
         self.num_items_in_batch = count
@@ -385,7 +387,7 @@ def shard_dataloader(
 
     `count_items(piece)`, given this rank's piece of a batch (plain tensors, the batch's
     structure), returns what a loss over it divides by, e.g. its targets not ignored; the sum
-    over the pieces, a 0-dim int64 tensor, is `loader.num_items_in_batch` and, for a dict
+    over the pieces, a 0-dim int64 tensor on the job's device, is `loader.num_items_in_batch` and, for a dict
     batch, its `"num_items_in_batch"` item (HF models take it: `model(**batch)` divides the
     summed loss by it).  The step's loss is then a sum over a known count: it stays Partial,
     with no collective before backward.  Under gradient accumulation pass `count_window=k`
