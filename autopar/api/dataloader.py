@@ -389,12 +389,12 @@ def shard_dataloader(
     structure), returns what a loss over it divides by, e.g. its targets not ignored; the sum
     over the pieces, a 0-dim int64 tensor on the job's device, is `loader.num_items_in_batch`
     and, for a dict batch, its `"num_items_in_batch"` item (HF models take it: `model(**batch)`
-    divides the summed loss by it).  The step's loss is then a sum over a known count: it stays Partial,
-    with no collective before backward.  Under gradient accumulation pass `count_window=k`
-    (the micro-batches of one optimizer step): each of k batches in a row gets the count over
-    all k, so the summed micro-batch losses, each over that count, are the exact mean over
-    the step's batches (HF's Trainer's count).  To post the sum early the loader reads one
-    window ahead.
+    divides the summed loss by it).  The step's loss is then a sum over a known count: it
+    stays Partial, with no collective before backward.  Under gradient accumulation pass
+    `count_window=k` (the micro-batches of one optimizer step): each of k batches in a row
+    gets the count over all k, so the summed micro-batch losses, each over that count, are
+    the exact mean over the step's batches (HF's Trainer's count).  To post the sum early the
+    loader reads one window ahead.
 
     >>> import torch, autopar as dist
     >>> loader = torch.utils.data.DataLoader(torch.arange(8.).reshape(4, 2), batch_size=2)
