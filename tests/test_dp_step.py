@@ -379,8 +379,9 @@ def test_count_items_refuses_what_it_cannot_count():
         next(iter(dist.shard_dataloader(dicts, mesh, shard_dims="dp", count_items=lambda b: 1)))
 
 
-def _windows(k=2, n=4):
-    """n micro-batches of (x, targets), targets ignored (-100) unevenly over ranks and batches."""
+def _windows(n=4):
+    """The inputs and targets of n micro-batches, targets ignored (-100) unevenly over ranks
+    and batches."""
     g = torch.Generator().manual_seed(3)
     xs = torch.randn(n * BATCH, IN, generator=g)
     ts = torch.randint(0, OUT, (n * BATCH,), generator=g)
@@ -399,7 +400,7 @@ def _accumulated_reference(k):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+    return losses, {name: v.detach() for name, v in model.state_dict().items()}
 
 
 def _accumulated_with_counts(k):
