@@ -349,9 +349,7 @@ def test_a_loader_read_whole_counts_the_batch_it_cuts():
         assert got == [(2, [-100, 1, 2, -100]), (3, [4, 5, -100, 7])], got
 
 
-def test_a_counting_loader_reads_ahead_but_resumes_after_what_it_handed_out():
-    """The loader reads one batch ahead to post its count early; the state says how many it
-    handed out, so a resumed loader gives the next one, counted."""
+def _resuming_a_counting_loader():
     mesh = dist.ProcessMesh([0], dim_names=["dp"])
     loader = torch.utils.data.DataLoader(torch.tensor([1, -100, 3, -100, -100, -100]), batch_size=2)
     count = lambda t: (t != -100).sum()  # noqa: E731
@@ -363,9 +361,16 @@ def test_a_counting_loader_reads_ahead_but_resumes_after_what_it_handed_out():
     resumed = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=count)
     resumed.load_state_dict(state)
     assert [(b.tolist(), resumed.num_items_in_batch.item()) for b in resumed] == [([3, -100], 1), ([-100, -100], 0)]
+    return True
 
 
-def test_count_items_refuses_what_it_cannot_count():
+def test_a_counting_loader_reads_ahead_but_resumes_after_what_it_handed_out():
+    """The loader reads one batch ahead to post its count early; the state says how many it
+    handed out, so a resumed loader gives the next one, counted."""
+    assert run_dist(_resuming_a_counting_loader, 1) == [True]  # (a rank of its own: the test process joins no job)
+
+
+def _refusals_of_count_items():
     mesh = dist.ProcessMesh([0], dim_names=["dp"])
     loader = torch.utils.data.DataLoader(torch.arange(4), batch_size=2)
     with pytest.raises(ValueError, match="count_items needs the batch on one mesh; this loader places it on 2"):
@@ -377,6 +382,11 @@ def test_count_items_refuses_what_it_cannot_count():
     dicts = torch.utils.data.DataLoader([{"x": 1, "num_items_in_batch": 2}] * 2, batch_size=2)
     with pytest.raises(ValueError, match="already has a 'num_items_in_batch' item"):
         next(iter(dist.shard_dataloader(dicts, mesh, shard_dims="dp", count_items=lambda b: 1)))
+    return True
+
+
+def test_count_items_refuses_what_it_cannot_count():
+    assert run_dist(_refusals_of_count_items, 1) == [True]
 
 
 def _windows(n=4):
@@ -440,7 +450,7 @@ def test_a_count_window_makes_accumulated_micro_batches_the_exact_mean_of_the_st
         assert counts == want and forwards == [[]] * 4, (counts, forwards)
 
 
-def test_a_count_window_resumes_only_at_a_window_boundary():
+def _resuming_a_count_window():
     mesh = dist.ProcessMesh([0], dim_names=["dp"])
     loader = torch.utils.data.DataLoader(torch.tensor([1, -100, 3, 4, -100, -100, 7, 8]), batch_size=2)
     count = lambda t: (t != -100).sum()  # noqa: E731
@@ -459,3 +469,8 @@ def test_a_count_window_resumes_only_at_a_window_boundary():
     assert [(b.tolist(), int(resumed.num_items_in_batch)) for b in resumed] == [([-100, -100], 2), ([7, 8], 2)]
     with pytest.raises(ValueError, match="count_window is the number of batches count_items counts together"):
         dist.shard_dataloader(loader, mesh, shard_dims="dp", count_window=2)
+    return True
+
+
+def test_a_count_window_resumes_only_at_a_window_boundary():
+    assert run_dist(_resuming_a_count_window, 1) == [True]
