@@ -349,6 +349,21 @@ def test_a_loader_read_whole_counts_the_batch_it_cuts():
         assert got == [(2, [-100, 1, 2, -100]), (3, [4, 5, -100, 7])], got
 
 
+def _counts_of_splitted_data():
+    """Each rank's own loader yields its part of every batch (`is_dataset_splitted`)."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    mine = [[1, -100, 3], [-100, 6]] if dist.get_rank() == 0 else [[-100, 8], [9, 10]]
+    loader = torch.utils.data.DataLoader([torch.tensor(v) for v in mine], batch_size=None)
+    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", is_dataset_splitted=True,
+                                    count_items=lambda t: (t != -100).sum())
+    return [(int(batches.num_items_in_batch), tuple(b.shape)) for b in batches]
+
+
+def test_a_loader_of_each_ranks_own_part_counts_every_part():
+    for got in run_dist(_counts_of_splitted_data, 2):
+        assert got == [(3, (5,)), (3, (4,))], got
+
+
 def _resuming_a_counting_loader():
     mesh = dist.ProcessMesh([0], dim_names=["dp"])
     loader = torch.utils.data.DataLoader(torch.tensor([1, -100, 3, -100, -100, -100]), batch_size=2)
