@@ -42,16 +42,13 @@ BATCH, SEQ, CHECKED = 8, 16, 3
 COUNTED = ("gpt2", "qwen2", "mixtral")
 
 
-def _step(model, opt, ids) -> float:
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss.item())
+def _lm(ids) -> dict:
+    """A causal LM's inputs: the ids are the labels (HF shifts them inside the loss)."""
+    return {"input_ids": ids, "labels": ids}
 
 
-def _counted_step(model, opt, batches) -> float:
-    loss = model(**next(batches)).loss
+def _step(model, opt, inputs: dict) -> float:
+    loss = model(**inputs).loss
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -68,14 +65,10 @@ def _counted_batches(batches: list, mesh):
         yield from loader
 
 
-def _known_step(model, opt, ids) -> float:
-    """The loss over a count the job knows without looking (no padding: every label but each
-    row's first is a target), as packed pretraining sequences are."""
-    loss = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(BATCH * (SEQ - 1))).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss.item())
+def _known_count(ids) -> dict:
+    """`_lm(ids)` with the count of targets the job knows without looking (no padding: every
+    label but each row's first is a target), as packed pretraining sequences are."""
+    return {**_lm(ids), "num_items_in_batch": torch.tensor(BATCH * (SEQ - 1))}
 
 
 def _world_mean(loss: float, k: int) -> float:
@@ -90,7 +83,7 @@ def _counted_ops(model, opt, ids) -> int:
     seen = []
     watch = type("Count", (), {"see": lambda self, *a: seen.append(a[0])})()
     with watching(watch):
-        _step(model, opt, ids)
+        _step(model, opt, _lm(ids))
     return len(seen)
 
 
@@ -107,19 +100,19 @@ def bench(name: str, args, rank: int, k: int) -> dict:
     if name in COUNTED:
         counted, counted_opt = dist.parallelize(counted, torch.optim.AdamW(counted.parameters(), lr=1e-3), mesh, config)
         feed = _counted_batches(batches, mesh)
-        impls["autopar_counted"] = lambda i: _counted_step(counted, counted_opt, feed)
+        impls["autopar_counted"] = lambda i: _step(counted, counted_opt, next(feed))
         known, known_opt = dist.parallelize(known, torch.optim.AdamW(known.parameters(), lr=1e-3), mesh, config)
-        impls["autopar_known"] = lambda i: _known_step(known, known_opt, mine[i % 4])
+        impls["autopar_known"] = lambda i: _step(known, known_opt, _known_count(mine[i % 4]))
     model, opt = dist.parallelize(base, torch.optim.AdamW(base.parameters(), lr=1e-3), mesh, config)
     captured, static_opt = dist.parallelize(C.CausalLMLoss(captured), torch.optim.AdamW(captured.parameters(), lr=1e-3),
                                             mesh, config)
     program = dist.to_static(captured, None, lambda loss: loss, static_opt)
     ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    want = [_step(plain, plain_opt, batches[i]) for i in range(CHECKED)]
-    for impl, run in (("autopar", lambda i: _step(model, opt, mine[i])),  # (the loss: the world's mean)
+    want = [_step(plain, plain_opt, _lm(batches[i])) for i in range(CHECKED)]
+    for impl, run in (("autopar", lambda i: _step(model, opt, _lm(mine[i]))),  # (the loss: the world's mean)
                       ("autopar_static", lambda i: float(program(mine[i]))),
-                      ("ddp", lambda i: _world_mean(_step(ddp_model, ddp_opt, mine[i]), k)), *impls.items()):
+                      ("ddp", lambda i: _world_mean(_step(ddp_model, ddp_opt, _lm(mine[i])), k)), *impls.items()):
         got = [run(i) for i in range(CHECKED)]
         C.assert_close(torch.tensor(got), torch.tensor(want), f"{name} {impl} losses")
     ops = _counted_ops(model, opt, mine[0])
@@ -128,9 +121,9 @@ def bench(name: str, args, rank: int, k: int) -> dict:
     def advance(_r):
         step["i"] += 1
 
-    times = C.interleaved({"autopar": lambda: _step(model, opt, mine[step["i"] % 4]),
+    times = C.interleaved({"autopar": lambda: _step(model, opt, _lm(mine[step["i"] % 4])),
                            "autopar_static": lambda: float(program(mine[step["i"] % 4])),
-                           "ddp": lambda: _step(ddp_model, ddp_opt, mine[step["i"] % 4]),
+                           "ddp": lambda: _step(ddp_model, ddp_opt, _lm(mine[step["i"] % 4])),
                            **{n: (lambda run=run: run(step["i"])) for n, run in impls.items()}},
                           reps=args.reps, warmup=args.warmup, before_rep=advance)
     a, s, d = (C.stats_ms(times[n])["median_ms"] for n in ("autopar", "autopar_static", "ddp"))
