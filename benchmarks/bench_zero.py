@@ -209,21 +209,16 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = dist.parallelize(model, opt, mesh, {"dp_config": {"sharding_level": level}})
         runners[f"autopar_z{level}"] = Runner(f"autopar_z{level}", model, opt, batches)
-    # level 0 fed as DDP is: each rank its own rows, used where they are (no hand-out from rank 0)
-    model = llama(args)
-    model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
-                                  {"dp_config": {"sharding_level": 0, "input_source": "local"}})
-    runners["autopar_z0_local"] = Runner("autopar_z0_local", model, opt, mine)
+    def fed_locally(model):
+        """Level 0 fed as DDP is: each rank its own rows, used where they are (no hand-out from rank 0)."""
+        return dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
+                                {"dp_config": {"sharding_level": 0, "input_source": "local"}})
+
+    runners["autopar_z0_local"] = Runner("autopar_z0_local", *fed_locally(llama(args)), mine)
     # and with the count of targets known (no padding: every label but each row's first)
-    model = llama(args)
-    model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
-                                  {"dp_config": {"sharding_level": 0, "input_source": "local"}})
-    runners["autopar_z0_known"] = Runner("autopar_z0_known", model, opt, mine,
+    runners["autopar_z0_known"] = Runner("autopar_z0_known", *fed_locally(llama(args)), mine,
                                          counted=torch.tensor(args.batch * (args.seq - 1)))
-    model = C.CausalLMLoss(llama(args))
-    model, opt = dist.parallelize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh,
-                                  {"dp_config": {"sharding_level": 0, "input_source": "local"}})
-    runners["autopar_z0_static"] = StaticRunner("autopar_z0_static", model, opt, mine)
+    runners["autopar_z0_static"] = StaticRunner("autopar_z0_static", *fed_locally(C.CausalLMLoss(llama(args))), mine)
     ddp = DistributedDataParallel(llama(args))
     runners["ddp"] = Runner("ddp", ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), mine, global_loss)
     dmesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (k,), mesh_dim_names=("dp",))
