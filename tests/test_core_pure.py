@@ -142,3 +142,39 @@ def test_planner_reduces_before_gathering():
     """P on one mesh dim and S on another: reduce while the tensor is small."""
     steps = plan_steps((2, 2), (8, 8), 4, (Partial(), Shard(0)), (R, R))
     assert [s.kind for s in steps] == ["all_reduce", "all_gather"]
+
+
+def test_a_count_rides_a_bucket_exactly_for_every_count_and_world_its_pieces_allow():
+    """A rider's pieces, summed over the ranks in float32 in any order, give the exact sum of
+    the counts: the largest counts and the most ranks the pieces allow (every partial sum below
+    2**24); a count or a world beyond them is not offered (it is posted on its own)."""
+    import random
+
+    from autopar.tensor import riders
+
+    biggest, most = (1 << (riders.BITS * riders.PIECES)) - 1, 1 << (24 - riders.BITS)
+    rng = random.Random(0)
+    for k, top in [(2, 10), (3, 1 << 30), (most, biggest)]:
+        counts = [rng.randint(0, top) for _ in range(k)] + [top]
+        pieces = [riders.Rider(n, ()).pieces(torch.float32, torch.device("cpu")) for n in counts]
+        rng.shuffle(pieces)
+        summed = torch.zeros(riders.PIECES)
+        for p in pieces:
+            summed += p
+        rider = riders.Rider(counts[0], ())
+        rider.arrived(summed)
+        assert rider.summed.dtype == torch.int64 and int(rider.summed) == sum(counts), k
+    ranks = (0, 1)
+    assert riders.offer(biggest + 1, ranks) is None and riders.offer(-1, ranks) is None
+    assert riders.offer(5, tuple(range(most + 1))) is None
+    rider = riders.offer(5, ranks)
+    try:  # taken only by a bucket summed over the same ranks, in a dtype that sums it exactly
+        assert riders.take((0, 2), torch.float32, dist.ReduceType.SUM) is None
+        assert riders.take(ranks, torch.bfloat16, dist.ReduceType.SUM) is None
+        assert riders.take(ranks, torch.float32, dist.ReduceType.AVG) is None
+        started = riders.buckets_started(ranks)
+        assert riders.take(ranks, torch.float64, dist.ReduceType.SUM) is rider
+        assert riders.buckets_started(ranks) == started + 1
+        assert not rider.withdraw()  # (taken: it arrives with its bucket)
+    finally:
+        rider.withdraw()

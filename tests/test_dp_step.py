@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar as dist
+from autopar.tensor import riders
 from autopar.tensor.observers import watching
 from distpool import run_dist
 
@@ -253,7 +254,7 @@ def _padded_llama_batches():
     import hf_llama as L
 
     rows = []
-    for b, (ids, labels) in enumerate(L.batches(3, batch=4)):
+    for b, (ids, labels) in enumerate(L.batches(5, batch=4)):
         for i, (row, lab) in enumerate(zip(ids, labels)):
             lab = lab.clone()
             lab[L.SEQ - (2 + 5 * (i >= 2) + i % 2 + b):] = -100  # (each batch counts other targets too)
@@ -289,7 +290,7 @@ def _llama_counted_by_the_loader():
     model, opt = dist.parallelize(model, L.optimizer(model.parameters()), mesh, {"dp_config": {}})
     loader = torch.utils.data.DataLoader(_padded_llama_batches(), batch_size=4)
     batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=_shifted_targets)
-    losses, handouts, forwards, placements, counts, dispatched = [], [], [], [], [], []
+    losses, handouts, forwards, backwards, placements, counts, dispatched = [], [], [], [], [], [], []
     it = iter(batches)
     for _ in range(len(loader)):
         with dist.comm_log() as handed:
@@ -298,34 +299,45 @@ def _llama_counted_by_the_loader():
         with dist.comm_log() as forward, watching(type("Ops", (), {"see": lambda self, op, *a: ops.append(op)})()):
             loss = model(**batch).loss  # the loss divides by batch["num_items_in_batch"]
         dispatched.append(len(ops))
-        loss.backward()
-        opt.step()
+        with dist.comm_log() as backward:
+            loss.backward()
+            opt.step()
         opt.zero_grad()
         handouts.append([(r.op, r.bytes) for r in handed])
         forwards.append([(r.op, r.bytes) for r in forward])
+        backwards.append([(r.op, r.bytes) for r in backward])
         placements.append(loss.placements)
         counts.append((int(batch["num_items_in_batch"]), int(batches.num_items_in_batch)))
         losses.append(loss.item())
-    return losses, handouts, forwards, placements, counts, dispatched
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    return losses, handouts, forwards, backwards, grads, placements, counts, dispatched
 
 
 def test_a_loader_counting_the_targets_leaves_the_forward_no_collective():
     """HF's Llama with `num_items_in_batch` from `shard_dataloader(count_items=...)`: each rank
-    counts its rows' targets, the loader sums the counts (one 8-byte all-reduce, posted a batch
-    ahead), the model's loss is a sum over it (Partial, nothing moved in the forward) and equals
-    the single process's mean over the targets not ignored, though the ranks and the batches
-    count differently.  After the first step (which verifies it) the whole model, LM head and
-    loss included, runs as one local region for every count: no op dispatched."""
+    counts its rows' targets, the loader sums the counts, the model's loss is a sum over it
+    (Partial, nothing moved in the forward) and equals the single process's mean over the
+    targets not ignored, though the ranks and the batches count differently.  The sum is an
+    8-byte all-reduce posted a batch ahead until the gradient bucket starts in backward (from
+    the second step, once the first pre-step has laid it out); from then on the next batch's
+    count rides in it (16 bytes more) and the hand-out moves nothing.  After the first step
+    (which verifies it) the whole model, LM head and loss included, runs as one local region
+    for every count: no op dispatched."""
     ref = _llama_reference()
     want_counts = [int(_shifted_targets(b)) for b in torch.utils.data.DataLoader(_padded_llama_batches(), batch_size=4)]
-    assert len(set(want_counts)) == 3
-    for losses, handouts, forwards, placements, counts, dispatched in run_dist(_llama_counted_by_the_loader, 2):
+    assert len(set(want_counts)) == 5
+    for losses, handouts, forwards, backwards, grads, placements, counts, dispatched in run_dist(
+            _llama_counted_by_the_loader, 2):
         np.testing.assert_allclose(losses, ref, rtol=1e-5)
         assert counts == [(n, n) for n in want_counts], counts
-        assert handouts == [[("all_reduce", 8)]] * 3, handouts
-        assert forwards[1:] == [[]] * 2, forwards  # (the first forward verifies the model's local region)
-        assert placements == [[dist.Partial("sum")]] * 3
-        assert dispatched[0] > 0 and dispatched[1:] == [0, 0], dispatched
+        # batches 0-2 counted before any bucket started in backward; 3 and 4 in the buckets
+        # of steps 2 and 3 (no batch after the last: step 4's bucket carries nothing)
+        assert handouts == [[("all_reduce", 8)]] * 3 + [[]] * 2, handouts
+        carried = [grads] * 2 + [grads + 4 * riders.SPARE] * 2 + [grads]
+        assert backwards == [[("all_reduce", n)] for n in carried], backwards
+        assert forwards[1:] == [[]] * 4, forwards  # (the first forward verifies the model's local region)
+        assert placements == [[dist.Partial("sum")]] * 5
+        assert dispatched[0] > 0 and dispatched[1:] == [0] * 4, dispatched
 
 
 class _TargetsPerRank(torch.utils.data.IterableDataset):
@@ -463,6 +475,61 @@ def test_a_count_window_makes_accumulated_micro_batches_the_exact_mean_of_the_st
         for name, v in params.items():
             torch.testing.assert_close(v, ref_params[name], rtol=1e-5, atol=1e-6)
         assert counts == want and forwards == [[]] * 4, (counts, forwards)
+
+
+def _trained_and_evaluated(plan):
+    """A counting loader's 5 batches an epoch, each trained or only evaluated as `plan` says
+    (cross-entropy summed over the loader's count); each hand-out's collectives and count."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_windows(5)), batch_size=BATCH)
+    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: (b[1] != -100).sum())
+    handouts, counts, losses, it = [], [], [], iter(())
+    for train in plan:
+        with dist.comm_log() as handed:
+            x, t = next(it, (None, None))
+            if x is None:  # (the next epoch)
+                it = iter(batches)
+                x, t = next(it)
+        handouts.append([(r.op, r.bytes) for r in handed])
+        counts.append(int(batches.num_items_in_batch))
+        with torch.set_grad_enabled(train):
+            loss = F.cross_entropy(model(x), t, reduction="sum") / batches.num_items_in_batch
+        if train:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return handouts, counts, losses
+
+
+def test_a_count_rides_in_the_bucket_of_the_step_before_its_batch_or_is_posted():
+    """Two epochs of 5 batches, the first trained for 3 batches then only evaluated.  Batch 3's
+    count rides in step 2's bucket; batch 4's, offered then, finds no bucket (nothing trains)
+    and is posted at its hand-out.  Each epoch's first count is needed at once (posted); the
+    second epoch's second too (no bucket started while the first ended); from its third on
+    every count rides.  Every count and loss is the single process's."""
+    xs, ts = _windows(5)
+    plan = [True] * 3 + [False] * 2 + [True] * 5
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    want_losses = []
+    for i, train in enumerate(plan):
+        rows = slice(i % 5 * BATCH, (i % 5 + 1) * BATCH)
+        with torch.set_grad_enabled(train):
+            loss = F.cross_entropy(model(xs[rows]), ts[rows])
+        if train:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        want_losses.append(loss.item())
+    want_counts = [int((ts[i % 5 * BATCH:(i % 5 + 1) * BATCH] != -100).sum()) for i in range(len(plan))]
+    posted = [("all_reduce", 8)]
+    for handouts, counts, losses in run_dist(_trained_and_evaluated, 2, plan):
+        assert counts == want_counts
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+        assert handouts == [posted] * 3 + [[], posted] + [posted] * 2 + [[]] * 3, handouts
 
 
 def _resuming_a_count_window():

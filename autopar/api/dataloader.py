@@ -16,7 +16,9 @@ loss summed over a rank's rows and divided by it is the exact global mean withou
 collective in the step's forward, and a model that computes its loss in its forward (HF's)
 runs whole as one local region.  `count_window=k` counts k batches in a row together (the
 micro-batches of one optimizer step).  The loader then reads one window ahead: the sum's
-small all-reduce is posted while the window before runs.
+small all-reduce is posted while the window before runs, or, while a training loop reduces
+gradient buckets in backward, rides in the first of them (`tensor/riders.py`: no collective
+of its own).
 
 Resuming: `state_dict()` says where the epoch is (how many batches have been handed out, and
 the random states its order was drawn from); `load_state_dict(state)` on a fresh loader makes
@@ -32,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from ..tensor import rng
+from ..tensor import riders, rng
 from ..comm import Pending, all_reduce_start, current_device, get_rank
 from ..mesh import ProcessMesh
 from ..placement import Replicate, Shard
@@ -82,6 +84,9 @@ class ShardDataloader:
         self.count_items, self.count_window = count_items, count_window
         self.num_items_in_batch: Optional[torch.Tensor] = None  # the global count of the last batch handed out
         self._handed_out = 0  # batches of the current epoch
+        # buckets able to carry a count started in backward when the last window read ahead
+        # was counted (`riders.buckets_started`; None before the first)
+        self._buckets_seen: Optional[int] = None
         self._epoch_states: list = []  # (generator, state) each draw of this epoch's order started from
         self._resume: Optional[dict] = None
 
@@ -249,18 +254,20 @@ class ShardDataloader:
                 f"ShardDataloader: the loaded state handed out {self._handed_out} batches, not a whole number of "
                 f"count windows of {k} batches: save the state at the end of an optimizer step"
             )
-        current = (window, self._count_start(window)) if window else None
+        current = (window, self._count_start(window, ride=False)) if window else None  # (needed at once)
         while current is not None:
             window = list(itertools.islice(batches, k))
-            ahead = (window, self._count_start(window)) if window else None
+            ahead = (window, self._count_start(window, ride=True)) if window else None
             count = self._arrived(current[1])
             for batch in current[0]:
                 yield self._with_count(batch, count)
             current = ahead
 
-    def _count_start(self, window: list):
+    def _count_start(self, window: list, ride: bool):
         """`count_items` of this rank's pieces of the window's batches; their sum over the
-        ranks holding the other pieces posted (a `comm.Pending`), or the count itself where no
+        ranks holding the other pieces offered to the next gradient bucket (a `riders.Rider`)
+        where it may `ride` and buckets have started in backward since the last window was
+        counted (a training loop), else posted (a `comm.Pending`); the count itself where no
         other rank holds a piece."""
         mesh, dim, rank = self.meshes[0], self.shard_dims[0], get_rank()
         if rank not in mesh:
@@ -268,9 +275,12 @@ class ShardDataloader:
         n = sum(self._count_of(batch) for batch in window)
         if dim is None or mesh.shape[dim] == 1:
             return n
-        # (on the device the job's collectives run on: NCCL reduces no host tensor)
-        return all_reduce_start(torch.tensor([n], dtype=torch.int64, device=current_device()),
-                                mesh.dim_group_of(rank, dim))
+        ranks = mesh.dim_group_of(rank, dim)
+        rider = None
+        if ride:
+            seen, self._buckets_seen = self._buckets_seen, riders.buckets_started(ranks)
+            rider = riders.offer(n, ranks) if seen not in (None, self._buckets_seen) else None
+        return rider if rider is not None else _count_posted(n, ranks)
 
     def _count_of(self, batch) -> int:
         n = self.count_items(_pieces(batch))
@@ -285,9 +295,14 @@ class ShardDataloader:
     def _arrived(count) -> Optional[torch.Tensor]:
         """A window's count as handed out: a 0-dim int64 tensor on the job's device, as HF's
         Trainer passes it (a tensor, not an int: a module run as a local region is keyed by a
-        tensor argument's shape, by an int's value, so every new count would verify it again)."""
+        tensor argument's shape, by an int's value, so every new count would verify it again).
+        A rider no bucket took (the loop has stopped reducing in backward) is posted now."""
+        if isinstance(count, riders.Rider):
+            count = _count_posted(count.n, count.ranks) if count.withdraw() else count.result()
         if isinstance(count, Pending):
             return count.wait().reshape(())
+        if isinstance(count, torch.Tensor):
+            return count
         return None if count is None else torch.tensor(count, dtype=torch.int64, device=current_device())
 
     def _with_count(self, batch, count: Optional[torch.Tensor]):
@@ -355,6 +370,12 @@ class ShardDataloader:
         index, parts = self._piece(0, rank)
         a, b = split_range(len(indices), parts, index)
         return indices[a:b]
+
+
+def _count_posted(n: int, ranks: tuple) -> Pending:
+    """The all-reduce of this rank's count `n` over `ranks`, posted (on the device the job's
+    collectives run on: NCCL reduces no host tensor)."""
+    return all_reduce_start(torch.tensor([n], dtype=torch.int64, device=current_device()), ranks)
 
 
 def _pieces(batch):

@@ -41,6 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..comm import all_reduce_start, get_rank, reduce_scatter_start
 from ..comm.observers import capture_running
 from ..tensor.grad_landing import LANDING, IN_PARTS, Landing, Reduce, follows, settle_all
+from ..tensor import riders
 from ..tensor.dispatch import keep_reduced
 from ..tensor.dtensor import DistTensor, new_dist
 from .precision import cast_dist, spec_in
@@ -189,12 +190,13 @@ class GradReduction:
 
 def _tiled(locals_: list) -> Optional[torch.Tensor]:
     """The flat buffer that `locals_` tile whole, contiguous, in this order (they landed there,
-    see `tensor/grad_landing.py`), as one tensor; None when they do not."""
+    see `tensor/grad_landing.py`, which keeps `riders.SPARE` elements after them), as one
+    tensor; None when they do not."""
     first, last = locals_[0], locals_[-1]
     if first.storage_offset() != 0 or not first.is_contiguous() or not all(map(follows, locals_, locals_[1:])):
         return None
     end = last.storage_offset() + last.numel()
-    if end * first.element_size() != first.untyped_storage().nbytes():
+    if first.untyped_storage().nbytes() // first.element_size() not in (end, end + riders.SPARE):
         return None
     return first.as_strided((end,), (1,), 0)
 

@@ -36,6 +36,7 @@ import torch
 
 from ..comm import all_reduce_start, get_rank
 from ..comm.observers import capture_running
+from . import riders
 from .backward_end import AtBackwardEnd
 from .dispatch import keep_reduced
 
@@ -50,7 +51,7 @@ class Landing:
     """One bucket's flat layout and its current buffer (see the module doc)."""
 
     __slots__ = ("key", "shapes", "sizes", "numel", "dtype", "device", "slots", "filled", "alone", "reduce", "flight",
-                 "settled")
+                 "rider", "settled")
 
     def __init__(self, key: tuple, locals_: list):
         self.key = key  # what the layout was learnt from (the pre-step compares it)
@@ -63,6 +64,7 @@ class Landing:
         self.alone: tuple = ()  # `_holders` of the current buffer when it was made
         self.reduce: Optional[Reduce] = None  # the bucket's all-reduce, to start in backward
         self.flight = None  # the all-reduce started this round (comm.Pending)
+        self.rider: Optional[riders.Rider] = None  # a count carried by that all-reduce
         self.settled = False  # the members' gradients hold the reduced values, placed so
 
     def take(self, i: int, like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -74,8 +76,9 @@ class Landing:
             self.new_round()  # (the gradients reduced in backward were taken: a new step)
         if self.filled is None:
             if not self.slots or _holders(self.slots) != self.alone:
-                buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-                self.slots = [piece.view(shape) for piece, shape in zip(buffer.split(self.sizes), self.shapes)]
+                # (with room for a count riding along, see `riders`)
+                buffer = torch.empty(self.numel + riders.SPARE, dtype=self.dtype, device=self.device)
+                self.slots = [piece.view(shape) for piece, shape in zip(buffer[:self.numel].split(self.sizes), self.shapes)]
                 self.alone = _holders(self.slots)
             self.filled = set()
         elif i in self.filled:
@@ -107,18 +110,34 @@ class Landing:
         gradient only once autograd has made it `.grad`, which may copy it)."""
         return all(g is not None for g in self._grads_in_slots(self.reduce.specs))  # (`in` would call Tensor.__eq__)
 
-    def _flat(self) -> torch.Tensor:
-        """The whole buffer the slots tile."""
-        return self.slots[0].as_strided((self.numel,), (1,), 0)
+    def _flat(self, spare: int = 0) -> torch.Tensor:
+        """The whole buffer the slots tile (and `spare` elements after them)."""
+        return self.slots[0].as_strided((self.numel + spare,), (1,), 0)
 
     def start(self) -> None:
-        self.flight = all_reduce_start(self._flat(), self.reduce.ranks, self.reduce.op)
+        """Start the bucket's all-reduce, carrying a count waiting to be summed over its ranks."""
+        r = self.reduce
+        self.rider = riders.take(r.ranks, self.dtype, r.op)
+        if self.rider is None:
+            flat = self._flat()
+        else:
+            flat = self._flat(riders.SPARE)
+            flat[self.numel:].copy_(self.rider.pieces(self.dtype, self.device))
+            self.rider.carrier = self
+        self.flight = all_reduce_start(flat, r.ranks, r.op)
         _IN_FLIGHT.append(self)
+
+    def arrive(self) -> None:
+        """Wait for the all-reduce in flight; the count it carried has arrived too."""
+        flight, self.flight = self.flight, None
+        flight.wait()
+        rider, self.rider = self.rider, None
+        if rider is not None:
+            rider.arrived(self.slots[0].as_strided((riders.SPARE,), (1,), self.numel))
 
     def settle(self) -> None:
         """Wait for the all-reduce; the members' gradients take its placement."""
-        flight, self.flight = self.flight, None
-        flight.wait()
+        self.arrive()
         r = self.reduce
         for g, placed in zip(self._grads_in_slots(r.specs), r.placed):
             if g is not None:
@@ -135,8 +154,7 @@ class Landing:
         if self.flight is None and not self.settled:
             return
         if self.flight is not None:
-            self.flight.wait()
-            self.flight = None
+            self.arrive()
         for g, spec in zip(self._grads_in_slots(r.placed), r.specs):
             if g is not None:
                 keep_reduced(g, g._local, spec)
