@@ -14,8 +14,10 @@ and its `to_static` step's (the same model and plan, captured once) over DDP's, 
 autopar dispatched one by one in a step.  For GPT-2, Qwen2 and Mixtral (whose HF loss takes
 `num_items_in_batch`), the same dynamic step with the loss a sum over the count of targets,
 so no collective in the forward and the whole model one local region: `autopar_counted` fed
-by `shard_dataloader(..., count_items=...)` (the loader's count: one small all-reduce a step,
-posted a batch ahead), `autopar_known` given the count the job knows (no padding here).
+by `shard_dataloader(..., count_items=...)` (the loader's count, read a batch ahead, riding in
+the step before's gradient bucket from the second step: 3 batches of the 4 an epoch here, an
+epoch's first count being needed at once, as an all-reduce of its own), `autopar_known` given
+the count the job knows (no padding here).
 """
 from __future__ import annotations
 
