@@ -532,6 +532,69 @@ def test_a_count_rides_in_the_bucket_of_the_step_before_its_batch_or_is_posted()
         assert handouts == [posted] * 3 + [[], posted] + [posted] * 2 + [[]] * 3, handouts
 
 
+def _a_backward_raising_with_a_count_in_flight():
+    """Batch 3's backward raises at its end, before it settles its buckets: the last layer's
+    (a bucket of its own), started as the first layer's gradients landed, carries batch 4's
+    count; the loop skips that step.  Each hand-out's count and each loss."""
+    from autopar.runtime import grad_reduce
+
+    caps = grad_reduce.FIRST_BUCKET_BYTES
+    grad_reduce.FIRST_BUCKET_BYTES = (32 * OUT + OUT) * 4  # (the last layer's weight and bias)
+    try:
+        return _raising_with_a_count_in_flight()
+    finally:
+        grad_reduce.FIRST_BUCKET_BYTES = caps
+
+
+def _raising_with_a_count_in_flight():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_windows(5)), batch_size=BATCH)
+    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: (b[1] != -100).sum())
+    engine = torch.autograd.Variable._execution_engine
+    counts, losses, raised = [], [], []
+
+    def fail():
+        raise RuntimeError("a skipped step")
+
+    for i, (x, t) in enumerate(batches):
+        counts.append(int(batches.num_items_in_batch))
+        opt.zero_grad()  # (after the next batch's hand-out: nothing settled the bucket before it)
+        loss = F.cross_entropy(model(x), t, reduction="sum") / batches.num_items_in_batch
+        if i == 3:  # queued first, so it runs (and raises) before the bucket is settled
+            loss.register_hook(lambda g: engine.queue_callback(fail) or g)
+        try:
+            loss.backward()
+            opt.step()
+        except RuntimeError as e:
+            raised.append((i, str(e)))
+        losses.append(float(loss))
+    return counts, losses, raised
+
+
+def test_a_count_in_the_bucket_of_a_backward_that_raised_still_arrives():
+    """The next batch's count rode in a bucket that a raising backward left in flight: its
+    hand-out settles that bucket (the counts and losses are the single process's, the
+    raising step skipped)."""
+    xs, ts = _windows(5)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    want_losses = []
+    for i in range(5):
+        loss = F.cross_entropy(model(xs[i * BATCH:(i + 1) * BATCH]), ts[i * BATCH:(i + 1) * BATCH])
+        if i != 3:  # (the step whose backward raised is skipped)
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+        want_losses.append(loss.item())
+    want_counts = [int((ts[i * BATCH:(i + 1) * BATCH] != -100).sum()) for i in range(5)]
+    for counts, losses, raised in run_dist(_a_backward_raising_with_a_count_in_flight, 2):
+        assert raised == [(3, "a skipped step")]
+        assert counts == want_counts
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
 def _resuming_a_count_window():
     mesh = dist.ProcessMesh([0], dim_names=["dp"])
     loader = torch.utils.data.DataLoader(torch.tensor([1, -100, 3, 4, -100, -100, 7, 8]), batch_size=2)
