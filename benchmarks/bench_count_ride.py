@@ -13,7 +13,9 @@ barrier before each block only), the impls' blocks interleaved:
   known      : the loss summed over a count the job knows (a Python int): no count to sum;
   mean       : the mean cross-entropy over the loader's batches (its count all-reduced in
                the forward);
-  ddp        : DDP over each rank's rows, its local mean loss.
+  ddp        : DDP over each rank's rows, prepared, its local mean loss;
+  ddp_loader : the same DDP fed by torch's DataLoader with a DistributedSampler (each rank
+               reading every k-th row: the same global batches), as a DDP job is fed.
 The losses are read after the timed steps, as a job that logs now and then reads them (a
 Partial loss is reduced when read); `--read-each-step` reads each one as it comes, as
 bench_gpt.py does (one small all-reduce a step for a Partial loss, and for DDP's world mean).
@@ -86,6 +88,10 @@ def main() -> None:
     world_mean = lambda loss: float(_world_mean(loss.detach(), k))  # noqa: E731
     runners["ddp"] = Runner("ddp", ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr), mine, args.vocab,
                             loss_fn=kept or world_mean)
+    torch.manual_seed(args.seed)
+    ddp = DDP(G.GPT(args.vocab, args.dim, args.heads, args.layers, args.seq))
+    runners["ddp_loader"] = SampledRunner("ddp_loader", ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr), data,
+                                          args.vocab, loss_fn=kept or world_mean)
 
     def posted_step():
         with no_riding():
@@ -96,7 +102,8 @@ def main() -> None:
     times = C.interleaved(fns, reps=args.reps, inner=args.inner)
     if kept is not None:  # the losses read now
         for name, r in runners.items():
-            r.losses = _world_mean(torch.stack(r.losses), k).tolist() if name == "ddp" else [float(v) for v in r.losses]
+            ddp = name.startswith("ddp")
+            r.losses = _world_mean(torch.stack(r.losses), k).tolist() if ddp else [float(v) for v in r.losses]
     for name, r in runners.items():
         C.assert_close(r.losses, runners["known"].losses, f"{name}'s losses against known's")
     med = {name: C.stats_ms(t)["median_ms"] for name, t in times.items()}
@@ -104,7 +111,29 @@ def main() -> None:
             **{f"{name}_median_ms": v for name, v in med.items()},
             **{f"{a}_vs_{b}": round(med[a] / med[b], 4)
                for a, b in [("ride", "posted"), ("ride", "known"), ("ride", "ddp"), ("posted", "ddp"), ("mean", "ddp"),
-                            ("known", "ddp")]}})
+                            ("known", "ddp"), ("ride", "ddp_loader"), ("ddp_loader", "ddp")]}})
+
+
+class SampledRunner(Runner):
+    """Batches from torch's DataLoader over the same rows with a DistributedSampler: rank r
+    reads rows r, r + k, ... of each global batch (DDP's feeding; the world's batches are the
+    same rows)."""
+
+    def __init__(self, name, model, opt, data, vocab, loss_fn):
+        xs, ys = (torch.cat(t) for t in zip(*data))
+        dataset = torch.utils.data.TensorDataset(xs, ys)
+        sampler = torch.utils.data.distributed.DistributedSampler(dataset, shuffle=False)
+        self.loader = torch.utils.data.DataLoader(dataset, batch_size=len(data[0][0]) // tdist.get_world_size(),
+                                                  sampler=sampler)
+        self.batches = iter(())
+        super().__init__(name, model, opt, data, vocab, loss_fn=loss_fn)
+
+    def batch(self) -> tuple:
+        x, y = next(self.batches, (None, None))
+        if x is None:
+            self.batches = iter(self.loader)
+            x, y = next(self.batches)
+        return x, y, None
 
 
 def _world_mean(local: torch.Tensor, k: int) -> torch.Tensor:
