@@ -595,6 +595,36 @@ def test_a_count_in_the_bucket_of_a_backward_that_raised_still_arrives():
         np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
+def _static_steps_over_the_loaders_count():
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
+    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_windows(5)), batch_size=BATCH)
+    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: (b[1] != -100).sum())
+    step = dist.to_static(model, batches, lambda out, t: F.cross_entropy(out, t, reduction="sum")
+                          / batches.num_items_in_batch, opt)
+    return [float(step(x, t)) for x, t in batches]
+
+
+def test_a_captured_step_divides_by_each_batchs_count_from_the_loader():
+    """`to_static`'s step dividing by `loader.num_items_in_batch` replays with each batch's
+    count (the loader writes each count into the one tensor the program captured): the
+    single process's mean losses, though the batches count differently."""
+    xs, ts = _windows(5)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    want = []
+    for i in range(5):
+        loss = F.cross_entropy(model(xs[i * BATCH:(i + 1) * BATCH]), ts[i * BATCH:(i + 1) * BATCH])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    assert len({int((ts[i * BATCH:(i + 1) * BATCH] != -100).sum()) for i in range(5)}) > 2
+    for losses in run_dist(_static_steps_over_the_loaders_count, 2):
+        np.testing.assert_allclose(losses, want, rtol=1e-5)
+
+
 def _resuming_a_count_window():
     mesh = dist.ProcessMesh([0], dim_names=["dp"])
     loader = torch.utils.data.DataLoader(torch.tensor([1, -100, 3, 4, -100, -100, 7, 8]), batch_size=2)

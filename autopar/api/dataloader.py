@@ -306,7 +306,14 @@ class ShardDataloader:
         return None if count is None else torch.tensor(count, dtype=torch.int64, device=current_device())
 
     def _with_count(self, batch, count: Optional[torch.Tensor]):
-        self.num_items_in_batch = count
+        """`batch` with its count; `num_items_in_batch` is one tensor for the loader's life,
+        written with each count: a step captured by `to_static` that divides by it reads the
+        count of each batch it replays (a new tensor each batch would be captured as the first
+        batch's constant).  A dict batch's item is the batch's own tensor."""
+        if count is not None and self.num_items_in_batch is not None:
+            self.num_items_in_batch.copy_(count)
+        elif count is not None:
+            self.num_items_in_batch = count.clone()
         if count is None or not isinstance(batch, dict):
             return batch
         if COUNT_KEY in batch:
@@ -409,8 +416,9 @@ def shard_dataloader(
     `count_items(piece)`, given this rank's piece of a batch (plain tensors, the batch's
     structure), returns what a loss over it divides by, e.g. its targets not ignored; the sum
     over the pieces, a 0-dim int64 tensor on the job's device, is `loader.num_items_in_batch`
-    and, for a dict batch, its `"num_items_in_batch"` item (HF models take it: `model(**batch)`
-    divides the summed loss by it).  The step's loss is then a sum over a known count: it
+    (one tensor, written with each batch's count: a `to_static` step dividing by it reads each
+    batch's) and, for a dict batch, its `"num_items_in_batch"` item (the batch's own tensor; HF
+    models take it: `model(**batch)` divides the summed loss by it).  The step's loss is then a sum over a known count: it
     stays Partial, with no collective before backward.  Under gradient accumulation pass
     `count_window=k` (the micro-batches of one optimizer step): each of k batches in a row
     gets the count over all k, so the summed micro-batch losses, each over that count, are
