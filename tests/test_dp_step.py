@@ -477,14 +477,40 @@ def test_a_count_window_makes_accumulated_micro_batches_the_exact_mean_of_the_st
         assert counts == want and forwards == [[]] * 4, (counts, forwards)
 
 
-def _trained_and_evaluated(plan):
-    """A counting loader's 5 batches an epoch, each trained or only evaluated as `plan` says
-    (cross-entropy summed over the loader's count); each hand-out's collectives and count."""
+def _counted_mlp():
+    """The MLP under data parallel, its optimizer, and a loader counting the targets of
+    `_windows(5)`'s batches."""
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
     opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_windows(5)), batch_size=BATCH)
-    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: (b[1] != -100).sum())
+    return model, opt, dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: (b[1] != -100).sum())
+
+
+def _one_process(trained: list) -> tuple:
+    """The single process's mean losses over `_windows(5)`'s batches in turn, each trained
+    where `trained` says (else only evaluated), and each batch's count of targets."""
+    xs, ts = _windows(5)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses, counts = [], []
+    for i, train in enumerate(trained):
+        rows = slice(i % 5 * BATCH, (i % 5 + 1) * BATCH)
+        with torch.set_grad_enabled(train):
+            loss = F.cross_entropy(model(xs[rows]), ts[rows])
+        if train:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        counts.append(int((ts[rows] != -100).sum()))
+    return losses, counts
+
+
+def _trained_and_evaluated(plan):
+    """A counting loader's 5 batches an epoch, each trained or only evaluated as `plan` says
+    (cross-entropy summed over the loader's count); each hand-out's collectives and count."""
+    model, opt, batches = _counted_mlp()
     handouts, counts, losses, it = [], [], [], iter(())
     for train in plan:
         with dist.comm_log() as handed:
@@ -510,21 +536,8 @@ def test_a_count_rides_in_the_bucket_of_the_step_before_its_batch_or_is_posted()
     and is posted at its hand-out.  Each epoch's first count is needed at once (posted); the
     second epoch's second too (no bucket started while the first ended); from its third on
     every count rides.  Every count and loss is the single process's."""
-    xs, ts = _windows(5)
     plan = [True] * 3 + [False] * 2 + [True] * 5
-    model = _mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    want_losses = []
-    for i, train in enumerate(plan):
-        rows = slice(i % 5 * BATCH, (i % 5 + 1) * BATCH)
-        with torch.set_grad_enabled(train):
-            loss = F.cross_entropy(model(xs[rows]), ts[rows])
-        if train:
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        want_losses.append(loss.item())
-    want_counts = [int((ts[i % 5 * BATCH:(i % 5 + 1) * BATCH] != -100).sum()) for i in range(len(plan))]
+    want_losses, want_counts = _one_process(plan)
     posted = [("all_reduce", 8)]
     for handouts, counts, losses in run_dist(_trained_and_evaluated, 2, plan):
         assert counts == want_counts
@@ -547,11 +560,7 @@ def _a_backward_raising_with_a_count_in_flight():
 
 
 def _raising_with_a_count_in_flight():
-    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
-    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
-    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_windows(5)), batch_size=BATCH)
-    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: (b[1] != -100).sum())
+    model, opt, batches = _counted_mlp()
     engine = torch.autograd.Variable._execution_engine
     counts, losses, raised = [], [], []
 
@@ -577,18 +586,7 @@ def test_a_count_in_the_bucket_of_a_backward_that_raised_still_arrives():
     """The next batch's count rode in a bucket that a raising backward left in flight: its
     hand-out settles that bucket (the counts and losses are the single process's, the
     raising step skipped)."""
-    xs, ts = _windows(5)
-    model = _mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    want_losses = []
-    for i in range(5):
-        loss = F.cross_entropy(model(xs[i * BATCH:(i + 1) * BATCH]), ts[i * BATCH:(i + 1) * BATCH])
-        if i != 3:  # (the step whose backward raised is skipped)
-            loss.backward()
-            opt.step()
-        opt.zero_grad()
-        want_losses.append(loss.item())
-    want_counts = [int((ts[i * BATCH:(i + 1) * BATCH] != -100).sum()) for i in range(5)]
+    want_losses, want_counts = _one_process([i != 3 for i in range(5)])  # (the raising step skipped)
     for counts, losses, raised in run_dist(_a_backward_raising_with_a_count_in_flight, 2):
         assert raised == [(3, "a skipped step")]
         assert counts == want_counts
@@ -596,11 +594,7 @@ def test_a_count_in_the_bucket_of_a_backward_that_raised_still_arrives():
 
 
 def _static_steps_over_the_loaders_count():
-    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
-    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
-    opt = dist.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_windows(5)), batch_size=BATCH)
-    batches = dist.shard_dataloader(loader, mesh, shard_dims="dp", count_items=lambda b: (b[1] != -100).sum())
+    model, opt, batches = _counted_mlp()
     step = dist.to_static(model, batches, lambda out, t: F.cross_entropy(out, t, reduction="sum")
                           / batches.num_items_in_batch, opt)
     return [float(step(x, t)) for x, t in batches]
@@ -610,17 +604,8 @@ def test_a_captured_step_divides_by_each_batchs_count_from_the_loader():
     """`to_static`'s step dividing by `loader.num_items_in_batch` replays with each batch's
     count (the loader writes each count into the one tensor the program captured): the
     single process's mean losses, though the batches count differently."""
-    xs, ts = _windows(5)
-    model = _mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    want = []
-    for i in range(5):
-        loss = F.cross_entropy(model(xs[i * BATCH:(i + 1) * BATCH]), ts[i * BATCH:(i + 1) * BATCH])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
-    assert len({int((ts[i * BATCH:(i + 1) * BATCH] != -100).sum()) for i in range(5)}) > 2
+    want, counts = _one_process([True] * 5)
+    assert len(set(counts)) > 2
     for losses in run_dist(_static_steps_over_the_loaders_count, 2):
         np.testing.assert_allclose(losses, want, rtol=1e-5)
 
