@@ -114,7 +114,7 @@ def main() -> None:
                             ("known", "ddp"), ("ride", "ddp_loader"), ("ddp_loader", "ddp")]}})
 
 
-class SampledRunner(Runner):
+class SampledRunner(LoaderRunner):
     """Batches from torch's DataLoader over the same rows with a DistributedSampler: rank r
     reads rows r, r + k, ... of each global batch (DDP's feeding; the world's batches are the
     same rows)."""
@@ -126,14 +126,10 @@ class SampledRunner(Runner):
         self.loader = torch.utils.data.DataLoader(dataset, batch_size=len(data[0][0]) // tdist.get_world_size(),
                                                   sampler=sampler)
         self.batches = iter(())
-        super().__init__(name, model, opt, data, vocab, loss_fn=loss_fn)
+        Runner.__init__(self, name, model, opt, data, vocab, loss_fn=loss_fn)
 
     def batch(self) -> tuple:
-        x, y = next(self.batches, (None, None))
-        if x is None:
-            self.batches = iter(self.loader)
-            x, y = next(self.batches)
-        return x, y, None
+        return (*self.next_rows(), None)
 
 
 def _world_mean(local: torch.Tensor, k: int) -> torch.Tensor:

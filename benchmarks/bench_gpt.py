@@ -177,11 +177,15 @@ class LoaderRunner(Runner):
         self.window = k if counted else 1
 
     def batch(self) -> tuple:
+        return (*self.next_rows(), self.loader.num_items_in_batch)
+
+    def next_rows(self) -> tuple:
+        """The loader's next (input, targets), a new epoch after its last."""
         x, y = next(self.batches, (None, None))
         if x is None:
             self.batches = iter(self.loader)
             x, y = next(self.batches)
-        return x, y, self.loader.num_items_in_batch
+        return x, y
 
 
 def main():

@@ -418,8 +418,8 @@ def shard_dataloader(
     over the pieces, a 0-dim int64 tensor on the job's device, is `loader.num_items_in_batch`
     (one tensor, written with each batch's count: a `to_static` step dividing by it reads each
     batch's) and, for a dict batch, its `"num_items_in_batch"` item (the batch's own tensor; HF
-    models take it: `model(**batch)` divides the summed loss by it).  The step's loss is then a sum over a known count: it
-    stays Partial, with no collective before backward.  Under gradient accumulation pass
+    models take it: `model(**batch)` divides the summed loss by it).  The step's loss is then
+    a sum over a known count: it stays Partial, with no collective before backward.  Under gradient accumulation pass
     `count_window=k` (the micro-batches of one optimizer step): each of k batches in a row
     gets the count over all k, so the summed micro-batch losses, each over that count, are
     the exact mean over the step's batches (HF's Trainer's count).  To post the sum early the

@@ -78,7 +78,8 @@ class Landing:
             if not self.slots or _holders(self.slots) != self.alone:
                 # (with room for a count riding along, see `riders`)
                 buffer = torch.empty(self.numel + riders.SPARE, dtype=self.dtype, device=self.device)
-                self.slots = [piece.view(shape) for piece, shape in zip(buffer[:self.numel].split(self.sizes), self.shapes)]
+                self.slots = [piece.view(shape)
+                              for piece, shape in zip(buffer[:self.numel].split(self.sizes), self.shapes)]
                 self.alone = _holders(self.slots)
             self.filled = set()
         elif i in self.filled:
