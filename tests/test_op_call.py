@@ -120,6 +120,7 @@ def _mode_sees_no_replayed_op():
     X = dist.shard_tensor(torch.arange(8.0).reshape(4, 2), mesh, [dist.Shard(0)])
     program = dist.to_static(dist.shard_layer(_Doubled(), mesh)).predict()
     program(X)  # captured
+    program(X)  # captured again: the step after the first reads what it read
     mode = _Names()
     with mode:
         y = program(X)  # replayed

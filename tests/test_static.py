@@ -311,3 +311,78 @@ def test_a_value_made_from_shapes_alone_is_read_at_capture_and_its_branch_kept()
         rec.close()
     reads = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
     assert not reads & {e.fn.name() for e in rec.entries}, [e.fn for e in rec.entries]
+
+
+def _reading_outside_values(kind, merge=1):
+    """Four calls of dp over 4 ranks (`merge` of them a step) with a loss that reads a value
+    from outside its inputs, set before each step as `kind` says; the losses, or the call that
+    raised, its error and whether the parameters were left as they were."""
+    model, opt, mesh = _setup("dp", 0.0)
+    count, scale = [torch.tensor(8.0)], [1.0]
+
+    def loss(logits, y):
+        return F.cross_entropy(logits, y, reduction="sum") / count[0] * scale[0]
+
+    strategy = dist.Strategy({"gradient_merge": {"enable": True, "k_steps": merge}}) if merge > 1 else None
+    step = dist.to_static(model, None, loss, opt, strategy)
+    losses = []
+    for call, (x, y) in enumerate(_batches()):
+        n = call // merge
+        if kind == "tensor made anew":
+            count[0] = torch.tensor(8.0 + n)
+        elif kind == "tensor made anew, same value":
+            count[0] = torch.tensor(8.0)
+        elif kind == "tensor updated in place":
+            count[0].fill_(8.0 + n)
+        elif kind == "python number":
+            scale[0] = 1.0 / (n + 1)
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            losses.append(float(step(dist.shard_tensor(x, mesh, [S0]), dist.shard_tensor(y, mesh, [S0]))))
+        except dist.CaptureError as e:
+            unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+            return call, str(e), unchanged
+    return losses
+
+
+def _expected(kind):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    out = []
+    for n, (x, y) in enumerate(_batches()):
+        loss = F.cross_entropy(model(x), y, reduction="sum") / (8.0 + n if kind == "tensor updated in place" else 8.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["tensor made anew", "python number"])
+def test_a_step_reading_an_outside_value_that_changes_is_refused_at_its_second_step(kind):
+    """A loss dividing by a tensor made anew each step (or scaled by a changing Python number)
+    would replay the first step's value: the second step is captured again, the two compared,
+    and the step refused before the optimizer steps on it, naming the op and the value."""
+    for call, msg, unchanged in run_dist(_reading_outside_values, 4, kind):
+        assert call == 1 and unchanged
+        assert "changed between its first two steps" in msg and "update it in place" in msg
+        if kind == "python number":
+            assert "aten.mul.Tensor read the Python number 1.0, then 0.5" in msg
+        else:
+            assert "aten.div.Tensor read a tensor () torch.float32" in msg
+
+
+@pytest.mark.parametrize("kind", ["tensor made anew, same value", "tensor updated in place"])
+def test_a_step_reading_an_outside_tensor_updated_in_place_replays_its_new_values(kind):
+    ref = _expected(kind)
+    for losses in run_dist(_reading_outside_values, 4, kind):
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+
+def test_a_merged_step_is_captured_again_until_the_next_optimizer_step():
+    """With two micro-batches a step, a count made anew each optimizer step is the same in a
+    step's two micro-batches: the first replay that could read it stale is the next step's
+    first micro-batch, and that is where it is refused."""
+    for call, msg, unchanged in run_dist(_reading_outside_values, 4, "tensor made anew", 2):
+        assert call == 2 and unchanged and "aten.div.Tensor" in msg

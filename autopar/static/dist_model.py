@@ -1,8 +1,9 @@
 """to_static: the same annotated model, run as a captured program (the static mode).
 
 The first call for a given input signature runs the step eagerly while recording the
-local program it runs (`program.Recorder`); later calls replay that program on the new
-batch, then run the optimizer step as usual.  The placements, the reshards and the
+local program it runs (`program.Recorder`); so does each call until the next optimizer
+step, which must record what the first did (`program.moved_constants`); later calls replay
+that program on the new batch, then run the optimizer step as usual.  The placements, the reshards and the
 numbers are those of the dynamic mode by construction: the program *is* what the dynamic
 mode did, minus the per-op decisions, wrappers and autograd bookkeeping.
 """
@@ -17,7 +18,7 @@ from ..runtime.precision import device_type
 from ..pipelining.microbatch import split_batch
 from .pipeline import capture as capture_pipeline
 from .pipeline import check_settings as check_pipeline
-from .program import CaptureError, Program, Recorder
+from .program import CaptureError, Program, Recorder, moved_constants
 from .strategy import Strategy
 
 _MODES = ("train", "eval", "predict")
@@ -37,8 +38,10 @@ def _autocast_state() -> tuple:
 class _Captured:
     """A program and how to turn its outputs back into the step's results."""
 
-    def __init__(self, program: Program, result_specs: list, grad_specs: list):
+    def __init__(self, program: Program, result_specs: list, grad_specs: list, step: int):
         self.program, self.result_specs, self.grad_specs = program, result_specs, grad_specs
+        self.first_step = step  # the step (optimizer step, or eval/predict call) it was first captured in
+        self.confirmed = False  # captured again in a later step and found to read the same values
 
 
 def _wrap(local, spec):
@@ -53,8 +56,10 @@ class DistModel:
     outputs.  The batch is `(inputs..., label)` when there is a loss taking two arguments,
     else all inputs (a single list/tuple argument is unpacked).  Build one with `to_static`.
 
-    A captured step must not branch on tensor values, and tensors it reads without
-    computing them (other than parameters, buffers and the batch) are taken as constants.
+    A captured step must not branch on tensor values.  Tensors it reads without computing
+    them (other than parameters, buffers and the batch) are read by reference: update them in
+    place.  A signature is captured again at each call until the step after its first, and a
+    value read differently there (a tensor made anew, a changed Python number) is refused.
     With a `Strategy`, a train step may be one micro-batch of a merged step (gradient merge),
     the forward runs under autocast (amp), and a pipelined model runs each train step as
     micro-batches in a schedule's order (pipeline: its captured micro-batch step is cut into
@@ -83,6 +88,7 @@ class DistModel:
         self._merged: list = []  # gradients summed over the micro-batches of the current step
         self._micro = 0
         self._programs: dict = {}
+        self._steps = 0  # optimizer steps taken (train), calls made (eval, predict)
         self._last: Optional[Program] = None
         self._mode = "train" if loss is not None and optimizer is not None else ("eval" if loss is not None else "predict")
 
@@ -122,8 +128,10 @@ class DistModel:
         if self._mode == "train":
             self.optimizer.zero_grad(set_to_none=True)
         captured = self._programs.get(key)
-        if captured is None:
+        if captured is None or not captured.confirmed:
             result = self._capture(key, batch, inputs, grad_holders)
+            if captured is not None:
+                self._confirm(captured, self._programs[key])
         else:
             result = self._replay(captured, inputs, grad_holders)
         if self._mode == "train":
@@ -132,6 +140,9 @@ class DistModel:
             if self._micro == 0:
                 self._step()
                 self.optimizer.zero_grad(set_to_none=True)
+                self._steps += 1
+        else:
+            self._steps += 1
         return result
 
     def _step(self) -> None:
@@ -222,9 +233,26 @@ class DistModel:
             program,
             [r._spec if type(r) is DistTensor else None for r in results] + [_structure(result)],
             [None if g is None else (g._spec if type(g) is DistTensor else False) for g in grads],
+            self._steps,
         )
         self._last = program
         return result.detach() if isinstance(result, torch.Tensor) and self._mode == "train" else result
+
+    def _confirm(self, first: _Captured, second: _Captured) -> None:
+        """A signature is captured again at each call until the step after the one it was
+        first captured in (every micro-batch of a merged step, then the next step's first):
+        a value the step reads from outside its inputs that changed since the last capture (a
+        tensor made anew each step or micro-batch, a Python number) would be replayed stale
+        forever, so it is refused here, before the optimizer steps on it."""
+        moved = moved_constants(first.program, second.program)
+        if moved:
+            raise CaptureError(
+                "to_static: the step reads values that are not its inputs (batch, parameters, buffers) and that "
+                "changed between its first two steps; the captured program would replay the first step's values. "
+                "Pass such a value in the batch, or keep one tensor and update it in place. Read differently:\n  "
+                + "\n  ".join(dict.fromkeys(moved)))
+        second.first_step = first.first_step
+        second.confirmed = self._steps > first.first_step
 
     def _replay(self, captured: _Captured, inputs, grad_holders):
         outs = captured.program.run([local_piece(t) for t in inputs])

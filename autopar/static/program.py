@@ -22,6 +22,7 @@ program's input signature: it is read at capture and its Python branch is kept.
 from __future__ import annotations
 
 import contextlib
+import difflib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -182,6 +183,49 @@ class Program:
     def wires(self) -> list:
         """The transfers, in order (one that overlaps what follows by its post)."""
         return [e.fn for e in self.entries if e.wire and e.fn.half != "arrive "]
+
+    def _scratch(self) -> set:
+        """The ids of the constants an entry writes (a transfer's buffers, an in-place op's
+        operand): the program's own memory, not values it reads from outside."""
+        written = set()
+        for e in self.entries:
+            tensors = e.args if e.wire else written_tensors(e.fn, e.args, e.kwargs)
+            written.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
+        return written
+
+
+def moved_constants(first: Program, second: Program) -> list[str]:
+    """What two captures of the same step read from outside their inputs with different
+    values: a tensor constant (one made anew for each step, not updated in place), a Python
+    number.  The captures are compared op by op where they ran the same ops (a first step
+    may differ in the library's own work: the gradient buckets are laid out at its end)."""
+    scratch = first._scratch() | second._scratch()
+    moved: list[str] = []
+
+    def compare(a, b, op: str) -> None:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a is not b and id(a) not in scratch and id(b) not in scratch and not a.is_meta and not (
+                    a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):  # (meta: no values)
+                moved.append(f"{op} read a tensor {tuple(a.shape)} {a.dtype} that is not the one it read before, "
+                             f"with other values")
+        elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+            for x, y in zip(a, b):
+                compare(x, y, op)
+        elif isinstance(a, _NUMBER) and isinstance(b, _NUMBER) and a != b and a == a:
+            moved.append(f"{op} read the Python number {a!r}, then {b!r}")
+
+    ops = [_op_key(e) for e in first.entries], [_op_key(e) for e in second.entries]
+    for i, j, n in difflib.SequenceMatcher(None, *ops, autojunk=False).get_matching_blocks():
+        for e, f in zip(first.entries[i:i + n], second.entries[j:j + n]):
+            compare([*e.args, *e.kwargs.values()], [*f.args, *f.kwargs.values()], _op_key(e))
+    return moved
+
+
+_NUMBER = (int, float, complex)
+
+
+def _op_key(e: Entry) -> str:
+    return f"{e.fn.half}{e.fn.op} over ranks {list(e.fn.ranks)}" if e.wire else str(e.fn)
 
 
 _ALIASES = {aten.detach.default, aten.alias.default}
