@@ -156,12 +156,12 @@ def test_a_count_rides_a_bucket_exactly_for_every_count_and_world_its_pieces_all
     rng = random.Random(0)
     for k, top in [(2, 10), (3, 1 << 30), (most, biggest)]:
         counts = [rng.randint(0, top) for _ in range(k)] + [top]
-        pieces = [riders.Rider(n, ()).pieces(torch.float32, torch.device("cpu")) for n in counts]
+        pieces = [riders.pieces(n, torch.float32, torch.device("cpu")) for n in counts]
         rng.shuffle(pieces)
         summed = torch.zeros(riders.PIECES)
         for p in pieces:
             summed += p
-        rider = riders.Rider(counts[0], ())
+        rider = riders.Count(counts[0], ())
         rider.arrived(summed)
         assert rider.summed.dtype == torch.int64 and int(rider.summed) == sum(counts), k
     ranks = (0, 1)
@@ -169,11 +169,11 @@ def test_a_count_rides_a_bucket_exactly_for_every_count_and_world_its_pieces_all
     assert riders.offer(5, tuple(range(most + 1))) is None
     rider = riders.offer(5, ranks)
     try:  # taken only by a bucket summed over the same ranks, in a dtype that sums it exactly
-        assert riders.take((0, 2), torch.float32, dist.ReduceType.SUM) is None
-        assert riders.take(ranks, torch.bfloat16, dist.ReduceType.SUM) is None
-        assert riders.take(ranks, torch.float32, dist.ReduceType.AVG) is None
+        assert riders.take((0, 2), torch.float32, dist.ReduceType.SUM) == []
+        assert riders.take(ranks, torch.bfloat16, dist.ReduceType.SUM) == []
+        assert riders.take(ranks, torch.float32, dist.ReduceType.AVG) == []
         started = riders.buckets_started(ranks)
-        assert riders.take(ranks, torch.float64, dist.ReduceType.SUM) is rider
+        assert riders.take(ranks, torch.float64, dist.ReduceType.SUM) == [rider]
         assert riders.buckets_started(ranks) == started + 1
         assert not rider.withdraw()  # (taken: it arrives with its bucket)
     finally:

@@ -175,17 +175,21 @@ def _ce(out, y):
     return F.cross_entropy(out, target)
 
 
-def test_a_mean_cross_entropy_pays_one_small_all_reduce_for_the_global_count():
+def test_a_mean_cross_entropy_carries_its_count_in_the_gradient_bucket():
     """The exact mean of a cross-entropy divides by the count of targets it did not ignore over
-    all ranks, which only the ranks' targets tell: one 8-byte all-reduce (sum, count) in the
-    forward, every step (no per-rank mean is exact when the counts differ, as here); the loss
+    all ranks, which only the ranks' targets tell (no per-rank mean is exact when the counts
+    differ, as here): each rank's (sum, count) rides in the gradient bucket's all-reduce (20
+    bytes more; `tensor/deferred_mean.py`), so the step has no collective of its own; the loss
     is then Replicate and reading it moves nothing."""
     ref = _reference_read_every(2, _ce)
     for losses, logs, placements in run_dist(_dp_steps_reading_the_loss_every, 2, 2, _ce):
         assert placements == [dist.Replicate()]
         np.testing.assert_allclose(losses, ref, rtol=1e-5)
-        for ops in logs:
-            assert ops == [("all_reduce", 8), ("all_reduce", GRAD_BYTES)], ops
+        # (the first step's bucket is reduced by the pre-step, which learns its layout: the pair
+        # is posted as its backward ends)
+        assert logs[0] == [("all_reduce", 8), ("all_reduce", GRAD_BYTES)], logs
+        for ops in logs[1:]:
+            assert ops == [("all_reduce", GRAD_BYTES + 4 * (riders.PIECES + 1))], ops
 
 
 def _ce_sum_over_known_count(out, y):
@@ -333,7 +337,7 @@ def test_a_loader_counting_the_targets_leaves_the_forward_no_collective():
         # batches 0-2 counted before any bucket started in backward; 3 and 4 in the buckets
         # of steps 2 and 3 (no batch after the last: step 4's bucket carries nothing)
         assert handouts == [[("all_reduce", 8)]] * 3 + [[]] * 2, handouts
-        carried = [grads] * 2 + [grads + 4 * riders.SPARE] * 2 + [grads]
+        carried = [grads] * 2 + [grads + 4 * riders.PIECES] * 2 + [grads]
         assert backwards == [[("all_reduce", n)] for n in carried], backwards
         assert forwards[1:] == [[]] * 4, forwards  # (the first forward verifies the model's local region)
         assert placements == [[dist.Partial("sum")]] * 5
@@ -634,3 +638,85 @@ def _resuming_a_count_window():
 
 def test_a_count_window_resumes_only_at_a_window_boundary():
     assert run_dist(_resuming_a_count_window, 1) == [True]
+
+
+def _sgd_one_process(mode):
+    """The single process's mean cross-entropy over `_windows(5)`'s batches under SGD (whose
+    step, unlike Adam's, shows a gradient's scale): each batch's loss and gradients; with
+    `mode` "accumulate" the gradients of two batches add up before each step."""
+    xs, ts = _windows(5)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, grads = [], []
+    for i in range(5):
+        rows = slice(i * BATCH, (i + 1) * BATCH)
+        loss = F.cross_entropy(model(xs[rows]), ts[rows])
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if mode != "accumulate" or i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+    return losses, grads
+
+
+def _deferred_mean_steps(mode):
+    """`_sgd_one_process` under data parallel on 2 ranks, the loss read after each step
+    ("read after"), before its backward ("read before"), or gradients accumulated over two
+    batches ("accumulate"); each step's loss, gradients, and the collectives of its forward,
+    backward and read."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
+    opt = dist.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    xs, ts = _windows(5)
+    losses, grads, logs = [], [], []
+    for i in range(5):
+        rows = slice(i * BATCH, (i + 1) * BATCH)
+        x, t = (dist.shard_tensor(v[rows], mesh, [dist.Shard(0)]) for v in (xs, ts))
+        with dist.comm_log() as forward:
+            loss = F.cross_entropy(model(x), t)
+        with dist.comm_log() as read_before:
+            if mode == "read before":
+                losses.append(loss.item())
+        with dist.comm_log() as backward:
+            loss.backward()
+        with dist.comm_log() as read_after:
+            if mode != "read before":
+                losses.append(loss.item())
+        grads.append([dist.unshard_dtensor(p.grad).clone() for p in model.parameters()])  # (a view: later steps add to it)
+        if mode != "accumulate" or i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+        logs.append([[(r.op, r.bytes) for r in log] for log in (forward, read_before, backward, read_after)])
+    return losses, grads, logs
+
+
+def _bucket_bytes():
+    return 4 * sum(p.numel() for p in _mlp().parameters())
+
+
+@pytest.mark.parametrize("mode", ["read after", "read before", "accumulate"])
+def test_a_mean_loss_is_reduced_in_the_gradient_bucket_not_before_backward(mode):
+    """The mean cross-entropy over targets ignored unevenly on the ranks: its forward moves
+    nothing.  Backpropagated before anything reads it, its backward runs with the count taken
+    as every target while the ranks' (sum, count) ride in the gradient bucket (20 bytes; the
+    first step, whose bucket is reduced by the optimizer's pre-step, posts them as the
+    backward ends), and the gradients are scaled by the count once it arrives; the loss is
+    then read for free.  Read before its backward, or backpropagated onto gradients already
+    there (accumulation), it is reduced where it is read, as the exact forward did.  Losses
+    and gradients are the single process's in every case."""
+    ref_losses, ref_grads = _sgd_one_process(mode)
+    grads_bytes = _bucket_bytes()
+    for losses, grads, logs in run_dist(_deferred_mean_steps, 2, mode):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for step, (got, want) in enumerate(zip(grads, ref_grads)):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        forwards, read_before, backwards, read_after = zip(*logs)
+        assert forwards == ([],) * 5, forwards
+        if mode == "read after":
+            assert backwards == ([("all_reduce", 8)],) + ([("all_reduce", grads_bytes + 20)],) * 4, backwards
+            assert read_after == ([],) * 5 and read_before == ([],) * 5
+        elif mode == "read before":
+            assert read_before == ([("all_reduce", 8)],) * 5 and read_after == ([],) * 5
+            assert backwards == ([],) + ([("all_reduce", grads_bytes)],) * 4, backwards

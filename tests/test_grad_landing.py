@@ -10,10 +10,13 @@ import torch
 
 import autopar as dist
 from autopar.runtime import grad_reduce
-from autopar.tensor import grad_landing
+from autopar.tensor import grad_landing, riders
 from distpool import run_dist
 from example_scripts import example
 import hf_llama
+
+# a mean loss's (sum, count), carried by the first bucket reduced in backward (`deferred_mean`)
+MEAN_BYTES = 4 * (riders.PIECES + 1)
 
 
 def _landed(model) -> bool:
@@ -56,9 +59,12 @@ def test_gradients_land_in_their_bucket_reduced_in_backward_and_train_as_one_pro
         # layout; from step 2 on the gradients are written into the bucket in backward, which
         # all-reduces it there, once its last gradient has landed
         assert landed == [False, True, True, True], landed
+        # (the mean loss's (sum, count): reduced in step 1's forward, which the regions' check
+        # records, then carried by the bucket)
         assert in_backward[0] == [] and [op for op, _ in in_step[0]] == ["all_reduce"], (in_backward, in_step)
         # the same bucket, whole: the bytes the pre-step sent at step 1, now sent in backward
-        assert all(b == in_step[0] and s == [] for b, s in zip(in_backward[1:], in_step[1:])), (in_backward, in_step)
+        carried = [(op, n + MEAN_BYTES) for op, n in in_step[0]]
+        assert all(b == carried and s == [] for b, s in zip(in_backward[1:], in_step[1:])), (in_backward, in_step)
 
 
 def _gpt_dp_on_mp_of_one(steps: int = 5, distributed: bool = True):
@@ -96,7 +102,9 @@ def test_on_a_mesh_with_a_dim_of_one_rank_buckets_are_reduced_in_backward_too():
         for k, v in ref_weights.items():
             torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5)
         assert [op for op, _ in in_step[0]] == ["all_reduce"], in_step
-        assert all(b == in_step[0] and s == [] for b, s in zip(in_backward[2:], in_step[2:])), (in_backward, in_step)
+        assert in_backward[:2] == [[("all_reduce", 8)]] * 2, in_backward  # (the loss's (sum, count), posted)
+        carried = [(op, n + MEAN_BYTES) for op, n in in_step[0]]
+        assert all(b == carried and s == [] for b, s in zip(in_backward[2:], in_step[2:])), (in_backward, in_step)
 
 
 def _accumulating(steps: int = 3, micro: int = 2):
@@ -232,7 +240,7 @@ def test_a_held_gradient_is_never_written_over():
 def _autograd_grad_after_landing():
     """After steps whose buckets were reduced in backward, `torch.autograd.grad` hands back
     this batch's gradients (Partial over dp: read whole, the batch's sum), with nothing sent
-    in backward, and `.grad` stays untouched."""
+    in backward but the loss's (sum, count) as it reads the loss, and `.grad` stays untouched."""
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     model = hf_llama.tiny_llama(use_cache=False)
     model, opt = dist.parallelize(model, hf_llama.optimizer(model.parameters()), mesh,
@@ -244,7 +252,7 @@ def _autograd_grad_after_landing():
     params = list(model.parameters())
     with dist.comm_log() as log:
         grads = torch.autograd.grad(loss, params)
-    return [r.op for r in log], [p.grad is None for p in params], [dist.unshard_dtensor(g) for g in grads]
+    return [(r.op, r.bytes) for r in log], [p.grad is None for p in params], [dist.unshard_dtensor(g) for g in grads]
 
 
 def test_autograd_grad_gradients_are_never_reduced_early():
@@ -254,7 +262,7 @@ def test_autograd_grad_gradients_are_never_reduced_early():
     ids, labels = data[3]
     ref = torch.autograd.grad(model(input_ids=ids, labels=labels).loss, list(model.parameters()))
     for ops, no_grad, grads in run_dist(_autograd_grad_after_landing, 2):
-        assert ops == [] and all(no_grad), (ops, no_grad)
+        assert ops == [("all_reduce", 8)] and all(no_grad), (ops, no_grad)
         for g, r in zip(grads, ref):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 

@@ -104,7 +104,12 @@ def test_static_equals_dynamic_equals_single_process(strategy):
     for (dyn_losses, dyn_params, _), (st_losses, st_params, program) in run_dist(_both, world, strategy):
         assert st_losses == dyn_losses  # the same local ops in the same order: bit for bit
         for k in dyn_params:
-            assert torch.equal(st_params[k], dyn_params[k]), k
+            if strategy == "dp":  # the dynamic step's gradient bucket carries the mean loss's (sum, count)
+                # too (`deferred_mean`; the captured step reduces them in its forward): gloo sums the
+                # 4 ranks' elements of the longer buffer in another order, a last-bit difference
+                torch.testing.assert_close(st_params[k], dyn_params[k], rtol=1e-6, atol=1e-8)
+            else:
+                assert torch.equal(st_params[k], dyn_params[k]), k
         np.testing.assert_allclose(st_losses, ref_losses, rtol=1e-5)
         for k, v in ref_params.items():
             torch.testing.assert_close(st_params[k], v, rtol=1e-5, atol=1e-5)

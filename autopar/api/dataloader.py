@@ -265,7 +265,7 @@ class ShardDataloader:
 
     def _count_start(self, window: list, ride: bool):
         """`count_items` of this rank's pieces of the window's batches; their sum over the
-        ranks holding the other pieces offered to the next gradient bucket (a `riders.Rider`)
+        ranks holding the other pieces offered to the next gradient bucket (a `riders.Count`)
         where it may `ride` and buckets have started in backward since the last window was
         counted (a training loop), else posted (a `comm.Pending`); the count itself where no
         other rank holds a piece."""
@@ -297,7 +297,7 @@ class ShardDataloader:
         Trainer passes it (a tensor, not an int: a module run as a local region is keyed by a
         tensor argument's shape, by an int's value, so every new count would verify it again).
         A rider no bucket took (the loop has stopped reducing in backward) is posted now."""
-        if isinstance(count, riders.Rider):
+        if isinstance(count, riders.Count):
             count = _count_posted(count.n, count.ranks) if count.withdraw() else count.result()
         if isinstance(count, Pending):
             return count.wait().reshape(())

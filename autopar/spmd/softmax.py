@@ -15,10 +15,14 @@ nll_loss picks -w[t] * logp[t] per sample:
   the kernel all-reduces (local loss sum, local total weight) together, one collective
   over the mesh dims sharding batch-like dims, where the loss comes out Replicate (reduced
   already: reading its value costs nothing more); along mesh dims splitting the classes
-  it stays Partial(sum), as for sum;
+  it stays Partial(sum), as for sum.  Without class weights a `MeanTaker` above the rules
+  (the distributed tensor's deferred means) may take the pair instead and reduce it later;
   a Partial input passes through (the loss is linear in logp).
 """
 from __future__ import annotations
+
+import math
+from typing import Optional, Protocol
 
 import torch
 
@@ -107,6 +111,23 @@ def softmax_backward_split_dim(func, args, kwargs, in_specs, out_specs, coord):
 
 
 # -- nll_loss ------------------------------------------------------------------------------------
+class MeanTaker(Protocol):
+    """Holds a mean loss's (sum, count) of this rank to reduce later than the forward."""
+
+    def take(self, loss_sum: torch.Tensor, count: torch.Tensor, targets: int, ranks: tuple) -> Optional[tuple]:
+        """This rank's sum of the losses and count of the targets not ignored, of `targets` over
+        `ranks`: the (loss, total weight) locals to hand out in their place, or None to have
+        them reduced now."""
+
+
+_MEAN_TAKER: list = []  # the one MeanTaker, once a layer above has offered itself
+
+
+def defer_means_to(taker: MeanTaker) -> None:
+    """Offer every unweighted mean nll_loss split over ranks to `taker` (see `MeanTaker`)."""
+    _MEAN_TAKER[:] = [taker]
+
+
 def _class_dim(ndim: int) -> int:
     return 1 if ndim >= 2 else 0
 
@@ -208,8 +229,12 @@ def nll_loss_kernel(func, args, kwargs, in_specs, out_specs, coord):
         if reduction == _SUM:
             return loss_sum, total
     # one all-reduce of (sum, total weight) over the mesh dims sharding batch-like dims
-    both = torch.stack([loss_sum, total])
-    both = comm.all_reduce(both, shard_group(spec, set(range(spec.ndim)) - {c}, coord), ReduceType.SUM)
+    ranks = shard_group(spec, set(range(spec.ndim)) - {c}, coord)
+    if weight is None and _MEAN_TAKER and len(ranks) > 1:
+        taken = _MEAN_TAKER[0].take(loss_sum, total, math.prod(in_specs[1].shape), ranks)
+        if taken is not None:
+            return taken
+    both = comm.all_reduce(torch.stack([loss_sum, total]), ranks, ReduceType.SUM)
     return both[0] / both[1], both[1]
 
 

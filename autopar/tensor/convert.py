@@ -14,6 +14,7 @@ from ..placement import Replicate, Shard
 from ..redistribute import piece_of_full, redistribute_local
 from ..spec import DistSpec
 from . import grad_landing
+from .deferred_mean import MEANS
 from .dtensor import DistTensor, new_dist
 
 
@@ -89,6 +90,8 @@ def gather_everywhere(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
 
 def reshard_to(t: DistTensor, spec: DistSpec) -> DistTensor:
     """`t` under `spec` (same global meta), differentiably; `t` itself when it is there."""
+    if MEANS.pending:
+        MEANS.read(t)
     return t if spec == t._spec else Reshard.apply(t, spec)
 
 
@@ -96,6 +99,8 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `t` as a plain tensor (differentiable)."""
     if not isinstance(t, DistTensor):
         return t
+    if MEANS.pending:
+        MEANS.read(t)
     return _ToLocal.apply(t)
 
 
@@ -103,6 +108,8 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     """The global value of `t` as a plain tensor on every rank (collective over the job)."""
     if not isinstance(t, DistTensor):
         return t
+    if MEANS.pending:
+        MEANS.read(t)
     return _FullValue.apply(t)
 
 

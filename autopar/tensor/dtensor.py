@@ -106,6 +106,14 @@ class DistTensor(torch.Tensor):
     def is_dist(self) -> bool:
         return True
 
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        """torch's backward; from a mean loss whose count is not reduced yet, with the count
+        carried by the gradient buckets and the gradients scaled once it is (`deferred_mean`)."""
+        means = _means.MEANS
+        if not (means.pending and gradient is None and inputs is None and not create_graph
+                and means.backward(self, retain_graph)):
+            torch.Tensor.backward(self, gradient, retain_graph, create_graph, inputs)
+
     # -- conversions to Python give the global value --------------------------------
     # Collective over the job: each runs on the value-read groups (`comm.value_read`), so
     # a read made on some ranks only is reported instead of pairing with training traffic.
@@ -193,3 +201,5 @@ _NO_KWARGS: dict = {}
 # every aten op on a DistTensor: `dispatch.dispatch` (which builds on this class, so it is
 # bound as a module and looked up when an op runs)
 from . import dispatch as _ops  # noqa: E402
+# a mean loss handed out before its count is reduced, and its backward (`deferred_mean`)
+from . import deferred_mean as _means  # noqa: E402

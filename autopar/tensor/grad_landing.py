@@ -51,7 +51,7 @@ class Landing:
     """One bucket's flat layout and its current buffer (see the module doc)."""
 
     __slots__ = ("key", "shapes", "sizes", "numel", "dtype", "device", "slots", "filled", "alone", "reduce", "flight",
-                 "rider", "settled")
+                 "riders", "settled")
 
     def __init__(self, key: tuple, locals_: list):
         self.key = key  # what the layout was learnt from (the pre-step compares it)
@@ -64,7 +64,7 @@ class Landing:
         self.alone: tuple = ()  # `_holders` of the current buffer when it was made
         self.reduce: Optional[Reduce] = None  # the bucket's all-reduce, to start in backward
         self.flight = None  # the all-reduce started this round (comm.Pending)
-        self.rider: Optional[riders.Rider] = None  # a count carried by that all-reduce
+        self.riders: list = []  # sums carried by that all-reduce (`riders`)
         self.settled = False  # the members' gradients hold the reduced values, placed so
 
     def take(self, i: int, like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -76,7 +76,7 @@ class Landing:
             self.new_round()  # (the gradients reduced in backward were taken: a new step)
         if self.filled is None:
             if not self.slots or _holders(self.slots) != self.alone:
-                # (with room for a count riding along, see `riders`)
+                # (with room for sums riding along, see `riders`)
                 buffer = torch.empty(self.numel + riders.SPARE, dtype=self.dtype, device=self.device)
                 self.slots = [piece.view(shape)
                               for piece, shape in zip(buffer[:self.numel].split(self.sizes), self.shapes)]
@@ -116,25 +116,27 @@ class Landing:
         return self.slots[0].as_strided((self.numel + spare,), (1,), 0)
 
     def start(self) -> None:
-        """Start the bucket's all-reduce, carrying a count waiting to be summed over its ranks."""
+        """Start the bucket's all-reduce, carrying the sums waiting to be taken over its ranks."""
         r = self.reduce
-        self.rider = riders.take(r.ranks, self.dtype, r.op)
-        if self.rider is None:
-            flat = self._flat()
-        else:
-            flat = self._flat(riders.SPARE)
-            flat[self.numel:].copy_(self.rider.pieces(self.dtype, self.device))
-            self.rider.carrier = self
+        self.riders = riders.take(r.ranks, self.dtype, r.op)
+        flat = self._flat(sum(rider.width for rider in self.riders))
+        at = self.numel
+        for rider in self.riders:
+            flat[at:at + rider.width].copy_(rider.values(self.dtype, self.device))
+            rider.carrier = self
+            at += rider.width
         self.flight = all_reduce_start(flat, r.ranks, r.op)
         _IN_FLIGHT.append(self)
 
     def arrive(self) -> None:
-        """Wait for the all-reduce in flight; the count it carried has arrived too."""
+        """Wait for the all-reduce in flight; the sums it carried have arrived too."""
         flight, self.flight = self.flight, None
         flight.wait()
-        rider, self.rider = self.rider, None
-        if rider is not None:
-            rider.arrived(self.slots[0].as_strided((riders.SPARE,), (1,), self.numel))
+        carried, self.riders = self.riders, []
+        at = self.numel
+        for rider in carried:
+            rider.arrived(self.slots[0].as_strided((rider.width,), (1,), at))
+            at += rider.width
 
     def settle(self) -> None:
         """Wait for the all-reduce; the members' gradients take its placement."""
