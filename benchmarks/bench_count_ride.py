@@ -11,8 +11,8 @@ barrier before each block only), the impls' blocks interleaved:
   ride       : the loader's count, riding (the library's default);
   posted     : the same loader with riding off: the count's own all-reduce;
   known      : the loss summed over a count the job knows (a Python int): no count to sum;
-  mean       : the mean cross-entropy over the loader's batches (its count all-reduced in
-               the forward);
+  mean       : the mean cross-entropy over the loader's batches (its (sum, count) carried
+               by the gradient bucket, `tensor/deferred_mean.py`);
   ddp        : DDP over each rank's rows, prepared, its local mean loss;
   ddp_loader : the same DDP fed by torch's DataLoader with a DistributedSampler (each rank
                reading every k-th row: the same global batches), as a DDP job is fed.

@@ -16,7 +16,8 @@ cross-entropy, backward, optimizer step, zero_grad, loss.item().
   autopar_dp_sum : autopar_dp with the loss as cross_entropy(reduction="sum") / the global
                  count of targets (known here: none is ignored), as docs/training.md offers
                  when the count is known: the loss stays Partial, no collective before
-                 backward (the exact mean's count all-reduce is the one DDP does not make).
+                 backward, no gradient to scale (the mean's (sum, count) rides in the
+                 gradient bucket and its gradients are scaled after backward).
   ddp          : torch DistributedDataParallel, each rank feeds its 2-sequence batch slice.
   autopar_dptp : train_gpt.build on a 2x2 (dp, mp) mesh (Megatron plan, incl. vocab-sharded
                  tok embedding and head).

@@ -178,3 +178,32 @@ def test_a_count_rides_a_bucket_exactly_for_every_count_and_world_its_pieces_all
         assert not rider.withdraw()  # (taken: it arrives with its bucket)
     finally:
         rider.withdraw()
+
+
+def test_a_mean_loss_rides_a_bucket_beside_a_loaders_count():
+    """A loss's (sum, count) rides as the count's pieces (read off a tensor on its device, the
+    same pieces as the integer's) and the sum; summed over the ranks it gives back the total
+    count exactly and the sum of the sums.  A bucket takes the riders waiting over its ranks in
+    the order offered, as many as its spare elements hold: a loader's count and a loss's pair."""
+    from autopar.tensor import riders
+
+    cpu = torch.device("cpu")
+    for n in (0, 1, 4095, 4096, 123456789, (1 << 47) + 5):
+        assert torch.equal(riders.pieces(torch.tensor(float(n), dtype=torch.float64), torch.float64, cpu),
+                           riders.pieces(n, torch.float64, cpu)), n
+    sums, counts = [1.5, -0.25, 3.0], [7, 0, 4096 * 3 + 1]
+    parts = [riders.MeanParts(torch.tensor(x), torch.tensor(float(c)), ()) for x, c in zip(sums, counts)]
+    summed = sum(p.values(torch.float32, cpu) for p in parts)
+    parts[0].arrived(summed)
+    loss_sum, count = parts[0].summed
+    assert count.dtype == torch.int64 and int(count) == sum(counts) and float(loss_sum) == sum(sums)
+    ranks = (0, 1)
+    count_rider, pair, another = riders.offer(5, ranks), riders.offer_mean(torch.tensor(1.0), torch.tensor(2.0), ranks), \
+        riders.offer_mean(torch.tensor(1.0), torch.tensor(2.0), ranks)
+    try:
+        assert riders.take(ranks, torch.float32, dist.ReduceType.SUM) == [count_rider, pair]
+        assert sum(r.width for r in (count_rider, pair)) <= riders.SPARE
+        assert riders.take(ranks, torch.float32, dist.ReduceType.SUM) == [another]
+    finally:
+        for r in (count_rider, pair, another):
+            r.withdraw()

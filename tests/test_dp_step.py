@@ -640,12 +640,28 @@ def test_a_count_window_resumes_only_at_a_window_boundary():
     assert run_dist(_resuming_a_count_window, 1) == [True]
 
 
+class _Checkpointed(torch.nn.Module):
+    """`_mlp` with its last layers under a reentrant checkpoint (whose backward accumulates
+    into their parameters from a backward of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.net[1:], self.net[0](x), use_reentrant=True)
+
+
+def _model(mode):
+    return _Checkpointed() if mode == "reentrant checkpoint" else _mlp()
+
+
 def _sgd_one_process(mode):
     """The single process's mean cross-entropy over `_windows(5)`'s batches under SGD (whose
     step, unlike Adam's, shows a gradient's scale): each batch's loss and gradients; with
     `mode` "accumulate" the gradients of two batches add up before each step."""
     xs, ts = _windows(5)
-    model = _mlp()
+    model = _model(mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, grads = [], []
     for i in range(5):
@@ -666,8 +682,10 @@ def _deferred_mean_steps(mode):
     batches ("accumulate"); each step's loss, gradients, and the collectives of its forward,
     backward and read."""
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
-    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
-    opt = dist.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    model = _model(mode)
+    level = {"zero2": 2, "zero3": 3}.get(mode, 0)
+    model, opt = dist.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.5), mesh,
+                                  {"dp_config": {"sharding_level": level}})
     xs, ts = _windows(5)
     losses, grads, logs = [], [], []
     for i in range(5):
@@ -695,16 +713,18 @@ def _bucket_bytes():
     return 4 * sum(p.numel() for p in _mlp().parameters())
 
 
-@pytest.mark.parametrize("mode", ["read after", "read before", "accumulate"])
+@pytest.mark.parametrize("mode", ["read after", "read before", "accumulate", "reentrant checkpoint", "zero2", "zero3"])
 def test_a_mean_loss_is_reduced_in_the_gradient_bucket_not_before_backward(mode):
     """The mean cross-entropy over targets ignored unevenly on the ranks: its forward moves
     nothing.  Backpropagated before anything reads it, its backward runs with the count taken
     as every target while the ranks' (sum, count) ride in the gradient bucket (20 bytes; the
     first step, whose bucket is reduced by the optimizer's pre-step, posts them as the
     backward ends), and the gradients are scaled by the count once it arrives; the loss is
-    then read for free.  Read before its backward, or backpropagated onto gradients already
-    there (accumulation), it is reduced where it is read, as the exact forward did.  Losses
-    and gradients are the single process's in every case."""
+    then read for free.  Read before its backward, backpropagated onto gradients already there
+    (accumulation), through a reentrant checkpoint (whose own backward reaches leaves the
+    factor would not) or under ZeRO-2/3 (which move gradients off their leaves in backward), it
+    is reduced where it is read, as the exact forward did.  Losses and gradients are the single
+    process's in every case."""
     ref_losses, ref_grads = _sgd_one_process(mode)
     grads_bytes = _bucket_bytes()
     for losses, grads, logs in run_dist(_deferred_mean_steps, 2, mode):
@@ -713,10 +733,62 @@ def test_a_mean_loss_is_reduced_in_the_gradient_bucket_not_before_backward(mode)
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"step {step}")
         forwards, read_before, backwards, read_after = zip(*logs)
-        assert forwards == ([],) * 5, forwards
+        assert all(op == "all_gather" for ops in forwards for op, _ in ops), forwards  # (ZeRO-3's parameters)
         if mode == "read after":
             assert backwards == ([("all_reduce", 8)],) + ([("all_reduce", grads_bytes + 20)],) * 4, backwards
             assert read_after == ([],) * 5 and read_before == ([],) * 5
         elif mode == "read before":
             assert read_before == ([("all_reduce", 8)],) * 5 and read_after == ([],) * 5
             assert backwards == ([],) + ([("all_reduce", grads_bytes)],) * 4, backwards
+        elif mode == "reentrant checkpoint":
+            assert all(ops[0] == ("all_reduce", 8) for ops in backwards), backwards  # (reduced as backward starts)
+
+
+class _Refused(RuntimeError):
+    pass
+
+
+def _mean_backward_that_raises():
+    """`_deferred_mean_steps`' training, the third backward raising from a hook on the logits'
+    gradient (with the pair riding: a leaf's hook would have it reduced before): the loss is
+    still read whole, and the next steps train as if that batch had been skipped."""
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    model, _ = dist.parallelize(_mlp(), None, mesh, {"dp_config": {}})
+    opt = dist.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    xs, ts = _windows(5)
+    losses, raised = [], []
+    for i in range(5):
+        rows = slice(i * BATCH, (i + 1) * BATCH)
+        x, t = (dist.shard_tensor(v[rows], mesh, [dist.Shard(0)]) for v in (xs, ts))
+        logits = model(x)
+        handle = logits.register_hook(lambda g: (_ for _ in ()).throw(_Refused())) if i == 2 else None
+        loss = F.cross_entropy(logits, t)
+        try:
+            loss.backward()
+            opt.step()
+        except _Refused:
+            raised.append(i)
+        finally:
+            if handle is not None:
+                handle.remove()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, raised
+
+
+def test_a_mean_loss_whose_backward_raises_is_read_whole_and_training_goes_on():
+    xs, ts = _windows(5)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref = []
+    for i in range(5):
+        rows = slice(i * BATCH, (i + 1) * BATCH)
+        loss = F.cross_entropy(model(xs[rows]), ts[rows])
+        if i != 2:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    for losses, raised in run_dist(_mean_backward_that_raises, 2):
+        assert raised == [2]
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)

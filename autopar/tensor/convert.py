@@ -121,6 +121,7 @@ class GradToPlacement:
     data-parallel buckets reduce them), and nothing here moves bytes."""
 
     __slots__ = ("attrs",)
+    only_places = True  # (linear: a mean loss's gradients may be scaled after it, `deferred_mean`)
 
     def __init__(self, param: torch.Tensor):
         # The Parameter's attribute dict, not the Parameter: a hook holding its own tensor is a

@@ -24,6 +24,7 @@ import contextlib
 from typing import Optional
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from .. import comm
 from ..comm.observers import capture_running
@@ -135,8 +136,8 @@ class _Means:
             return False
         self._drop(p)
         leaves = _leaves(root)
-        if any(leaf.grad is not None for leaf in leaves):
-            p.reduce()  # (gradients there already: the factor would scale them too)
+        if leaves is None:
+            p.reduce()  # (gradients there already, or put where the factor cannot reach them)
             return False
         p.leaves = leaves
         p.rider = riders.offer_mean(p.pair[0], p.pair[1], p.ranks)
@@ -148,8 +149,13 @@ class _Means:
         return True
 
 
-def _leaves(root: torch.Tensor) -> list:
-    """The leaves a backward from `root` accumulates gradients into."""
+def _leaves(root: torch.Tensor) -> Optional[list]:
+    """The leaves a backward from `root` accumulates gradients into, each with none yet; None
+    where one has a gradient already, or where a gradient may go elsewhere than into the
+    leaves' `.grad` as autograd accumulates it: a leaf's post-accumulate hook (ZeRO-2 and -3
+    move them), a leaf's tensor hook that does more than place its gradient, a custom
+    autograd Function from outside autopar (a reentrant checkpoint accumulates into leaves
+    its own backward reaches)."""
     seen, stack, leaves = set(), [root.grad_fn], []
     while stack:
         fn = stack.pop()
@@ -158,9 +164,14 @@ def _leaves(root: torch.Tensor) -> list:
         seen.add(fn)
         variable = getattr(fn, "variable", None)  # (AccumulateGrad's)
         if variable is not None:
+            if (variable.grad is not None or variable._post_accumulate_grad_hooks
+                    or not all(getattr(h, "only_places", False) for h in (variable._backward_hooks or {}).values())):
+                return None
             leaves.append(variable)
-        else:
-            stack.extend(next_fn for next_fn, _ in fn.next_functions)
+            continue
+        if isinstance(fn, BackwardCFunction) and not fn._forward_cls.__module__.startswith("autopar."):
+            return None
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return leaves
 
 

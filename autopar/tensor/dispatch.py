@@ -369,6 +369,9 @@ def _densify_grad(grad):
     return grad
 
 
+_densify_grad.only_places = True  # (linear: a mean loss's gradients may be scaled after it, `deferred_mean`)
+
+
 def dispatch(func, args, kwargs):
     # the key: the op and every argument's spec (tensors) or value (floats: their type)
     flat: list = []
