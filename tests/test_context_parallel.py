@@ -561,12 +561,18 @@ def _llama_static_steps(backend, static):
 @pytest.mark.parametrize("backend", ["p2p", "all2all"], ids=["ring", "ulysses"])
 def test_to_static_replays_hf_llama_under_the_context_parallel_plans(backend):
     """The tiny HF Llama under PrepareContextParallel and ContextParallel as a `to_static`
-    program: the eager step's losses and transfers, bit for bit, and one process's losses."""
+    program: the eager step's transfers (but for the mean loss's (sum, count), which the eager
+    step carries in its gradient bucket), its losses, and one process's losses."""
+    from test_static_collectives import _carried
+
     ref = hf_llama.reference(hf_llama.batches(5, batch=2), attention="sdpa")[0]
     kv = 2 * (2 * hf_llama.KV_HEADS * hf_llama.SEQ // 2 * (hf_llama.HIDDEN // hf_llama.HEADS) * 4)  # batch 2, fp32
     eager, static = run_dist(_llama_static_steps, 2, backend, False), run_dist(_llama_static_steps, 2, backend, True)
     for (losses, log, _), (s_losses, s_log, program) in zip(eager, static):
-        assert s_losses == losses and s_log == log, (s_log, log)
+        assert _carried(s_log, in_bytes=True) == log, (s_log, log)
+        # (the eager step's gradients: its backward's with every target counted, scaled by
+        # their number over the count once the bucket brings it: the last bits may differ)
+        np.testing.assert_allclose(s_losses, losses, rtol=1e-6)
         np.testing.assert_allclose(s_losses, ref, rtol=1e-5)
         assert ("all_to_all" in {op for op, *_ in log}) == (backend == "all2all")
         if backend == "p2p":  # per layer: K/V once in the forward, K/V and their gradients in the backward

@@ -11,6 +11,7 @@ import torch
 
 import autopar as dist
 from autopar.placement import Shard
+from autopar.tensor import riders
 from distpool import run_dist
 from hf_llama import FFN, HEADS, HIDDEN, KV_HEADS, SEQ, VOCAB, assert_matches, batches, mp_plan, optimizer, train
 
@@ -159,7 +160,9 @@ def test_data_parallel_matches_one_process(name, level):
         scalars = [b for b in _bytes(comm, "all_reduce") if b <= 8]
         if level == 0:
             assert _bytes(comm, "all_gather") == [] and _bytes(comm, "reduce_scatter") == [], comm
-            assert sorted(_bytes(comm, "all_reduce")) == sorted(scalars + [pbytes]), (pbytes, comm)
+            # (the bucket may carry the mean loss's (sum, count): `deferred_mean`)
+            buckets = [b for b in _bytes(comm, "all_reduce") if b > 8]
+            assert buckets in ([pbytes], [pbytes + 4 * (riders.PIECES + 1)]), (pbytes, comm)
         else:
             assert _bytes(comm, "all_reduce") == scalars, comm
             assert sum(_bytes(comm, "reduce_scatter")) == pbytes // 2, (pbytes, comm)

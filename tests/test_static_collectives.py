@@ -55,18 +55,19 @@ def _collectives(static, mp=False, steps=STEPS, family="llama", **model_config):
     return losses, logs
 
 
-def _carried(log: list) -> list:
-    """A captured step's collectives as the dynamic step sends them: the mean loss's (sum,
-    count) all-reduce, shape (2,), carried by the first gradient bucket over its ranks instead
-    (`tensor/deferred_mean.py`)."""
+def _carried(log: list, in_bytes: bool = False) -> list:
+    """A captured step's collectives, (op, ranks, shape or bytes), as the dynamic step sends
+    them: the mean loss's (sum, count) all-reduce, of two float32 elements, carried by the first
+    gradient bucket over its ranks instead (`tensor/deferred_mean.py`)."""
+    pair_size, extra = (8, 4 * (riders.PIECES + 1)) if in_bytes else ((2,), riders.PIECES + 1)
     out, pair = [], None
-    for op, ranks, shape in log:
-        if op == "all_reduce" and shape == (2,) and pair is None:
+    for op, ranks, size in log:
+        if op == "all_reduce" and size == pair_size and pair is None:
             pair = ranks
             continue
-        if pair is not None and op == "all_reduce" and ranks == pair and len(shape) == 1 and shape[0] > 2:
-            shape, pair = (shape[0] + riders.PIECES + 1,), ()
-        out.append((op, ranks, shape))
+        if pair and op == "all_reduce" and ranks == pair and (size > 8 if in_bytes else len(size) == 1 and size[0] > 2):
+            size, pair = (size + extra if in_bytes else (size[0] + extra,)), ()
+        out.append((op, ranks, size))
     return out
 
 

@@ -123,9 +123,12 @@ def _amp_both():
 def test_amp_runs_the_forward_in_bfloat16_like_autocast():
     ref = _single(amp=True)
     for static, dynamic in run_dist(_amp_both, 4):
-        assert static[0] == dynamic[0]  # the dynamic mode under autocast, bit for bit
+        # the dynamic mode under autocast, to the last bits: its gradient bucket also carries the
+        # mean loss's (sum, count) (`deferred_mean`; the captured step reduces them in its
+        # forward), and gloo sums 4 ranks' elements of the longer buffer in another order
+        np.testing.assert_allclose(static[0], dynamic[0], rtol=1e-6)
         for k in dynamic[1]:
-            assert torch.equal(static[1][k], dynamic[1][k]), k
+            torch.testing.assert_close(static[1][k], dynamic[1][k], rtol=1e-6, atol=1e-8)
         assert "bfloat16" in static[4]
         # bfloat16 keeps ~3 significant digits: per-rank pieces round differently from one process
         _check(static, ref, rtol=2e-2, atol=2e-2)

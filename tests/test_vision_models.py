@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import autopar as dist
 from autopar import Replicate, Shard
+from autopar.tensor import riders
 from distpool import run_dist
 from opcheck import check
 from vision_models import ResNet, SequenceClassifier, UNetBlock
@@ -395,7 +396,8 @@ def test_model_data_parallel_equals_one_process(name):
             for shape, n in bn_channels.items():
                 assert shapes.pop(shape) == 2 * n, (step, shape, ops)
             gradients = sum(s[0] for s in shapes if len(s) == 1 and s[0] > 2)
-            assert gradients == _reduced_elements(model), (step, ops)
+            # (the bucket may carry the mean loss's (sum, count): `deferred_mean`)
+            assert gradients - _reduced_elements(model) in (0, riders.PIECES + 1), (step, ops)
             assert set(shapes) <= {(1,), (2,), ()} | {s for s in shapes if len(s) == 1 and s[0] > 2}, (step, ops)
 
 

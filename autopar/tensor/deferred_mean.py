@@ -13,10 +13,13 @@ pending (`nll_loss`'s kernel offers the pair: `spmd.softmax.MeanTaker`):
   made is multiplied by N / C (exactly 1 where no target was ignored) and the loss holds its
   value: the gradients and the loss of the exact mean, with no collective of their own.
 - whatever else reads the loss first (an op on it, `.item()`, a reshard, `autograd.grad`, a
-  backward through another root) reduces the pair there, as the exact forward did.
+  backward through another root) reduces the pair there, as the exact forward did; so does
+  a backward whose gradients may not all land in its leaves' `.grad` where the factor can
+  reach them (see `_leaves`: ZeRO-2/3, a reentrant checkpoint, a hook on a parameter).
 
-During that backward a hook reading a gradient sees it scaled by C / N (DDP's hooks see a
-rank's own unaveraged gradient the same way); what lands in `.grad` is exact.
+During that backward a hook on an intermediate tensor sees its gradient scaled by C / N
+(DDP's hooks see a rank's own unaveraged gradient the same way); what lands in `.grad` is
+exact.
 """
 from __future__ import annotations
 
@@ -90,7 +93,7 @@ class _Means:
 
     def take(self, loss_sum, count, targets, ranks):
         if (not torch.is_grad_enabled() or capture_running() or loss_sum.dtype not in _CARRIED
-                or loss_sum.is_meta or len(ranks) > riders.MOST_RANKS):
+                or len(ranks) > riders.MOST_RANKS):
             return None
         if len(self.pending) >= _MOST_PENDING:
             self._drop(self.pending[0]).reduce()
@@ -150,12 +153,16 @@ class _Means:
 
 
 def _leaves(root: torch.Tensor) -> Optional[list]:
-    """The leaves a backward from `root` accumulates gradients into, each with none yet; None
-    where one has a gradient already, or where a gradient may go elsewhere than into the
-    leaves' `.grad` as autograd accumulates it: a leaf's post-accumulate hook (ZeRO-2 and -3
-    move them), a leaf's tensor hook that does more than place its gradient, a custom
-    autograd Function from outside autopar (a reentrant checkpoint accumulates into leaves
-    its own backward reaches)."""
+    """The leaves a backward from `root`, a loss on its mesh's ranks, accumulates gradients into, each
+    with none yet; None where one has a gradient already, or where a gradient may go elsewhere
+    than into the `.grad` of leaves on those ranks (all of which scale them alike): a leaf on
+    other ranks (a pipeline's earlier stage, experts on a sub-mesh; a plain leaf unless the
+    loss spans the job), a leaf's post-accumulate hook (ZeRO-2 and -3 move them), a leaf's
+    tensor hook that does more than place its gradient, a custom autograd Function from
+    outside autopar (a reentrant checkpoint accumulates into leaves its own backward reaches)."""
+    mesh = root._spec.mesh
+    ranks = frozenset(mesh.process_ids)
+    everywhere = len(ranks) == comm.get_world_size()
     seen, stack, leaves = set(), [root.grad_fn], []
     while stack:
         fn = stack.pop()
@@ -164,7 +171,10 @@ def _leaves(root: torch.Tensor) -> Optional[list]:
         seen.add(fn)
         variable = getattr(fn, "variable", None)  # (AccumulateGrad's)
         if variable is not None:
+            spec = getattr(variable, "_spec", None)
             if (variable.grad is not None or variable._post_accumulate_grad_hooks
+                    or (spec.mesh is not mesh and frozenset(spec.mesh.process_ids) != ranks if spec is not None
+                        else not everywhere)
                     or not all(getattr(h, "only_places", False) for h in (variable._backward_hooks or {}).values())):
                 return None
             leaves.append(variable)
