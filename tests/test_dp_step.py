@@ -697,7 +697,10 @@ def _deferred_mean_steps(mode):
             if mode == "read before":
                 losses.append(loss.item())
         with dist.comm_log() as backward:
-            loss.backward()
+            if mode == "given gradient":  # (made without reading the loss: reduced in the backward)
+                loss.backward(dist.shard_tensor(torch.ones(()), mesh, [dist.Replicate()], src_data_rank=None))
+            else:
+                loss.backward()
         with dist.comm_log() as read_after:
             if mode != "read before":
                 losses.append(loss.item())
@@ -713,7 +716,8 @@ def _bucket_bytes():
     return 4 * sum(p.numel() for p in _mlp().parameters())
 
 
-@pytest.mark.parametrize("mode", ["read after", "read before", "accumulate", "reentrant checkpoint", "zero2", "zero3"])
+@pytest.mark.parametrize("mode", ["read after", "read before", "accumulate", "reentrant checkpoint", "zero2", "zero3",
+                                  "given gradient"])
 def test_a_mean_loss_is_reduced_in_the_gradient_bucket_not_before_backward(mode):
     """The mean cross-entropy over targets ignored unevenly on the ranks: its forward moves
     nothing.  Backpropagated before anything reads it, its backward runs with the count taken
@@ -723,8 +727,8 @@ def test_a_mean_loss_is_reduced_in_the_gradient_bucket_not_before_backward(mode)
     then read for free.  Read before its backward, backpropagated onto gradients already there
     (accumulation), through a reentrant checkpoint (whose own backward reaches leaves the
     factor would not) or under ZeRO-2/3 (which move gradients off their leaves in backward), it
-    is reduced where it is read, as the exact forward did.  Losses and gradients are the single
-    process's in every case."""
+    is reduced where it is read, as the exact forward did; backpropagated from a gradient given
+    to it, in that backward.  Losses and gradients are the single process's in every case."""
     ref_losses, ref_grads = _sgd_one_process(mode)
     grads_bytes = _bucket_bytes()
     for losses, grads, logs in run_dist(_deferred_mean_steps, 2, mode):
@@ -740,6 +744,8 @@ def test_a_mean_loss_is_reduced_in_the_gradient_bucket_not_before_backward(mode)
         elif mode == "read before":
             assert read_before == ([("all_reduce", 8)],) * 5 and read_after == ([],) * 5
             assert backwards == ([],) + ([("all_reduce", grads_bytes)],) * 4, backwards
+        elif mode == "given gradient":
+            assert all(ops[0] == ("all_reduce", 8) for ops in backwards), backwards
         elif mode == "reentrant checkpoint":
             assert all(ops[0] == ("all_reduce", 8) for ops in backwards), backwards  # (reduced as backward starts)
 

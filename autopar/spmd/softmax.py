@@ -119,6 +119,10 @@ class MeanTaker(Protocol):
         `ranks`: the (loss, total weight) locals to hand out in their place, or None to have
         them reduced now."""
 
+    def before_backward(self, total: torch.Tensor) -> None:
+        """nll_loss's backward is about to divide by `total`: one handed out by `take` is
+        reduced now unless its backward was allowed to run on the guess."""
+
 
 _MEAN_TAKER: list = []  # the one MeanTaker, once a layer above has offered itself
 
@@ -241,6 +245,8 @@ def nll_loss_kernel(func, args, kwargs, in_specs, out_specs, coord):
 @register_kernel("nll_loss_backward")
 def nll_loss_backward_kernel(func, args, kwargs, in_specs, out_specs, coord):
     grad_out, _, target, weight, reduction, ignore_index, total = args
+    if _MEAN_TAKER and reduction == _MEAN:
+        _MEAN_TAKER[0].before_backward(total)
     spec = out_specs[0]
     if not _classes_split(spec):  # the fused local op, with the global total weight (read for self: its shape)
         shape = grad_out.new_empty(spec.local_shape(coord), dtype=spec.meta.dtype)

@@ -80,8 +80,9 @@ class PendingMean:
                 g = getattr(g, "_local", g)
                 grads.setdefault(g.device, []).append(g)
         self.leaves = []
+        factor = self.n / self.total
         for device, group in grads.items():
-            torch._foreach_mul_(group, (self.n / self.total).to(device))
+            torch._foreach_mul_(group, factor.to(device))
 
 
 class _Means:
@@ -131,6 +132,13 @@ class _Means:
         if p is not None:
             self._drop(p).reduce()
 
+    def before_backward(self, total: torch.Tensor) -> None:
+        """A backward reaches nll_loss without `backward()` allowing it to run on the guess
+        (`autograd.backward(loss, grad)`, `autograd.grad`): the count is reduced here, in it."""
+        p = self.of(total)
+        if p is not None:
+            self._drop(p).reduce()
+
     def backward(self, root, retain_graph) -> bool:
         """`root.backward()` where `root` is a pending loss whose backward may run before its
         count is known (see the module doc); False where it is not one."""
@@ -153,9 +161,9 @@ class _Means:
 
 
 def _leaves(root: torch.Tensor) -> Optional[list]:
-    """The leaves a backward from `root`, a loss on its mesh's ranks, accumulates gradients into, each
-    with none yet; None where one has a gradient already, or where a gradient may go elsewhere
-    than into the `.grad` of leaves on those ranks (all of which scale them alike): a leaf on
+    """The leaves a backward from `root`, a loss on its mesh's ranks, accumulates gradients
+    into, each with none yet; None where one has a gradient already, or where a gradient may
+    go elsewhere than into the `.grad` of leaves on those ranks (all scale them alike): a leaf on
     other ranks (a pipeline's earlier stage, experts on a sub-mesh; a plain leaf unless the
     loss spans the job), a leaf's post-accumulate hook (ZeRO-2 and -3 move them), a leaf's
     tensor hook that does more than place its gradient, a custom autograd Function from
