@@ -127,8 +127,12 @@ class Program:
     `del` after a value's last use), so a replayed op costs a call and nothing else.
     Pure aliases (`detach`: autograd's saved tensors) are folded into their source."""
 
-    def __init__(self, entries: list[Entry], n_inputs: int, n_slots: int, outputs: Sequence[Any]):
+    def __init__(self, entries: list[Entry], n_inputs: int, n_slots: int, outputs: Sequence[Any],
+                 written: frozenset = frozenset()):
         self.n_inputs, self.n_slots = n_inputs, n_slots
+        # the memory the step writes in place (`_storage`s): its own scratch, even where it is
+        # held as a constant (a gradient buffer written through a view of it)
+        self.written = written
         self.entries, self.outputs = _fold_aliases(entries, list(outputs))
         self._plan_frees()
         self._replay = self._compile()
@@ -184,27 +188,18 @@ class Program:
         """The transfers, in order (one that overlaps what follows by its post)."""
         return [e.fn for e in self.entries if e.wire and e.fn.half != "arrive "]
 
-    def _scratch(self) -> set:
-        """The ids of the constants an entry writes (a transfer's buffers, an in-place op's
-        operand): the program's own memory, not values it reads from outside."""
-        written = set()
-        for e in self.entries:
-            tensors = e.args if e.wire else written_tensors(e.fn, e.args, e.kwargs)
-            written.update(id(t) for t in tensors if isinstance(t, torch.Tensor))
-        return written
-
 
 def moved_constants(first: Program, second: Program) -> list[str]:
     """What two captures of the same step read from outside their inputs with different
     values: a tensor constant (one made anew for each step, not updated in place), a Python
     number.  The captures are compared op by op where they ran the same ops (a first step
     may differ in the library's own work: the gradient buckets are laid out at its end)."""
-    scratch = first._scratch() | second._scratch()
     moved: list[str] = []
 
     def compare(a, b, op: str) -> None:
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if a is not b and id(a) not in scratch and id(b) not in scratch and not a.is_meta and not (
+            if a is not b and _storage(a) not in first.written and _storage(b) not in second.written \
+                    and not a.is_meta and not (
                     a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):  # (meta: no values)
                 moved.append(f"{op} read a tensor {tuple(a.shape)} {a.dtype} that is not the one it read before, "
                              f"with other values")
@@ -285,6 +280,7 @@ class Recorder(TorchDispatchMode):
         # storages the step computed from no input and no random draw: their values are the
         # same on every replay of the program's signature, so Python may read them
         self.fixed: set = set()
+        self.written: set = set()  # storages an op or a transfer wrote in place
         for t in inputs:
             self._new_slot(t)
         self.n_inputs = self.n_slots
@@ -343,7 +339,9 @@ class Recorder(TorchDispatchMode):
     def _note_written(self, func, args, kwargs, out, fixed: bool) -> None:
         """What the op wrote is fixed when it drew nothing random and read only fixed values."""
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        for t in [*outs, *written_tensors(func, args, kwargs)]:
+        in_place = written_tensors(func, args, kwargs)
+        self.written.update(_storage(t) for t in in_place)
+        for t in [*outs, *in_place]:
             key = _storage(t)
             if fixed and key is not None:
                 self.fixed.add(key)
@@ -367,6 +365,7 @@ class Recorder(TorchDispatchMode):
     def wire(self, wire, tensors) -> None:
         for t in tensors:  # a transfer's buffers hold what other ranks sent
             self.fixed.discard(_storage(t))
+            self.written.add(_storage(t))
         if not self.in_wire:
             self.entries.append(Entry(wire, wire, tuple(self.slot(t) for t in tensors), {}, (), wire=True))
 
@@ -377,7 +376,8 @@ class Recorder(TorchDispatchMode):
         return super().__enter__()
 
     def program(self, outputs: Sequence) -> Program:
-        return Program(self.entries, self.n_inputs, self.n_slots, [self.slot(o) for o in outputs])
+        return Program(self.entries, self.n_inputs, self.n_slots, [self.slot(o) for o in outputs],
+                       frozenset(self.written) - {None})
 
     def close(self) -> None:
         if self.attached is not None:
