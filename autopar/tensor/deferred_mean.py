@@ -18,8 +18,8 @@ pending (`nll_loss`'s kernel offers the pair: `spmd.softmax.MeanTaker`):
   reach them (see `_leaves`: ZeRO-2/3, a reentrant checkpoint, a hook on a parameter).
 
 During that backward a hook on an intermediate tensor sees its gradient scaled by C / N
-(DDP's hooks see a rank's own unaveraged gradient the same way); what lands in `.grad` is
-exact.
+(DDP's hooks see a rank's own unaveraged gradient the same way), as does an intermediate's
+`retain_grad()` gradient; what lands in the leaves' `.grad` is exact.
 """
 from __future__ import annotations
 
