@@ -3,9 +3,9 @@
 The first call for a given input signature runs the step eagerly while recording the
 local program it runs (`program.Recorder`); so does each call until the next optimizer
 step, which must record what the first did (`program.moved_constants`); later calls replay
-that program on the new batch, then run the optimizer step as usual.  The placements, the reshards and the
-numbers are those of the dynamic mode by construction: the program *is* what the dynamic
-mode did, minus the per-op decisions, wrappers and autograd bookkeeping.
+that program on the new batch, then run the optimizer step as usual.  The placements, the
+reshards and the numbers are those of the dynamic mode by construction: the program *is*
+what the dynamic mode did, minus the per-op decisions, wrappers and autograd bookkeeping.
 """
 from __future__ import annotations
 
