@@ -211,8 +211,8 @@ def moved_constants(first: Program, second: Program) -> list[str]:
 
     ops = [_op_key(e) for e in first.entries], [_op_key(e) for e in second.entries]
     for i, j, n in difflib.SequenceMatcher(None, *ops, autojunk=False).get_matching_blocks():
-        for e, f in zip(first.entries[i:i + n], second.entries[j:j + n]):
-            compare([*e.args, *e.kwargs.values()], [*f.args, *f.kwargs.values()], _op_key(e))
+        for e, f, op in zip(first.entries[i:i + n], second.entries[j:j + n], ops[0][i:i + n]):
+            compare([*e.args, *e.kwargs.values()], [*f.args, *f.kwargs.values()], op)
     return moved
 
 

@@ -34,6 +34,7 @@ from ..comm.observers import capture_running
 from ..placement import ReduceType, Replicate
 from ..spmd.softmax import defer_means_to
 from . import grad_landing, riders
+from .dtensor import new_dist
 from .observers import watching
 
 _CARRIED = (torch.float32, torch.float64)  # loss dtypes whose sum rides exactly as the forward's would
@@ -57,8 +58,12 @@ class PendingMean:
     def reduce(self) -> None:
         """Reduce the pair now (the exact forward's collective, later)."""
         both = comm.all_reduce(self.pair, self.ranks, ReduceType.SUM)
-        self.loss.copy_(both[0] / both[1])
-        self.total.copy_(both[1])
+        self._hold(both[0], both[1])
+
+    def _hold(self, loss_sum: torch.Tensor, count: torch.Tensor) -> None:
+        """The loss's value and its backward's count, from the sums over the ranks."""
+        self.loss.copy_(loss_sum / count)
+        self.total.copy_(count)
 
     def finish(self) -> None:
         """The backward from the loss has ended: take the pair from the bucket that carried
@@ -70,9 +75,7 @@ class PendingMean:
             self.reduce()
         else:
             loss_sum, count = rider.result()
-            count = count.to(self.total.dtype)
-            self.loss.copy_(loss_sum.to(self.loss.dtype) / count)
-            self.total.copy_(count)
+            self._hold(loss_sum.to(self.loss.dtype), count.to(self.total.dtype))
         grads: dict = {}
         for leaf in self.leaves:
             g = leaf.grad
@@ -154,7 +157,7 @@ class _Means:
         p.rider = riders.offer_mean(p.pair[0], p.pair[1], p.ranks)
         spec = root._spec.with_placements([Replicate()] * root._spec.mesh.ndim)
         try:
-            torch.Tensor.backward(root, _new_dist(torch.ones_like(p.loss), spec), retain_graph)
+            torch.Tensor.backward(root, new_dist(torch.ones_like(p.loss), spec), retain_graph)
         finally:  # (a backward that raised too: the loss keeps its value, the bucket is not left with the rider)
             p.finish()
         return True
@@ -191,12 +194,6 @@ def _leaves(root: torch.Tensor) -> Optional[list]:
             return None
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return leaves
-
-
-def _new_dist(local, spec):
-    from .dtensor import new_dist
-
-    return new_dist(local, spec)
 
 
 MEANS = _Means()

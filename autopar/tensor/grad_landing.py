@@ -136,6 +136,7 @@ class Landing:
         at = self.numel
         for rider in carried:
             rider.arrived(self.slots[0].as_strided((rider.width,), (1,), at))
+            rider.carrier = None
             at += rider.width
 
     def settle(self) -> None:

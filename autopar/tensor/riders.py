@@ -38,7 +38,7 @@ class Rider:
     def __init__(self, ranks: tuple, width: int):
         self.ranks, self.width = tuple(ranks), width
         self.summed = None
-        self.carrier = None  # the bucket carrying it, until it arrives
+        self.carrier = None  # the bucket carrying it, until it arrives (set and cleared by the bucket)
 
     def values(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The `width` elements to sum, in the bucket's dtype."""
@@ -93,7 +93,6 @@ class Count(Rider):
 
     def arrived(self, summed):
         self.summed = count_of(summed)
-        self.carrier = None
 
 
 class MeanParts(Rider):
@@ -111,7 +110,6 @@ class MeanParts(Rider):
 
     def arrived(self, summed):
         self.summed = (summed[PIECES].clone(), count_of(summed[:PIECES]))
-        self.carrier = None
 
 
 def _rides(ranks: tuple) -> bool:
